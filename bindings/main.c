@@ -1,0 +1,154 @@
+/*
+ * main.c — the moonbox executable: one Lua 5.4 state with moonbox's C modules preloaded and its
+ * Lua library on package.path; everything else (commands, help, exit codes) is
+ * lua/moonbox/cli.lua. After the command returns, the runtime is shut down and the registry-ref
+ * leak check runs before lua_close.
+ */
+#include "mb.h"
+
+#include <lualib.h>
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#ifndef MOONBOX_SOURCE_LUA_DIR
+#define MOONBOX_SOURCE_LUA_DIR ""
+#endif
+#ifndef MOONBOX_INSTALL_LUA_REL
+#define MOONBOX_INSTALL_LUA_REL "../share/moonbox/lua"
+#endif
+
+static int has_library(const char *dir)
+{
+    char probe[PATH_MAX];
+    struct stat st;
+    if (snprintf(probe, sizeof probe, "%s/moonbox/cli.lua", dir) >= (int)sizeof probe) return 0;
+    return stat(probe, &st) == 0;
+}
+
+/* Finds lua/: $MOONBOX_LUA_DIR, then the install tree next to the binary, then the source tree
+ * the binary was built from. Returns 0 when none holds moonbox/cli.lua. */
+static int find_lua_dir(char *out, size_t len, char *exe, size_t exelen)
+{
+    const char *env = getenv("MOONBOX_LUA_DIR");
+    ssize_t n = readlink("/proc/self/exe", exe, exelen - 1);
+    exe[n > 0 ? n : 0] = '\0';
+    if (env && *env) {
+        snprintf(out, len, "%s", env);
+        return has_library(out);
+    }
+    if (n > 0) {
+        char dir[PATH_MAX];
+        snprintf(dir, sizeof dir, "%s", exe);
+        char *slash = strrchr(dir, '/');
+        if (slash) *slash = '\0';
+        char cand[PATH_MAX + 64];
+        snprintf(cand, sizeof cand, "%s/%s", dir, MOONBOX_INSTALL_LUA_REL);
+        char real[PATH_MAX];
+        if (realpath(cand, real) && has_library(real)) {
+            snprintf(out, len, "%s", real);
+            return 1;
+        }
+    }
+    snprintf(out, len, "%s", MOONBOX_SOURCE_LUA_DIR);
+    return has_library(out);
+}
+
+/* Many concurrent sockets are moonbox's normal case; the default soft limit of 1024 is not. */
+static void raise_fd_limit(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
+}
+
+static int traceback_handler(lua_State *L)
+{
+    const char *msg = lua_tostring(L, 1);
+    if (!msg) msg = luaL_tolstring(L, 1, NULL);
+    luaL_traceback(L, L, msg, 1);
+    return 1;
+}
+
+int main(int argc, char **argv)
+{
+    char luadir[PATH_MAX], exe[PATH_MAX];
+    raise_fd_limit();
+    if (!find_lua_dir(luadir, sizeof luadir, exe, sizeof exe)) {
+        fprintf(stderr,
+                "moonbox: cannot find its Lua library (looked in $MOONBOX_LUA_DIR, next to %s, "
+                "and in %s); reinstall moonbox or set MOONBOX_LUA_DIR to the lua/ directory\n",
+                exe, MOONBOX_SOURCE_LUA_DIR);
+        return 2;
+    }
+    lua_State *L = luaL_newstate();
+    if (!L) {
+        fprintf(stderr, "moonbox: out of memory creating the Lua state\n");
+        return 1;
+    }
+    luaL_openlibs(L);
+    mb_preload_modules(L);
+
+    lua_getglobal(L, "package");
+    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;", luadir, luadir);
+    lua_getfield(L, -2, "path");
+    lua_concat(L, 2);
+    lua_setfield(L, -2, "path");
+    lua_pop(L, 1);
+
+    /* moonbox.build: facts about this binary, for the CLI and the tests. */
+    luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);
+    lua_createtable(L, 0, 4);
+    mb_setfield_str(L, -1, "version", MB_VERSION);
+    mb_setfield_str(L, -1, "lua_dir", luadir);
+    mb_setfield_str(L, -1, "exe", exe);
+#ifdef MOONBOX_SANITIZED
+    mb_setfield_bool(L, -1, "sanitized", 1);
+#endif
+    lua_setfield(L, -2, "moonbox.build");
+    lua_pop(L, 1);
+
+    int code = 1;
+    lua_pushcfunction(L, traceback_handler);
+    lua_getglobal(L, "require");
+    lua_pushstring(L, "moonbox.cli");
+    if (lua_pcall(L, 1, 1, 1) != LUA_OK) {
+        fprintf(stderr, "moonbox: cannot load the CLI: %s\n", lua_tostring(L, -1));
+        lua_close(L);
+        return 1;
+    }
+    lua_getfield(L, -1, "main");
+    lua_createtable(L, argc, 0);
+    for (int i = 0; i < argc; i++) {
+        lua_pushstring(L, argv[i]);
+        lua_rawseti(L, -2, i);
+    }
+    if (lua_pcall(L, 1, 1, 1) != LUA_OK) {
+        fprintf(stderr, "moonbox: internal error: %s\n", lua_tostring(L, -1));
+        code = 1;
+    } else {
+        code = lua_isinteger(L, -1) ? (int)lua_tointeger(L, -1) : 0;
+    }
+    lua_settop(L, 0);
+
+    long leaked = mb_runtime_shutdown(L);
+    lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.leakcheck");
+    int check = lua_toboolean(L, -1) || (getenv("MOONBOX_LEAK_CHECK") && *getenv("MOONBOX_LEAK_CHECK") == '1');
+    lua_pop(L, 1);
+    if (leaked != 0) {
+        fprintf(stderr, "moonbox: registry-ref leak check: %ld reference(s) still held at exit\n",
+                leaked);
+        if (check && code == 0) code = 3;
+    } else if (check) {
+        fprintf(stderr, "moonbox: registry-ref leak check: 0 references held at exit\n");
+    }
+    lua_close(L);
+    return code;
+}

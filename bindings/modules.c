@@ -1,0 +1,22 @@
+/*
+ * modules.c — the list of moonbox's C modules, for two hosts: the moonbox binary (which puts
+ * them in package.preload) and plain lua5.4, which loads the shared library moonbox.so and finds
+ * each luaopen_moonbox_* through its all-in-one C loader.
+ */
+#include "mb.h"
+
+static const luaL_Reg c_modules[] = {
+    {"moonbox.core", luaopen_moonbox_core},   {"moonbox.http", luaopen_moonbox_http},
+    {"moonbox.httpd", luaopen_moonbox_httpd}, {"moonbox.proc", luaopen_moonbox_proc},
+    {"moonbox.sse", luaopen_moonbox_sse},     {NULL, NULL},
+};
+
+void mb_preload_modules(lua_State *L)
+{
+    luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_PRELOAD_TABLE);
+    for (const luaL_Reg *m = c_modules; m->name; m++) {
+        lua_pushcfunction(L, m->func);
+        lua_setfield(L, -2, m->name);
+    }
+    lua_pop(L, 1);
+}
