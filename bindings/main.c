@@ -140,7 +140,8 @@ int main(int argc, char **argv)
 
     long leaked = mb_runtime_shutdown(L);
     lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.leakcheck");
-    int check = lua_toboolean(L, -1) || (getenv("MOONBOX_LEAK_CHECK") && *getenv("MOONBOX_LEAK_CHECK") == '1');
+    int check = lua_toboolean(L, -1) ||
+                (getenv("MOONBOX_LEAK_CHECK") && *getenv("MOONBOX_LEAK_CHECK") == '1');
     lua_pop(L, 1);
     if (leaked != 0) {
         fprintf(stderr, "moonbox: registry-ref leak check: %ld reference(s) still held at exit\n",

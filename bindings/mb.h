@@ -45,8 +45,8 @@ typedef struct mb_waitq {
 
 struct mb_task {
     mb_runtime *rt;
-    lua_State *co;   /* the coroutine; anchored by ref */
-    int ref;         /* registry ref to this task's userdata (which anchors co via uservalue) */
+    lua_State *co; /* the coroutine; anchored by ref */
+    int ref;       /* registry ref to this task's userdata (which anchors co via uservalue) */
     uint64_t id;
     int state;       /* enum mb_task_state */
     int wake_reason; /* enum mb_wake_reason, valid while the continuation runs */

@@ -77,7 +77,8 @@ mb_runtime *mb_runtime_get(lua_State *L)
     return rt;
 }
 
-/* ---- registry refs ---------------------------------------------------------------------------- */
+/* ---- registry refs ----------------------------------------------------------------------------
+ */
 
 int mb_ref(lua_State *L)
 {
@@ -95,7 +96,8 @@ void mb_unref(lua_State *L, int ref)
     rt->refs_live--;
 }
 
-/* ---- run queue --------------------------------------------------------------------------------- */
+/* ---- run queue ---------------------------------------------------------------------------------
+ */
 
 static void rq_push(mb_runtime *rt, mb_task *t)
 {
@@ -140,7 +142,8 @@ void mb_defer(mb_runtime *rt, mb_defer_fn fn, void *ud)
     if (!ev_is_active(&rt->spin_watcher)) ev_idle_start(rt->loop, &rt->spin_watcher);
 }
 
-/* ---- wait queues -------------------------------------------------------------------------------- */
+/* ---- wait queues --------------------------------------------------------------------------------
+ */
 
 void mb_waitq_push(mb_waitq *q, mb_task *t)
 {
@@ -417,7 +420,8 @@ static int l_msgh(lua_State *L)
 {
     mb_task *t = mb_task_of(L);
     if (lua_istable(L, 1) && luaL_getmetafield(L, 1, "__name") != LUA_TNIL) {
-        int is_err = lua_type(L, -1) == LUA_TSTRING && strcmp(lua_tostring(L, -1), "moonbox.Error") == 0;
+        int is_err =
+            lua_type(L, -1) == LUA_TSTRING && strcmp(lua_tostring(L, -1), "moonbox.Error") == 0;
         lua_pop(L, 1);
         if (is_err) {
             if (lua_getfield(L, 1, "traceback") == LUA_TNIL) {
@@ -500,7 +504,8 @@ static void task_complete(mb_runtime *rt, mb_task *t, int status, int nres)
         lua_createtable(L, nres > 0 ? nres - 1 : 0, 1);
         int res = lua_gettop(L);
         lua_xmove(co, L, nres); /* ok, r1..rn on L */
-        for (int i = nres - 1; i >= 1; i--) lua_rawseti(L, res, i);
+        for (int i = nres - 1; i >= 1; i--)
+            lua_rawseti(L, res, i);
         lua_pop(L, 1); /* the ok flag */
         lua_pushinteger(L, nres - 1);
         lua_setfield(L, res, "n");
@@ -614,7 +619,8 @@ static void spin_cb(struct ev_loop *loop, ev_idle *w, int revents)
     if (!rt->rq_head && !rt->dq_head) ev_idle_stop(loop, w);
 }
 
-/* ---- Lua functions: tasks --------------------------------------------------------------------- */
+/* ---- Lua functions: tasks ---------------------------------------------------------------------
+ */
 
 /* core.spawn(fn, ...) -> Task. Creates a task running fn(...) and queues it. Does not yield. */
 static int l_spawn(lua_State *L)
@@ -670,7 +676,8 @@ static int l_spawn(lua_State *L)
     lua_pushcfunction(co, task_entry);
     lua_pushvalue(L, 1);
     lua_xmove(L, co, 1);
-    for (int i = 0; i < nargs; i++) lua_pushvalue(L, 2 + i);
+    for (int i = 0; i < nargs; i++)
+        lua_pushvalue(L, 2 + i);
     lua_xmove(L, co, nargs);
 
     lua_pushvalue(L, ud);
@@ -715,7 +722,8 @@ static int push_results(lua_State *L, int ud)
         int n = (int)lua_tointeger(L, -1);
         lua_pop(L, 1);
         luaL_checkstack(L, n, "too many results");
-        for (int i = 1; i <= n; i++) lua_rawgeti(L, res, i);
+        for (int i = 1; i <= n; i++)
+            lua_rawgeti(L, res, i);
         lua_remove(L, res);
         lua_remove(L, data);
         return n + 1;
@@ -750,7 +758,8 @@ static int l_join(lua_State *L)
         return push_results(L, 1);
     }
     mb_task *self = mb_task_check_yieldable(L, "task.join");
-    if (self == t) return luaL_error(L, "task.join: a task cannot join itself (task %d)", (int)t->id);
+    if (self == t)
+        return luaL_error(L, "task.join: a task cannot join itself (task %d)", (int)t->id);
     mb_waitq_push(&t->joiners, self);
     return mb_task_park(L, self, abort_waitq, NULL, 0, join_k);
 }
@@ -778,10 +787,17 @@ static int l_status(lua_State *L)
     mb_task *t = check_task(L, 1);
     const char *s = "ready";
     switch (t->state) {
-    case MB_TASK_RUNNING: s = "running"; break;
-    case MB_TASK_PARKED: s = "waiting"; break;
-    case MB_TASK_DONE: s = t->ok ? "done" : "failed"; break;
-    default: break;
+    case MB_TASK_RUNNING:
+        s = "running";
+        break;
+    case MB_TASK_PARKED:
+        s = "waiting";
+        break;
+    case MB_TASK_DONE:
+        s = t->ok ? "done" : "failed";
+        break;
+    default:
+        break;
     }
     lua_pushstring(L, s);
     return 1;
@@ -852,7 +868,8 @@ static int task_tostring(lua_State *L)
         lua_pushfstring(L, "Task %I '%s' (%s, spawned at %s)", (lua_Integer)t->id, name, st,
                         site ? site : "?");
     else
-        lua_pushfstring(L, "Task %I (%s, spawned at %s)", (lua_Integer)t->id, st, site ? site : "?");
+        lua_pushfstring(L, "Task %I (%s, spawned at %s)", (lua_Integer)t->id, st,
+                        site ? site : "?");
     return 1;
 }
 
@@ -916,7 +933,8 @@ static int l_report_unobserved(lua_State *L)
     return 1;
 }
 
-/* ---- sleep, yield, deadlines ------------------------------------------------------------------ */
+/* ---- sleep, yield, deadlines ------------------------------------------------------------------
+ */
 
 static void sleep_timer_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
@@ -944,8 +962,7 @@ static int l_sleep(lua_State *L)
 {
     double secs = luaL_checknumber(L, 1);
     mb_task *t = mb_task_check_yieldable(L, "task.sleep");
-    if (secs != secs || secs < 0)
-        return luaL_argerror(L, 1, "expected a number of seconds >= 0");
+    if (secs != secs || secs < 0) return luaL_argerror(L, 1, "expected a number of seconds >= 0");
     if (secs == 0) {
         /* Park and queue ourselves at once: everything already ready runs first. */
         if (t->cancel_pending || t->deadline_pending >= 0)
@@ -1074,7 +1091,8 @@ static int cond_waiting(lua_State *L)
 {
     mb_cond *c = (mb_cond *)luaL_checkudata(L, 1, COND_MT);
     int n = 0;
-    for (mb_task *t = c->q.head; t; t = t->wq_next) n++;
+    for (mb_task *t = c->q.head; t; t = t->wq_next)
+        n++;
     lua_pushinteger(L, n);
     return 1;
 }
@@ -1148,7 +1166,8 @@ static int l_stats(lua_State *L)
 {
     mb_runtime *rt = mb_runtime_get(L);
     int q = 0;
-    for (mb_task *t = rt->rq_head; t; t = t->rq_next) q++;
+    for (mb_task *t = rt->rq_head; t; t = t->rq_next)
+        q++;
     lua_createtable(L, 0, 4);
     mb_setfield_int(L, -1, "tasks", rt->tasks_live);
     mb_setfield_int(L, -1, "refs", rt->refs_live);
@@ -1173,7 +1192,8 @@ long mb_runtime_shutdown(lua_State *L)
     if (rt->run_depth > 0 || rt->in_drain) return rt->refs_live;
     rt->closing = 1;
     /* Cancel what still runs and let it unwind (its guards may yield), within a bound. */
-    for (mb_task *t = rt->all_head; t; t = t->all_next) mb_task_cancel(t);
+    for (mb_task *t = rt->all_head; t; t = t->all_next)
+        mb_task_cancel(t);
     double until = ev_time() + 5.0;
     while (rt->all_head && ev_time() < until) {
         if (!ev_run(rt->loop, EVRUN_ONCE) && !rt->rq_head && !rt->dq_head) break;
@@ -1275,7 +1295,8 @@ static int l_shutdown(lua_State *L)
 {
     mb_runtime *rt = mb_runtime_get(L);
     if (mb_task_of(L) || rt->run_depth > 0) return luaL_error(L, "core.shutdown: inside a task");
-    for (mb_task *t = rt->all_head; t; t = t->all_next) mb_task_cancel(t);
+    for (mb_task *t = rt->all_head; t; t = t->all_next)
+        mb_task_cancel(t);
     double until = ev_time() + 5.0;
     while (rt->all_head && ev_time() < until) {
         if (!ev_run(rt->loop, EVRUN_ONCE) && !rt->rq_head && !rt->dq_head) break;

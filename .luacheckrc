@@ -1,0 +1,9 @@
+-- luacheck configuration: Lua 5.4, moonbox's library, specs (busted), recipes and benchmarks.
+std = "lua54"
+max_line_length = 110
+codes = true
+files["spec/**/*_spec.lua"] = { std = "+busted" }
+files["spec/**/*.lua"] = { std = "+busted" }
+exclude_files = { "build*/**" }
+-- `local _guard <close> = ...` is used by being closed; the leading underscore says so.
+ignore = { "211/_.*" }

@@ -1,0 +1,612 @@
+/*
+ * http.c — module moonbox.http: the HTTP client (runtime/http_client.c) as calls that park the
+ * calling task.
+ *
+ * Ownership: a whole-body request belongs to the task that waits for it (its park operation):
+ * the continuation frees it after building the response, the abort hook frees it when the task
+ * is cancelled. A streamed response belongs to its Response userdata: close/__close/__gc free
+ * it; a task waiting in read() is only recorded as the waiter, never as an owner. The curl
+ * notify callback wakes the waiter and nothing else.
+ */
+#include "mb.h"
+
+#include "http_client.h"
+#include "sse.h"
+
+#include <curl/curl.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RESPONSE_MT "moonbox.http.Response"
+#define CLIENT_KEY  "moonbox.http.client"
+
+#define DEFAULT_MAX_BODY   (256u * 1024 * 1024)
+#define DEFAULT_STREAM_BUF (64u * 1024)
+#define DEFAULT_MAX_EVENT  (16u * 1024 * 1024)
+
+/* An in-flight request and the task waiting on it. */
+typedef struct http_op {
+    http_request *req;
+    mb_task *waiter;
+    int stream;
+    int closed;
+    int sse_ready;
+    sse_parser sse;
+    char method[16];
+    char url[512];
+} http_op;
+
+/* ---- the client ------------------------------------------------------------------------------ */
+
+static int client_gc(lua_State *L)
+{
+    http_client **pc = (http_client **)lua_touserdata(L, 1);
+    if (*pc) http_client_free(*pc);
+    *pc = NULL;
+    return 0;
+}
+
+/* The runtime's one HTTP client, created on first use and freed when the state closes. */
+static http_client *get_client(lua_State *L)
+{
+    lua_getfield(L, LUA_REGISTRYINDEX, CLIENT_KEY);
+    http_client **pc = (http_client **)lua_touserdata(L, -1);
+    lua_pop(L, 1);
+    if (pc && *pc) return *pc;
+    char err[256];
+    http_client *c = http_client_new(mb_runtime_get(L)->loop, err, sizeof err);
+    if (!c) luaL_error(L, "moonbox.http: %s", err);
+    pc = (http_client **)lua_newuserdatauv(L, sizeof *pc, 0);
+    *pc = c;
+    lua_createtable(L, 0, 1);
+    lua_pushcfunction(L, client_gc);
+    lua_setfield(L, -2, "__gc");
+    lua_setmetatable(L, -2);
+    lua_setfield(L, LUA_REGISTRYINDEX, CLIENT_KEY);
+    return c;
+}
+
+/* ---- building a request from a Lua table --------------------------------------------------- */
+
+static double opt_seconds(lua_State *L, int t, const char *k)
+{
+    double v = 0;
+    if (lua_getfield(L, t, k) != LUA_TNIL) {
+        if (!lua_isnumber(L, -1)) luaL_error(L, "http: option '%s' must be a number of seconds", k);
+        v = lua_tonumber(L, -1);
+        if (v < 0 || v != v) luaL_error(L, "http: option '%s' must be >= 0", k);
+    }
+    lua_pop(L, 1);
+    return v;
+}
+
+static const char *opt_string(lua_State *L, int t, const char *k)
+{
+    const char *s = NULL;
+    int type = lua_getfield(L, t, k);
+    if (type != LUA_TNIL) {
+        if (type != LUA_TSTRING) luaL_error(L, "http: option '%s' must be a string", k);
+        s = lua_tostring(L, -1);
+    }
+    lua_pop(L, 1); /* the string stays alive: it is referenced by the options table */
+    return s;
+}
+
+static int valid_header_text(const char *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (s[i] == '\r' || s[i] == '\n' || s[i] == '\0') return 0;
+    return 1;
+}
+
+/* Collects opts.headers ({name = value} or {"Name: value"}) into a NULL-terminated array of
+ * strings anchored in a Lua table at the top of the stack. Rejects CR/LF (header injection). */
+static const char **collect_headers(lua_State *L, int t, int *anchor)
+{
+    lua_newtable(L);
+    *anchor = lua_gettop(L);
+    int n = 0;
+    if (lua_getfield(L, t, "headers") == LUA_TTABLE) {
+        int h = lua_gettop(L);
+        lua_pushnil(L);
+        while (lua_next(L, h)) {
+            size_t kl = 0, vl = 0;
+            if (lua_type(L, -2) == LUA_TNUMBER) {
+                const char *line = luaL_tolstring(L, -1, &vl);
+                if (!valid_header_text(line, vl) || !memchr(line, ':', vl))
+                    luaL_error(L, "http: header line %q is not 'Name: value'", line);
+                lua_rawseti(L, *anchor, ++n);
+            } else {
+                const char *k = lua_tolstring(L, -2, &kl);
+                const char *v = luaL_tolstring(L, -1, &vl);
+                if (!k || !valid_header_text(k, kl) || !valid_header_text(v, vl))
+                    luaL_error(L, "http: header %s contains a line break or NUL", k ? k : "?");
+                lua_pushfstring(L, "%s: %s", k, v);
+                lua_rawseti(L, *anchor, ++n);
+                lua_pop(L, 1);
+            }
+            lua_pop(L, 1);
+        }
+    } else if (!lua_isnil(L, -1)) {
+        luaL_error(L, "http: option 'headers' must be a table");
+    }
+    lua_pop(L, 1);
+    const char **arr = (const char **)lua_newuserdatauv(L, sizeof(char *) * (size_t)(n + 1), 0);
+    for (int i = 1; i <= n; i++) {
+        lua_rawgeti(L, *anchor, i);
+        arr[i - 1] = lua_tostring(L, -1);
+        lua_pop(L, 1);
+    }
+    arr[n] = NULL;
+    lua_rawseti(L, *anchor, n + 1); /* keeps the array alive with the strings */
+    return arr;
+}
+
+static void notify_cb(http_request *r, void *ud, int events)
+{
+    http_op *op = (http_op *)ud;
+    (void)r;
+    /* A whole-body request only cares about the end; a stream about every byte. */
+    if (op->waiter && (op->stream || (events & HTTP_EV_DONE))) mb_task_wake(op->waiter);
+}
+
+/* Starts the request described by the options table at index 1; raises on misuse. */
+static http_op *start_op(lua_State *L, http_op *op, int stream)
+{
+    luaL_checktype(L, 1, LUA_TTABLE);
+    http_request_spec spec;
+    memset(&spec, 0, sizeof spec);
+    spec.url = opt_string(L, 1, "url");
+    if (!spec.url) luaL_error(L, "http: option 'url' is required");
+    spec.method = opt_string(L, 1, "method");
+    int anchor;
+    spec.headers = collect_headers(L, 1, &anchor);
+    if (lua_getfield(L, 1, "body") != LUA_TNIL) {
+        if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "http: option 'body' must be a string");
+        spec.body = lua_tolstring(L, -1, &spec.body_len);
+        spec.has_body = 1;
+    }
+    lua_pop(L, 1);
+    spec.body_file = opt_string(L, 1, "body_file");
+    spec.output_file = opt_string(L, 1, "output_file");
+    spec.accept_encoding = opt_string(L, 1, "accept_encoding");
+    spec.connect_timeout_ms = (long)(opt_seconds(L, 1, "connect_timeout") * 1000);
+    spec.timeout_ms = (long)(opt_seconds(L, 1, "timeout") * 1000);
+    spec.idle_timeout_ms = (long)(opt_seconds(L, 1, "idle_timeout") * 1000);
+    spec.stream = stream;
+    if (lua_getfield(L, 1, "buffer") != LUA_TNIL)
+        spec.stream_buffer = (size_t)luaL_checkinteger(L, -1);
+    lua_pop(L, 1);
+    spec.max_body = DEFAULT_MAX_BODY;
+    if (lua_getfield(L, 1, "max_body") != LUA_TNIL)
+        spec.max_body = (size_t)luaL_checkinteger(L, -1);
+    lua_pop(L, 1);
+
+    snprintf(op->method, sizeof op->method, "%s", spec.method ? spec.method : "GET");
+    snprintf(op->url, sizeof op->url, "%s", spec.url);
+    op->stream = stream;
+    char err[512];
+    op->req = http_request_start(get_client(L), &spec, notify_cb, op, err, sizeof err);
+    lua_settop(L, anchor - 1);
+    if (!op->req) {
+        mb_error_new(L, "http.request", "request_failed", "%s %s: %s", op->method, op->url, err);
+        return NULL;
+    }
+    return op;
+}
+
+/* Pushes a structured error for a failed transfer. */
+static void push_transfer_error(lua_State *L, http_op *op)
+{
+    enum http_result res = http_request_result(op->req);
+    mb_error_new(L, "http.request", http_result_code(res), "%s %s: %s", op->method, op->url,
+                 http_request_error(op->req));
+    mb_setfield_bool(L, -1, "retryable", http_result_retryable(res));
+    mb_setfield_str(L, -1, "method", op->method);
+    mb_setfield_str(L, -1, "url", op->url);
+    if (http_request_status(op->req) > 0)
+        mb_setfield_int(L, -1, "status", http_request_status(op->req));
+}
+
+/* Pushes {name = value} of the response headers (repeated names joined with ", "). */
+static void push_headers(lua_State *L, http_request *r)
+{
+    size_t n = http_request_header_count(r);
+    lua_createtable(L, 0, (int)n);
+    for (size_t i = 0; i < n; i++) {
+        const char *name, *value;
+        size_t nl, vl;
+        http_request_header(r, i, &name, &nl, &value, &vl);
+        lua_pushlstring(L, name, nl);
+        lua_pushvalue(L, -1);
+        if (lua_rawget(L, -3) == LUA_TSTRING) {
+            lua_pushliteral(L, ", ");
+            lua_pushlstring(L, value, vl);
+            lua_concat(L, 3);
+        } else {
+            lua_pop(L, 1);
+            lua_pushlstring(L, value, vl);
+        }
+        lua_rawset(L, -3);
+    }
+}
+
+/* ---- http.request ---------------------------------------------------------------------------- */
+
+static void whole_abort(mb_task *t, void *ud)
+{
+    http_op *op = (http_op *)ud;
+    (void)t;
+    http_request_free(op->req);
+    free(op);
+}
+
+static int whole_k(lua_State *L, int status, lua_KContext ctx)
+{
+    http_op *op = (http_op *)ctx;
+    (void)status;
+    if (!http_request_done(op->req)) { /* woken for headers: keep waiting for the end */
+        mb_task *t = mb_task_of(L);
+        return mb_task_park(L, t, whole_abort, op, ctx, whole_k);
+    }
+    op->waiter = NULL;
+    if (http_request_result(op->req) != HTTP_OK) {
+        push_transfer_error(L, op);
+        http_request_free(op->req);
+        free(op);
+        return lua_error(L);
+    }
+    lua_createtable(L, 0, 3);
+    mb_setfield_int(L, -1, "status", http_request_status(op->req));
+    push_headers(L, op->req);
+    lua_setfield(L, -2, "headers");
+    size_t len;
+    const char *body = http_request_body(op->req, &len);
+    lua_pushlstring(L, body, len);
+    lua_setfield(L, -2, "body");
+    http_request_free(op->req);
+    free(op);
+    return 1;
+}
+
+/* http.request(opts) -> {status, headers, body}. opts: url (required), method ("GET"),
+ * headers ({name=value} or {"Name: value"}), body (string) or body_file (path), output_file
+ * (write the body there; body is then ""), timeout / connect_timeout / idle_timeout (seconds),
+ * max_body (bytes kept in memory, default 256 MiB), accept_encoding ("gzip" to request and
+ * decode compressed bodies). Any HTTP status is a result, not an error. Raises a structured
+ * error (op "http.request", code connect_failed | dns_failed | timeout | connection_reset |
+ * malformed_response | tls_failed | body_too_large | file_error | bad_url | transport_error,
+ * retryable, method, url) when the transfer itself fails. [yields] */
+static int l_request(lua_State *L)
+{
+    mb_task *t = mb_task_check_yieldable(L, "http.request");
+    http_op *op = (http_op *)calloc(1, sizeof *op);
+    if (!op) return luaL_error(L, "http.request: out of memory");
+    if (!start_op(L, op, 0)) {
+        free(op);
+        return lua_error(L);
+    }
+    op->waiter = t;
+    return mb_task_park(L, t, whole_abort, op, (lua_KContext)op, whole_k);
+}
+
+/* ---- http.stream and Response ---------------------------------------------------------------- */
+
+static http_op *check_response(lua_State *L, int idx)
+{
+    return (http_op *)luaL_checkudata(L, idx, RESPONSE_MT);
+}
+
+static void response_release(http_op *op)
+{
+    if (op->req) {
+        http_request_free(op->req);
+        op->req = NULL;
+    }
+    if (op->sse_ready) {
+        sse_parser_free(&op->sse);
+        op->sse_ready = 0;
+    }
+    op->closed = 1;
+}
+
+static void stream_abort(mb_task *t, void *ud)
+{
+    http_op *op = (http_op *)ud;
+    (void)t;
+    op->waiter = NULL;
+}
+
+/* Cancelling the task that waits for the headers also ends the transfer. */
+static void stream_open_abort(mb_task *t, void *ud)
+{
+    http_op *op = (http_op *)ud;
+    (void)t;
+    op->waiter = NULL;
+    response_release(op);
+}
+
+static int stream_open_k(lua_State *L, int status, lua_KContext ctx)
+{
+    http_op *op = (http_op *)ctx;
+    (void)status;
+    /* stack: opts, response userdata */
+    if (!http_request_headers_done(op->req) && !http_request_done(op->req))
+        return mb_task_park(L, mb_task_of(L), stream_open_abort, op, ctx, stream_open_k);
+    op->waiter = NULL;
+    if (http_request_done(op->req) && http_request_result(op->req) != HTTP_OK) {
+        push_transfer_error(L, op);
+        response_release(op);
+        return lua_error(L);
+    }
+    lua_settop(L, 2);
+    lua_getiuservalue(L, 2, 1);
+    mb_setfield_int(L, -1, "status", http_request_status(op->req));
+    push_headers(L, op->req);
+    lua_setfield(L, -2, "headers");
+    lua_pop(L, 1);
+    return 1;
+}
+
+/* http.stream(opts) -> Response, once the response headers have arrived. opts as for
+ * http.request plus buffer (bytes buffered before the transfer pauses, default 64 KiB) and
+ * max_event (largest SSE event read_event accepts, default 16 MiB). The body is read with
+ * resp:read() or resp:read_event(); memory stays bounded however slowly it is read. Raises as
+ * http.request when the transfer fails before the headers. [yields] */
+static int l_stream(lua_State *L)
+{
+    mb_task *t = mb_task_check_yieldable(L, "http.stream");
+    luaL_checktype(L, 1, LUA_TTABLE);
+    lua_settop(L, 1);
+    http_op *op = (http_op *)lua_newuserdatauv(L, sizeof *op, 1);
+    memset(op, 0, sizeof *op);
+    lua_newtable(L); /* fields: status, headers */
+    lua_setiuservalue(L, 2, 1);
+    luaL_setmetatable(L, RESPONSE_MT);
+    size_t max_event = DEFAULT_MAX_EVENT;
+    if (lua_getfield(L, 1, "max_event") != LUA_TNIL) max_event = (size_t)luaL_checkinteger(L, -1);
+    lua_pop(L, 1);
+    lua_pushvalue(L, 1);
+    lua_insert(L, 1); /* opts, opts, ud: start_op reads index 1 */
+    if (!start_op(L, op, 1)) {
+        op->closed = 1;
+        return lua_error(L);
+    }
+    lua_remove(L, 1); /* opts, ud */
+    sse_parser_init(&op->sse, max_event, NULL, NULL);
+    op->sse_ready = 1;
+    op->waiter = t;
+    return mb_task_park(L, t, stream_open_abort, op, (lua_KContext)op, stream_open_k);
+}
+
+static int read_k(lua_State *L, int status, lua_KContext ctx);
+
+/* Returns 1 with a chunk pushed, 0 at the end, or raises; parks while nothing is buffered. */
+static int read_k(lua_State *L, int status, lua_KContext ctx)
+{
+    http_op *op = check_response(L, 1);
+    (void)status;
+    (void)ctx;
+    op->waiter = NULL;
+    if (op->closed) return luaL_error(L, "response:read: the response was closed");
+    size_t len;
+    const char *data = http_request_peek(op->req, &len);
+    if (len > 0) {
+        lua_pushlstring(L, data, len);
+        http_request_consume(op->req, len);
+        return 1;
+    }
+    if (http_request_done(op->req)) {
+        if (http_request_result(op->req) != HTTP_OK) {
+            push_transfer_error(L, op);
+            return lua_error(L);
+        }
+        lua_pushnil(L);
+        return 1;
+    }
+    mb_task *t = mb_task_of(L);
+    op->waiter = t;
+    return mb_task_park(L, t, stream_abort, op, 0, read_k);
+}
+
+/* resp:read() -> the next chunk of the body (a string), or nil at its end. Raises the
+ * transfer's structured error if it failed midway (e.g. connection_reset). [yields] */
+static int resp_read(lua_State *L)
+{
+    check_response(L, 1);
+    mb_task_check_yieldable(L, "response:read");
+    lua_settop(L, 1);
+    return read_k(L, LUA_OK, 0);
+}
+
+typedef struct event_sink {
+    lua_State *L;
+    int queue;
+} event_sink;
+
+static int push_event(void *ud, const sse_event *ev)
+{
+    event_sink *s = (event_sink *)ud;
+    lua_State *L = s->L;
+    lua_createtable(L, 0, 4);
+    lua_pushlstring(L, ev->event, ev->event_len);
+    lua_setfield(L, -2, "event");
+    lua_pushlstring(L, ev->data, ev->data_len);
+    lua_setfield(L, -2, "data");
+    if (ev->id_len) {
+        lua_pushlstring(L, ev->id, ev->id_len);
+        lua_setfield(L, -2, "id");
+    }
+    if (ev->retry_ms >= 0) {
+        lua_pushinteger(L, ev->retry_ms);
+        lua_setfield(L, -2, "retry");
+    }
+    lua_rawseti(L, s->queue, (lua_Integer)luaL_len(L, s->queue) + 1);
+    return 0;
+}
+
+/* Pops the first queued event onto the stack; returns 0 when the queue is empty. */
+static int dequeue_event(lua_State *L, int queue)
+{
+    lua_Integer n = luaL_len(L, queue);
+    if (n == 0) return 0;
+    lua_rawgeti(L, queue, 1);
+    for (lua_Integer i = 1; i < n; i++) {
+        lua_rawgeti(L, queue, i + 1);
+        lua_rawseti(L, queue, i);
+    }
+    lua_pushnil(L);
+    lua_rawseti(L, queue, n);
+    return 1;
+}
+
+static int read_event_k(lua_State *L, int status, lua_KContext ctx)
+{
+    http_op *op = check_response(L, 1);
+    (void)status;
+    (void)ctx;
+    op->waiter = NULL;
+    if (op->closed) return luaL_error(L, "response:read_event: the response was closed");
+    lua_getiuservalue(L, 1, 1);
+    if (lua_getfield(L, -1, "events") == LUA_TNIL) {
+        lua_pop(L, 1);
+        lua_newtable(L);
+        lua_pushvalue(L, -1);
+        lua_setfield(L, -3, "events");
+    }
+    int queue = lua_gettop(L);
+    if (dequeue_event(L, queue)) return 1;
+    event_sink sink = {L, queue};
+    op->sse.fn = push_event;
+    op->sse.ud = &sink;
+    size_t len;
+    const char *data = http_request_peek(op->req, &len);
+    int rc = 0;
+    if (len > 0) {
+        rc = sse_parser_feed(&op->sse, data, len);
+        http_request_consume(op->req, len);
+    } else if (http_request_done(op->req)) {
+        if (http_request_result(op->req) != HTTP_OK) {
+            op->sse.fn = NULL;
+            push_transfer_error(L, op);
+            return lua_error(L);
+        }
+        lua_getfield(L, queue - 1, "finished");
+        int finished = lua_toboolean(L, -1);
+        lua_pop(L, 1);
+        if (!finished) {
+            rc = sse_parser_finish(&op->sse);
+            lua_pushboolean(L, 1);
+            lua_setfield(L, queue - 1, "finished");
+        }
+        if (rc == 0 && !dequeue_event(L, queue)) lua_pushnil(L);
+        if (rc == 0) {
+            op->sse.fn = NULL;
+            return 1;
+        }
+    }
+    op->sse.fn = NULL;
+    if (rc < 0) {
+        mb_error_new(L, "response:read_event", "malformed_response", "%s %s: event stream: %s",
+                     op->method, op->url, sse_parser_error(&op->sse));
+        return lua_error(L);
+    }
+    if (dequeue_event(L, queue)) return 1;
+    lua_settop(L, 1);
+    if (len > 0) return read_event_k(L, LUA_OK, 0); /* consumed bytes without a whole event */
+    mb_task *t = mb_task_of(L);
+    op->waiter = t;
+    return mb_task_park(L, t, stream_abort, op, 0, read_event_k);
+}
+
+/* resp:read_event() -> {event=, data=, id=, retry=} for the next Server-Sent Event, or nil at
+ * the end of the stream (a final event without a trailing blank line is still returned).
+ * Raises a structured error for a failed transfer or malformed framing. [yields] */
+static int resp_read_event(lua_State *L)
+{
+    check_response(L, 1);
+    mb_task_check_yieldable(L, "response:read_event");
+    lua_settop(L, 1);
+    return read_event_k(L, LUA_OK, 0);
+}
+
+/* resp:close(): aborts the transfer if it is still running; idempotent. */
+static int resp_close(lua_State *L)
+{
+    http_op *op = check_response(L, 1);
+    if (op->waiter) return luaL_error(L, "response:close: a task is still reading this response");
+    response_release(op);
+    return 0;
+}
+
+static int resp_gc(lua_State *L)
+{
+    http_op *op = (http_op *)lua_touserdata(L, 1);
+    op->waiter = NULL;
+    response_release(op);
+    return 0;
+}
+
+/* resp:stats() -> {peak_buffered = bytes, pauses = n}: how far the buffer grew and how often
+ * the transfer was paused for a slow reader. */
+static int resp_stats(lua_State *L)
+{
+    http_op *op = check_response(L, 1);
+    lua_createtable(L, 0, 2);
+    if (op->req) {
+        mb_setfield_int(L, -1, "peak_buffered", (lua_Integer)http_request_peak_buffered(op->req));
+        mb_setfield_int(L, -1, "pauses", (lua_Integer)http_request_pauses(op->req));
+    }
+    return 1;
+}
+
+static int resp_index(lua_State *L)
+{
+    check_response(L, 1);
+    lua_getiuservalue(L, 1, 1);
+    lua_pushvalue(L, 2);
+    if (lua_rawget(L, -2) != LUA_TNIL) return 1;
+    lua_getmetatable(L, 1);
+    lua_getfield(L, -1, "methods");
+    lua_pushvalue(L, 2);
+    lua_rawget(L, -2);
+    return 1;
+}
+
+/* http.curl_version() -> "7.88.1". */
+static int l_curl_version(lua_State *L)
+{
+    lua_pushstring(L, curl_version_info(CURLVERSION_NOW)->version);
+    return 1;
+}
+
+static const luaL_Reg funcs[] = {
+    {"request", l_request},
+    {"stream", l_stream},
+    {"curl_version", l_curl_version},
+    {NULL, NULL},
+};
+
+static const luaL_Reg resp_methods[] = {
+    {"read", resp_read},   {"read_event", resp_read_event},
+    {"close", resp_close}, {"stats", resp_stats},
+    {NULL, NULL},
+};
+
+int luaopen_moonbox_http(lua_State *L)
+{
+    mb_runtime_get(L);
+    if (luaL_newmetatable(L, RESPONSE_MT)) {
+        luaL_newlib(L, resp_methods);
+        lua_setfield(L, -2, "methods");
+        lua_pushcfunction(L, resp_index);
+        lua_setfield(L, -2, "__index");
+        lua_pushcfunction(L, resp_gc);
+        lua_setfield(L, -2, "__gc");
+        lua_pushcfunction(L, resp_gc);
+        lua_setfield(L, -2, "__close");
+    }
+    lua_pop(L, 1);
+    luaL_newlib(L, funcs);
+    return 1;
+}

@@ -1,0 +1,108 @@
+/*
+ * sse.c — module moonbox.sse: the incremental Server-Sent Events parser (runtime/sse.c) for
+ * Lua code that gets its bytes from elsewhere (a process, a file). http's response:read_event()
+ * uses the same parser directly.
+ */
+#include "mb.h"
+
+#include "sse.h"
+
+#define PARSER_MT "moonbox.sse.Parser"
+
+typedef struct lparser {
+    sse_parser p;
+    int live;
+} lparser;
+
+static int collect(void *ud, const sse_event *ev)
+{
+    lua_State *L = (lua_State *)ud;
+    lua_createtable(L, 0, 4);
+    lua_pushlstring(L, ev->event, ev->event_len);
+    lua_setfield(L, -2, "event");
+    lua_pushlstring(L, ev->data, ev->data_len);
+    lua_setfield(L, -2, "data");
+    if (ev->id_len) {
+        lua_pushlstring(L, ev->id, ev->id_len);
+        lua_setfield(L, -2, "id");
+    }
+    if (ev->retry_ms >= 0) {
+        lua_pushinteger(L, ev->retry_ms);
+        lua_setfield(L, -2, "retry");
+    }
+    lua_rawseti(L, -2, (lua_Integer)luaL_len(L, -2) + 1);
+    return 0;
+}
+
+/* sse.parser([max_event_bytes]) -> Parser. The limit (default 16 MiB) bounds one event and one
+ * line. Does not yield. */
+static int l_parser(lua_State *L)
+{
+    lua_Integer max = luaL_optinteger(L, 1, 16 * 1024 * 1024);
+    luaL_argcheck(L, max > 0, 1, "the event size limit must be positive");
+    lparser *lp = (lparser *)lua_newuserdatauv(L, sizeof *lp, 0);
+    sse_parser_init(&lp->p, (size_t)max, collect, NULL);
+    lp->live = 1;
+    luaL_setmetatable(L, PARSER_MT);
+    return 1;
+}
+
+static int finish_call(lua_State *L, lparser *lp, int rc)
+{
+    lp->p.ud = NULL;
+    if (rc < 0) {
+        return mb_error_raise(L, "sse.parse", "malformed_stream", "event stream: %s",
+                              sse_parser_error(&lp->p));
+    }
+    return 1;
+}
+
+/* parser:feed(chunk) -> array of events ({event, data, id?, retry?}) completed by chunk.
+ * Raises a structured error (code malformed_stream) when an event exceeds the limit. */
+static int p_feed(lua_State *L)
+{
+    lparser *lp = (lparser *)luaL_checkudata(L, 1, PARSER_MT);
+    size_t len;
+    const char *chunk = luaL_checklstring(L, 2, &len);
+    if (!lp->live) return luaL_error(L, "sse parser: already closed");
+    lua_newtable(L);
+    lp->p.ud = L;
+    return finish_call(L, lp, sse_parser_feed(&lp->p, chunk, len));
+}
+
+/* parser:finish() -> array with the final event if the stream ended without a blank line. */
+static int p_finish(lua_State *L)
+{
+    lparser *lp = (lparser *)luaL_checkudata(L, 1, PARSER_MT);
+    if (!lp->live) return luaL_error(L, "sse parser: already closed");
+    lua_newtable(L);
+    lp->p.ud = L;
+    return finish_call(L, lp, sse_parser_finish(&lp->p));
+}
+
+static int p_gc(lua_State *L)
+{
+    lparser *lp = (lparser *)luaL_checkudata(L, 1, PARSER_MT);
+    if (lp->live) sse_parser_free(&lp->p);
+    lp->live = 0;
+    return 0;
+}
+
+int luaopen_moonbox_sse(lua_State *L)
+{
+    static const luaL_Reg methods[] = {
+        {"feed", p_feed}, {"finish", p_finish}, {"close", p_gc}, {NULL, NULL}};
+    if (luaL_newmetatable(L, PARSER_MT)) {
+        luaL_newlib(L, methods);
+        lua_setfield(L, -2, "__index");
+        lua_pushcfunction(L, p_gc);
+        lua_setfield(L, -2, "__gc");
+        lua_pushcfunction(L, p_gc);
+        lua_setfield(L, -2, "__close");
+    }
+    lua_pop(L, 1);
+    lua_newtable(L);
+    lua_pushcfunction(L, l_parser);
+    lua_setfield(L, -2, "parser");
+    return 1;
+}

@@ -1,0 +1,714 @@
+/*
+ * http_client.c — libcurl's multi interface on a libev loop (DESIGN.md §3 rules 6 and 7).
+ *
+ * curl tells us which sockets to watch (socket callback → one ev_io each, attached with
+ * curl_multi_assign) and when to call it back (timer callback → one ev_timer; a timeout of 0 is
+ * armed as a 0 s timer, never acted on inside curl's callback). After every
+ * curl_multi_socket_action we drain curl_multi_info_read and then deliver the events that
+ * curl's write/header callbacks recorded on each request: notify callbacks therefore never run
+ * inside curl. Easy handles are pooled; connections live in the multi handle's cache, so
+ * keep-alive and HTTP/2 multiplexing are reused across requests.
+ *
+ * Streaming bodies go through a per-request buffer bounded by stream_buffer: when a write would
+ * overflow it, the write callback returns CURL_WRITEFUNC_PAUSE (curl keeps the bytes and offers
+ * them again after unpausing), so memory per transfer is at most the bound plus one chunk.
+ */
+#include "http_client.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <curl/curl.h>
+
+#define EASY_POOL_MAX 64
+
+typedef struct sock_watch {
+    ev_io io;
+    struct http_client *c;
+} sock_watch;
+
+struct http_client {
+    struct ev_loop *loop;
+    CURLM *multi;
+    ev_timer timer;
+    int refs;    /* 1 while the owner holds it + 1 per request not yet freed */
+    int closing; /* the owner called http_client_free */
+    CURL *pool[EASY_POOL_MAX];
+    int npool;
+    http_request *pending; /* requests with events to deliver */
+};
+
+typedef struct header {
+    size_t name_off, name_len, value_off, value_len;
+} header;
+
+struct http_request {
+    http_client *c;
+    CURL *easy;
+    struct curl_slist *headers_out;
+    char *body_copy;
+    FILE *in_file;
+    FILE *out_file;
+    http_notify_fn notify;
+    void *ud;
+    int stream;
+    size_t stream_cap;
+    size_t max_body;
+
+    long status;
+    int headers_done;
+    int done;
+    int paused;
+    int in_multi;
+    enum http_result result;
+    char errbuf[CURL_ERROR_SIZE];
+    char message[512];
+    char method[16];
+
+    /* Headers of the current response: text in hbuf, spans in hdrs. */
+    char *hbuf;
+    size_t hlen, hcap;
+    header *hdrs;
+    size_t nhdrs, chdrs;
+
+    /* Body: memory mode uses buf[0..len); stream mode buf[off..len). */
+    char *buf;
+    size_t len, cap, off;
+    size_t peak;
+    unsigned long pauses;
+
+    int events; /* recorded by curl callbacks, delivered after socket_action */
+    http_request *next_pending;
+    int is_pending;
+};
+
+static void deliver_pending(http_client *c);
+static void check_done(http_client *c);
+
+/* ---- results ------------------------------------------------------------------------------- */
+
+const char *http_result_code(enum http_result res)
+{
+    switch (res) {
+    case HTTP_OK:
+        return "ok";
+    case HTTP_ERR_CONNECT:
+        return "connect_failed";
+    case HTTP_ERR_DNS:
+        return "dns_failed";
+    case HTTP_ERR_TIMEOUT:
+        return "timeout";
+    case HTTP_ERR_RESET:
+        return "connection_reset";
+    case HTTP_ERR_MALFORMED:
+        return "malformed_response";
+    case HTTP_ERR_TLS:
+        return "tls_failed";
+    case HTTP_ERR_TOO_LARGE:
+        return "body_too_large";
+    case HTTP_ERR_FILE:
+        return "file_error";
+    case HTTP_ERR_BAD_URL:
+        return "bad_url";
+    case HTTP_ERR_CANCELLED:
+        return "cancelled";
+    default:
+        return "transport_error";
+    }
+}
+
+int http_result_retryable(enum http_result res)
+{
+    return res == HTTP_ERR_CONNECT || res == HTTP_ERR_TIMEOUT || res == HTTP_ERR_RESET ||
+           res == HTTP_ERR_DNS;
+}
+
+static enum http_result map_curl(CURLcode cc)
+{
+    switch (cc) {
+    case CURLE_OK:
+        return HTTP_OK;
+    case CURLE_COULDNT_CONNECT:
+        return HTTP_ERR_CONNECT;
+    case CURLE_COULDNT_RESOLVE_HOST:
+    case CURLE_COULDNT_RESOLVE_PROXY:
+        return HTTP_ERR_DNS;
+    case CURLE_OPERATION_TIMEDOUT:
+        return HTTP_ERR_TIMEOUT;
+    case CURLE_RECV_ERROR:
+    case CURLE_SEND_ERROR:
+    case CURLE_GOT_NOTHING:
+    case CURLE_PARTIAL_FILE:
+    case CURLE_HTTP2:
+    case CURLE_HTTP2_STREAM:
+        return HTTP_ERR_RESET;
+    case CURLE_WEIRD_SERVER_REPLY:
+    case CURLE_BAD_CONTENT_ENCODING:
+    case CURLE_UNSUPPORTED_PROTOCOL:
+        return HTTP_ERR_MALFORMED;
+    case CURLE_SSL_CONNECT_ERROR:
+    case CURLE_PEER_FAILED_VERIFICATION:
+    case CURLE_SSL_CERTPROBLEM:
+    case CURLE_SSL_CIPHER:
+    case CURLE_SSL_CACERT_BADFILE:
+        return HTTP_ERR_TLS;
+    case CURLE_URL_MALFORMAT:
+        return HTTP_ERR_BAD_URL;
+    case CURLE_READ_ERROR:
+    case CURLE_FILE_COULDNT_READ_FILE:
+        return HTTP_ERR_FILE;
+    default:
+        return HTTP_ERR_OTHER;
+    }
+}
+
+/* ---- libev glue ------------------------------------------------------------------------------ */
+
+static void after_action(http_client *c)
+{
+    check_done(c);
+    deliver_pending(c);
+}
+
+static void io_cb(struct ev_loop *loop, ev_io *w, int revents)
+{
+    sock_watch *sw = (sock_watch *)w;
+    http_client *c = sw->c;
+    int running = 0;
+    int flags =
+        ((revents & EV_READ) ? CURL_CSELECT_IN : 0) | ((revents & EV_WRITE) ? CURL_CSELECT_OUT : 0);
+    (void)loop;
+    /* sw may be freed inside socket_action (CURL_POLL_REMOVE); do not touch it after. */
+    curl_multi_socket_action(c->multi, w->fd, flags, &running);
+    after_action(c);
+}
+
+static void timer_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    http_client *c = (http_client *)w->data;
+    int running = 0;
+    (void)loop;
+    (void)revents;
+    curl_multi_socket_action(c->multi, CURL_SOCKET_TIMEOUT, 0, &running);
+    after_action(c);
+}
+
+/* curl's socket callback: keep one ev_io per socket in step with what curl wants. */
+static int sock_cb(CURL *easy, curl_socket_t s, int what, void *clientp, void *socketp)
+{
+    http_client *c = (http_client *)clientp;
+    sock_watch *sw = (sock_watch *)socketp;
+    (void)easy;
+    if (what == CURL_POLL_REMOVE) {
+        if (sw) {
+            ev_io_stop(c->loop, &sw->io);
+            free(sw);
+            curl_multi_assign(c->multi, s, NULL);
+        }
+        return 0;
+    }
+    int ev = ((what & CURL_POLL_IN) ? EV_READ : 0) | ((what & CURL_POLL_OUT) ? EV_WRITE : 0);
+    if (!sw) {
+        sw = (sock_watch *)calloc(1, sizeof *sw);
+        if (!sw) return -1;
+        sw->c = c;
+        ev_io_init(&sw->io, io_cb, s, ev);
+        curl_multi_assign(c->multi, s, sw);
+    } else {
+        ev_io_stop(c->loop, &sw->io);
+        ev_io_set(&sw->io, s, ev);
+    }
+    ev_io_start(c->loop, &sw->io);
+    return 0;
+}
+
+/* curl's timer callback: only (re)arms the ev_timer; curl is called back from the loop. */
+static int multi_timer_cb(CURLM *multi, long timeout_ms, void *clientp)
+{
+    http_client *c = (http_client *)clientp;
+    (void)multi;
+    ev_timer_stop(c->loop, &c->timer);
+    if (timeout_ms >= 0) {
+        ev_timer_set(&c->timer, timeout_ms / 1000.0, 0.);
+        ev_timer_start(c->loop, &c->timer);
+    }
+    return 0;
+}
+
+http_client *http_client_new(struct ev_loop *loop, char *err, size_t errlen)
+{
+    static int global_done;
+    if (!global_done) {
+        CURLcode cc = curl_global_init(CURL_GLOBAL_DEFAULT);
+        if (cc != CURLE_OK) {
+            snprintf(err, errlen, "libcurl global init failed: %s", curl_easy_strerror(cc));
+            return NULL;
+        }
+        global_done = 1;
+    }
+    http_client *c = (http_client *)calloc(1, sizeof *c);
+    if (!c) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    c->loop = loop;
+    c->refs = 1;
+    c->multi = curl_multi_init();
+    if (!c->multi) {
+        free(c);
+        snprintf(err, errlen, "curl_multi_init failed");
+        return NULL;
+    }
+    ev_timer_init(&c->timer, timer_cb, 0., 0.);
+    c->timer.data = c;
+    curl_multi_setopt(c->multi, CURLMOPT_SOCKETFUNCTION, sock_cb);
+    curl_multi_setopt(c->multi, CURLMOPT_SOCKETDATA, c);
+    curl_multi_setopt(c->multi, CURLMOPT_TIMERFUNCTION, multi_timer_cb);
+    curl_multi_setopt(c->multi, CURLMOPT_TIMERDATA, c);
+    curl_multi_setopt(c->multi, CURLMOPT_PIPELINING, (long)CURLPIPE_MULTIPLEX);
+    return c;
+}
+
+static void client_release(http_client *c)
+{
+    if (--c->refs > 0) return;
+    ev_timer_stop(c->loop, &c->timer);
+    for (int i = 0; i < c->npool; i++)
+        curl_easy_cleanup(c->pool[i]);
+    /* Socket callbacks (CURL_POLL_REMOVE) may run here; sock_cb tolerates them. */
+    curl_multi_cleanup(c->multi);
+    ev_timer_stop(c->loop, &c->timer);
+    free(c);
+}
+
+void http_client_free(http_client *c)
+{
+    if (!c || c->closing) return;
+    c->closing = 1;
+    client_release(c);
+}
+
+/* ---- request callbacks (run inside curl: record only) ---------------------------------------- */
+
+static void mark_pending(http_request *r, int events)
+{
+    r->events |= events;
+    if (!r->is_pending) {
+        r->is_pending = 1;
+        r->next_pending = r->c->pending;
+        r->c->pending = r;
+    }
+}
+
+static int grow(char **buf, size_t *cap, size_t need)
+{
+    if (need <= *cap) return 0;
+    size_t n = *cap ? *cap : 1024;
+    while (n < need)
+        n *= 2;
+    char *p = (char *)realloc(*buf, n);
+    if (!p) return -1;
+    *buf = p;
+    *cap = n;
+    return 0;
+}
+
+static size_t header_cb(char *data, size_t size, size_t nitems, void *ud)
+{
+    http_request *r = (http_request *)ud;
+    size_t n = size * nitems;
+    size_t end = n;
+    while (end > 0 && (data[end - 1] == '\r' || data[end - 1] == '\n'))
+        end--;
+    if (n >= 5 && memcmp(data, "HTTP/", 5) == 0) {
+        /* A new response (after 1xx or a redirect): forget the previous one's headers. */
+        r->nhdrs = 0;
+        r->hlen = 0;
+        const char *sp = memchr(data, ' ', end);
+        r->status = sp ? strtol(sp + 1, NULL, 10) : 0;
+        return n;
+    }
+    if (end == 0) {
+        if (r->status >= 200 || r->status == 0) {
+            r->headers_done = 1;
+            mark_pending(r, HTTP_EV_HEADERS);
+        }
+        return n;
+    }
+    const char *colon = memchr(data, ':', end);
+    if (!colon) return n; /* a folded or malformed line: ignore it, as browsers do */
+    size_t name_len = (size_t)(colon - data);
+    const char *v = colon + 1;
+    while (v < data + end && (*v == ' ' || *v == '\t'))
+        v++;
+    size_t value_len = (size_t)(data + end - v);
+    if (grow(&r->hbuf, &r->hcap, r->hlen + name_len + value_len) < 0) return 0;
+    if (r->nhdrs == r->chdrs) {
+        size_t nc = r->chdrs ? r->chdrs * 2 : 16;
+        header *h = (header *)realloc(r->hdrs, nc * sizeof *h);
+        if (!h) return 0;
+        r->hdrs = h;
+        r->chdrs = nc;
+    }
+    header *h = &r->hdrs[r->nhdrs++];
+    h->name_off = r->hlen;
+    h->name_len = name_len;
+    for (size_t i = 0; i < name_len; i++)
+        r->hbuf[r->hlen + i] = (char)tolower((unsigned char)data[i]);
+    r->hlen += name_len;
+    h->value_off = r->hlen;
+    h->value_len = value_len;
+    memcpy(r->hbuf + r->hlen, v, value_len);
+    r->hlen += value_len;
+    return n;
+}
+
+static size_t write_cb(char *data, size_t size, size_t nmemb, void *ud)
+{
+    http_request *r = (http_request *)ud;
+    size_t n = size * nmemb;
+    if (!r->headers_done) {
+        r->headers_done = 1;
+        mark_pending(r, HTTP_EV_HEADERS);
+    }
+    if (r->out_file) {
+        if (fwrite(data, 1, n, r->out_file) != n) {
+            r->result = HTTP_ERR_FILE;
+            snprintf(r->message, sizeof r->message, "writing the response body to a file: %s",
+                     strerror(errno));
+            return 0;
+        }
+        return n;
+    }
+    if (r->stream) {
+        size_t held = r->len - r->off;
+        /* Accept into an empty buffer whatever its size, so a chunk larger than the bound
+         * cannot stall the transfer; otherwise pause at the bound. */
+        if (held > 0 && held + n > r->stream_cap) {
+            if (!r->paused) r->pauses++;
+            r->paused = 1;
+            return CURL_WRITEFUNC_PAUSE;
+        }
+        if (r->off > 0) {
+            memmove(r->buf, r->buf + r->off, held);
+            r->len = held;
+            r->off = 0;
+        }
+        if (grow(&r->buf, &r->cap, r->len + n) < 0) return 0;
+        memcpy(r->buf + r->len, data, n);
+        r->len += n;
+        if (r->len > r->peak) r->peak = r->len;
+        mark_pending(r, HTTP_EV_DATA);
+        return n;
+    }
+    if (r->max_body && r->len + n > r->max_body) {
+        r->result = HTTP_ERR_TOO_LARGE;
+        snprintf(r->message, sizeof r->message, "response body exceeds %zu bytes", r->max_body);
+        return 0;
+    }
+    if (grow(&r->buf, &r->cap, r->len + n) < 0) return 0;
+    memcpy(r->buf + r->len, data, n);
+    r->len += n;
+    return n;
+}
+
+static size_t read_cb(char *buffer, size_t size, size_t nitems, void *ud)
+{
+    http_request *r = (http_request *)ud;
+    size_t n = fread(buffer, 1, size * nitems, r->in_file);
+    if (n == 0 && ferror(r->in_file)) return CURL_READFUNC_ABORT;
+    return n;
+}
+
+/* ---- completion -------------------------------------------------------------------------- */
+
+static void pool_put(http_client *c, CURL *easy)
+{
+    if (c->npool < EASY_POOL_MAX && !c->closing) {
+        curl_easy_reset(easy);
+        c->pool[c->npool++] = easy;
+    } else {
+        curl_easy_cleanup(easy);
+    }
+}
+
+static void check_done(http_client *c)
+{
+    CURLMsg *msg;
+    int left;
+    while ((msg = curl_multi_info_read(c->multi, &left))) {
+        if (msg->msg != CURLMSG_DONE) continue;
+        http_request *r = NULL;
+        CURL *easy = msg->easy_handle;
+        CURLcode cc = msg->data.result;
+        curl_easy_getinfo(easy, CURLINFO_PRIVATE, (char **)&r);
+        if (!r) continue;
+        long code = 0;
+        curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &code);
+        if (code) r->status = code;
+        if (r->result == HTTP_OK && cc != CURLE_OK) {
+            r->result = map_curl(cc);
+            snprintf(r->message, sizeof r->message, "%s",
+                     r->errbuf[0] ? r->errbuf : curl_easy_strerror(cc));
+        }
+        curl_multi_remove_handle(c->multi, easy);
+        r->in_multi = 0;
+        r->easy = NULL;
+        pool_put(c, easy);
+        if (r->out_file) {
+            if (fclose(r->out_file) != 0 && r->result == HTTP_OK) {
+                r->result = HTTP_ERR_FILE;
+                snprintf(r->message, sizeof r->message, "closing the output file: %s",
+                         strerror(errno));
+            }
+            r->out_file = NULL;
+        }
+        if (r->in_file) {
+            fclose(r->in_file);
+            r->in_file = NULL;
+        }
+        r->done = 1;
+        r->headers_done = 1;
+        mark_pending(r, HTTP_EV_DONE | HTTP_EV_HEADERS);
+    }
+}
+
+static void deliver_pending(http_client *c)
+{
+    while (c->pending) {
+        http_request *r = c->pending;
+        c->pending = r->next_pending;
+        r->next_pending = NULL;
+        r->is_pending = 0;
+        int ev = r->events;
+        r->events = 0;
+        if (ev && r->notify) r->notify(r, r->ud, ev);
+    }
+}
+
+/* ---- requests -------------------------------------------------------------------------------- */
+
+static void unlink_pending(http_request *r)
+{
+    if (!r->is_pending) return;
+    http_request **pp = &r->c->pending;
+    while (*pp && *pp != r)
+        pp = &(*pp)->next_pending;
+    if (*pp) *pp = r->next_pending;
+    r->is_pending = 0;
+}
+
+http_request *http_request_start(http_client *c, const http_request_spec *spec,
+                                 http_notify_fn notify, void *ud, char *err, size_t errlen)
+{
+    http_request *r = (http_request *)calloc(1, sizeof *r);
+    if (!r) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    r->c = c;
+    c->refs++;
+    r->notify = notify;
+    r->ud = ud;
+    r->stream = spec->stream;
+    r->stream_cap = spec->stream_buffer ? spec->stream_buffer : 64 * 1024;
+    r->max_body = spec->max_body;
+    const char *method = spec->method ? spec->method : "GET";
+    snprintf(r->method, sizeof r->method, "%s", method);
+
+    CURL *e = c->npool > 0 ? c->pool[--c->npool] : curl_easy_init();
+    if (!e) {
+        snprintf(err, errlen, "curl_easy_init failed");
+        http_request_free(r);
+        return NULL;
+    }
+    r->easy = e;
+    curl_easy_setopt(e, CURLOPT_URL, spec->url);
+    curl_easy_setopt(e, CURLOPT_PRIVATE, (char *)r);
+    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, r->errbuf);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, header_cb);
+    curl_easy_setopt(e, CURLOPT_HEADERDATA, r);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, write_cb);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, r);
+    curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
+    if (spec->connect_timeout_ms > 0)
+        curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, spec->connect_timeout_ms);
+    if (spec->timeout_ms > 0) curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, spec->timeout_ms);
+    if (spec->idle_timeout_ms > 0) {
+        curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
+        curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, (spec->idle_timeout_ms + 999) / 1000);
+    }
+    if (spec->accept_encoding) curl_easy_setopt(e, CURLOPT_ACCEPT_ENCODING, spec->accept_encoding);
+
+    if (strcmp(method, "HEAD") == 0) {
+        curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
+    } else if (spec->body_file) {
+        r->in_file = fopen(spec->body_file, "rb");
+        if (!r->in_file) {
+            snprintf(err, errlen, "cannot open request body file %s: %s", spec->body_file,
+                     strerror(errno));
+            http_request_free(r);
+            return NULL;
+        }
+        fseek(r->in_file, 0, SEEK_END);
+        long size = ftell(r->in_file);
+        fseek(r->in_file, 0, SEEK_SET);
+        curl_easy_setopt(e, CURLOPT_UPLOAD, 1L);
+        curl_easy_setopt(e, CURLOPT_READFUNCTION, read_cb);
+        curl_easy_setopt(e, CURLOPT_READDATA, r);
+        curl_easy_setopt(e, CURLOPT_INFILESIZE_LARGE, (curl_off_t)size);
+        curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
+    } else if (spec->has_body) {
+        r->body_copy = (char *)malloc(spec->body_len ? spec->body_len : 1);
+        if (!r->body_copy) {
+            snprintf(err, errlen, "out of memory copying the request body");
+            http_request_free(r);
+            return NULL;
+        }
+        memcpy(r->body_copy, spec->body, spec->body_len);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDS, r->body_copy);
+        curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)spec->body_len);
+        if (strcmp(method, "POST") != 0) curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
+    } else if (strcmp(method, "GET") != 0) {
+        curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
+        if (strcmp(method, "POST") == 0 || strcmp(method, "PUT") == 0 ||
+            strcmp(method, "PATCH") == 0) {
+            /* An empty body still needs Content-Length: 0 for many servers. */
+            curl_easy_setopt(e, CURLOPT_POSTFIELDS, "");
+            curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)0);
+        }
+    }
+
+    /* "Expect:" stops curl waiting a second for 100-continue before large uploads. */
+    r->headers_out = curl_slist_append(NULL, "Expect:");
+    for (const char *const *h = spec->headers; h && *h; h++) {
+        struct curl_slist *n = curl_slist_append(r->headers_out, *h);
+        if (!n) {
+            snprintf(err, errlen, "out of memory building request headers");
+            http_request_free(r);
+            return NULL;
+        }
+        r->headers_out = n;
+    }
+    curl_easy_setopt(e, CURLOPT_HTTPHEADER, r->headers_out);
+
+    if (spec->output_file) {
+        r->out_file = fopen(spec->output_file, "wb");
+        if (!r->out_file) {
+            snprintf(err, errlen, "cannot open output file %s: %s", spec->output_file,
+                     strerror(errno));
+            http_request_free(r);
+            return NULL;
+        }
+    }
+
+    CURLMcode mc = curl_multi_add_handle(c->multi, e);
+    if (mc != CURLM_OK) {
+        snprintf(err, errlen, "curl_multi_add_handle: %s", curl_multi_strerror(mc));
+        http_request_free(r);
+        return NULL;
+    }
+    r->in_multi = 1;
+    return r;
+}
+
+void http_request_free(http_request *r)
+{
+    if (!r) return;
+    http_client *c = r->c;
+    unlink_pending(r);
+    if (r->easy) {
+        if (r->in_multi) curl_multi_remove_handle(c->multi, r->easy);
+        pool_put(c, r->easy);
+        r->easy = NULL;
+    }
+    if (r->in_file) fclose(r->in_file);
+    if (r->out_file) fclose(r->out_file);
+    curl_slist_free_all(r->headers_out);
+    free(r->body_copy);
+    free(r->hbuf);
+    free(r->hdrs);
+    free(r->buf);
+    free(r);
+    client_release(c);
+}
+
+int http_request_done(const http_request *r)
+{
+    return r->done;
+}
+
+int http_request_headers_done(const http_request *r)
+{
+    return r->headers_done;
+}
+
+enum http_result http_request_result(const http_request *r)
+{
+    return r->result;
+}
+
+const char *http_request_error(const http_request *r)
+{
+    return r->message;
+}
+
+long http_request_status(const http_request *r)
+{
+    return r->status;
+}
+
+size_t http_request_header_count(const http_request *r)
+{
+    return r->nhdrs;
+}
+
+void http_request_header(const http_request *r, size_t i, const char **name, size_t *name_len,
+                         const char **value, size_t *value_len)
+{
+    const header *h = &r->hdrs[i];
+    *name = r->hbuf + h->name_off;
+    *name_len = h->name_len;
+    *value = r->hbuf + h->value_off;
+    *value_len = h->value_len;
+}
+
+const char *http_request_body(const http_request *r, size_t *len)
+{
+    *len = r->len;
+    return r->buf ? r->buf : "";
+}
+
+const char *http_request_peek(const http_request *r, size_t *len)
+{
+    *len = r->len - r->off;
+    return r->buf ? r->buf + r->off : "";
+}
+
+void http_request_consume(http_request *r, size_t n)
+{
+    size_t held = r->len - r->off;
+    if (n > held) n = held;
+    r->off += n;
+    if (r->off == r->len) r->off = r->len = 0;
+    if (r->paused && r->len - r->off <= r->stream_cap / 2 && r->easy) {
+        r->paused = 0;
+        /* May call write_cb at once with the bytes curl held back; that only buffers. */
+        curl_easy_pause(r->easy, CURLPAUSE_CONT);
+        deliver_pending(r->c);
+    }
+}
+
+size_t http_request_peak_buffered(const http_request *r)
+{
+    return r->peak;
+}
+
+unsigned long http_request_pauses(const http_request *r)
+{
+    return r->pauses;
+}
