@@ -88,13 +88,11 @@ int main(int argc, char **argv)
                 exe, MOONBOX_SOURCE_LUA_DIR);
         return 2;
     }
-    lua_State *L = luaL_newstate();
+    lua_State *L = mb_main_state();
     if (!L) {
         fprintf(stderr, "moonbox: out of memory creating the Lua state\n");
         return 1;
     }
-    luaL_openlibs(L);
-    mb_preload_modules(L);
 
     lua_getglobal(L, "package");
     lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;", luadir, luadir);

@@ -103,6 +103,7 @@ struct mb_runtime {
     int run_depth;
     long unobserved_failures; /* tasks that died with an error nobody looked at */
     int closing;
+    int extraspace_ok; /* LUA_EXTRASPACE of every thread was zeroed at birth */
 };
 
 /* ---- runtime ---------------------------------------------------------------------------- */
@@ -180,6 +181,10 @@ int luaopen_moonbox_http(lua_State *L);
 int luaopen_moonbox_httpd(lua_State *L);
 int luaopen_moonbox_proc(lua_State *L);
 int luaopen_moonbox_sse(lua_State *L);
+
+/* Creates the moonbox binary's Lua state: LUA_EXTRASPACE is zeroed before any coroutine exists
+ * (so task lookup is one load), standard libraries opened, C modules preloaded. */
+lua_State *mb_main_state(void);
 
 /* Registers every C module above in package.preload. */
 void mb_preload_modules(lua_State *L);

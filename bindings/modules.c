@@ -5,6 +5,8 @@
  */
 #include "mb.h"
 
+#include <lualib.h>
+
 static const luaL_Reg c_modules[] = {
     {"moonbox.core", luaopen_moonbox_core},   {"moonbox.http", luaopen_moonbox_http},
     {"moonbox.httpd", luaopen_moonbox_httpd}, {"moonbox.proc", luaopen_moonbox_proc},
@@ -19,4 +21,17 @@ void mb_preload_modules(lua_State *L)
         lua_setfield(L, -2, m->name);
     }
     lua_pop(L, 1);
+}
+
+lua_State *mb_main_state(void)
+{
+    lua_State *L = luaL_newstate();
+    if (!L) return NULL;
+    /* Coroutines copy the main thread's extra space when created: zero it first. */
+    *(mb_task **)lua_getextraspace(L) = NULL;
+    lua_pushboolean(L, 1);
+    lua_setfield(L, LUA_REGISTRYINDEX, "moonbox.extraspace_zeroed");
+    luaL_openlibs(L);
+    mb_preload_modules(L);
+    return L;
 }

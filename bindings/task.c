@@ -37,6 +37,10 @@ typedef struct mb_deferred {
     struct mb_deferred *next;
 } mb_deferred;
 
+/* The process's runtime: libev's default loop (needed for child watchers) is one per process,
+ * so there is one runtime, found here without a registry look-up. */
+static mb_runtime *g_rt;
+
 static void drain_cb(struct ev_loop *loop, ev_prepare *w, int revents);
 static void spin_cb(struct ev_loop *loop, ev_idle *w, int revents);
 static void deadline_cb(struct ev_loop *loop, ev_timer *w, int revents);
@@ -63,6 +67,20 @@ mb_runtime *mb_runtime_get(lua_State *L)
     main = lua_tothread(L, -1);
     lua_pop(L, 1);
     rt->L = main;
+    /* Only the moonbox binary zeroes LUA_EXTRASPACE before any coroutine exists (mb_main_state);
+     * loaded into plain lua5.4, coroutines made before this point hold garbage there, so tasks
+     * are then found through a weak registry table instead. */
+    lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.extraspace_zeroed");
+    rt->extraspace_ok = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+    if (!rt->extraspace_ok) {
+        lua_newtable(L);
+        lua_createtable(L, 0, 1);
+        lua_pushliteral(L, "k");
+        lua_setfield(L, -2, "__mode");
+        lua_setmetatable(L, -2);
+        lua_setfield(L, LUA_REGISTRYINDEX, "moonbox.threads");
+    }
     rt->next_task_id = 1;
     ev_prepare_init(&rt->drain_watcher, drain_cb);
     rt->drain_watcher.data = rt;
@@ -74,6 +92,7 @@ mb_runtime *mb_runtime_get(lua_State *L)
     signal(SIGPIPE, SIG_IGN);
     lua_pushlightuserdata(L, rt);
     lua_setfield(L, LUA_REGISTRYINDEX, RT_KEY);
+    g_rt = rt;
     return rt;
 }
 
@@ -196,9 +215,36 @@ static void abort_waitq(mb_task *t, void *ud)
 
 /* ---- task objects -------------------------------------------------------------------------- */
 
+/* Records (or, with t NULL, forgets) which task runs on coroutine co. */
+static void set_task_of(mb_runtime *rt, lua_State *co, mb_task *t)
+{
+    if (rt->extraspace_ok) {
+        *(mb_task **)lua_getextraspace(co) = t;
+        return;
+    }
+    lua_State *L = rt->L;
+    lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.threads");
+    lua_pushthread(co);
+    lua_xmove(co, L, 1);
+    if (t)
+        lua_pushlightuserdata(L, t);
+    else
+        lua_pushnil(L);
+    lua_rawset(L, -3);
+    lua_pop(L, 1);
+}
+
 mb_task *mb_task_of(lua_State *L)
 {
-    return *(mb_task **)lua_getextraspace(L);
+    if (g_rt && g_rt->extraspace_ok) return *(mb_task **)lua_getextraspace(L);
+    mb_runtime *rt = mb_runtime_get(L);
+    if (rt->extraspace_ok) return *(mb_task **)lua_getextraspace(L);
+    lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.threads");
+    lua_pushthread(L);
+    lua_rawget(L, -2);
+    mb_task *t = (mb_task *)lua_touserdata(L, -1);
+    lua_pop(L, 2);
+    return t;
 }
 
 static mb_task *check_task(lua_State *L, int idx)
@@ -538,7 +584,7 @@ static void task_complete(mb_runtime *rt, mb_task *t, int status, int nres)
     lua_resetthread(co); /* the body already unwound inside its pcall; this frees the stack */
     lua_pushnil(L);
     lua_setiuservalue(L, ud, UV_THREAD);
-    *(mb_task **)lua_getextraspace(co) = NULL;
+    set_task_of(rt, co, NULL);
     t->co = NULL;
     if (!t->ok && !t->observed) {
         /* Remember it until someone joins it or the run ends (reported then, or by __gc). */
@@ -646,7 +692,7 @@ static int l_spawn(lua_State *L)
     lua_State *co = lua_newthread(L);
     lua_setiuservalue(L, ud, UV_THREAD);
     t->co = co;
-    *(mb_task **)lua_getextraspace(co) = t;
+    set_task_of(rt, co, t);
 
     /* data table: where it was spawned, by whom (the chain is what a traceback shows). */
     lua_createtable(L, 0, 8);
@@ -1214,7 +1260,7 @@ long mb_runtime_shutdown(lua_State *L)
         t->ok = 0;
         t->observed = 1;
         if (t->co) {
-            *(mb_task **)lua_getextraspace(t->co) = NULL;
+            set_task_of(rt, t->co, NULL);
             t->co = NULL;
         }
         int ref = t->ref;

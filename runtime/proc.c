@@ -37,8 +37,8 @@ extern char **environ;
 #define PROC_HAVE_ADDCLOSEFROM 1
 #endif
 
-#define PROC_FIRST_BUFFER  16384 /* first allocation of an output buffer */
-#define PROC_DEFAULT_PATH  "/bin:/usr/bin"
+#define PROC_FIRST_BUFFER 16384 /* first allocation of an output buffer */
+#define PROC_DEFAULT_PATH "/bin:/usr/bin"
 
 typedef struct proc_outbuf {
     char *data;
@@ -156,7 +156,7 @@ static int find_program(const char *name, const char *const *envp, const char *c
     if (!path) path = PROC_DEFAULT_PATH;
     int denied = 0;
     size_t nlen = strlen(name);
-    for (const char *dir = path;; ) {
+    for (const char *dir = path;;) {
         const char *colon = strchr(dir, ':');
         size_t dlen = colon ? (size_t)(colon - dir) : strlen(dir);
         if (dlen == 0) { /* an empty entry means the working directory */
@@ -212,8 +212,8 @@ static int open_stdio(int i, const proc_stdio *io, int *child, int *ours)
         if (i == PROC_STDIN)
             *child = open(io->path, O_RDONLY | O_CLOEXEC);
         else
-            *child = open(io->path, O_WRONLY | O_CREAT | O_CLOEXEC | (io->append ? O_APPEND : O_TRUNC),
-                          0666);
+            *child = open(io->path,
+                          O_WRONLY | O_CREAT | O_CLOEXEC | (io->append ? O_APPEND : O_TRUNC), 0666);
         break;
     default: /* INHERIT, and STDOUT which is a dup2 action added later */
         return 0;
@@ -422,8 +422,7 @@ int proc_spawn(struct ev_loop *loop, const proc_opts *o, proc **out, char *err, 
         return PROC_ERR_NOT_FOUND;
     }
     if (rc == EACCES) {
-        snprintf(err, errlen, "cannot run '%s': permission denied (not an executable file)",
-                 prog);
+        snprintf(err, errlen, "cannot run '%s': permission denied (not an executable file)", prog);
         return PROC_ERR_PERMISSION;
     }
     if (rc) {
@@ -437,8 +436,8 @@ int proc_spawn(struct ev_loop *loop, const proc_opts *o, proc **out, char *err, 
                 snprintf(err, errlen, "cannot run '%s': cannot open %s file '%s': %s", prog,
                          stream_name(i), o->stdio[i].path, strerror(rc));
             else
-                snprintf(err, errlen, "cannot run '%s': cannot set up %s: %s", prog,
-                         stream_name(i), strerror(rc));
+                snprintf(err, errlen, "cannot run '%s': cannot set up %s: %s", prog, stream_name(i),
+                         strerror(rc));
             goto fail;
         }
     }
@@ -459,7 +458,8 @@ int proc_spawn(struct ev_loop *loop, const proc_opts *o, proc **out, char *err, 
             snprintf(err, errlen, "cannot run '%s': %s", prog, strerror(rc));
         goto fail;
     }
-    for (int i = 0; i < 3; i++) close_quietly(child_fd[i]);
+    for (int i = 0; i < 3; i++)
+        close_quietly(child_fd[i]);
 
     p->loop = loop;
     p->pid = pid;

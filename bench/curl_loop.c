@@ -1,0 +1,70 @@
+/*
+ * curl_loop.c — the floor: a minimal C libcurl client doing what the moonbox client does, with
+ * nothing on top. `curl_loop seq N URL` makes N sequential GETs on one reused easy handle
+ * (keep-alive); `curl_loop conc N URL` starts N GETs at once on one multi handle and drives them
+ * with curl_multi_poll. Bodies are counted and dropped.
+ */
+#include <curl/curl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static size_t sink(char *p, size_t s, size_t n, void *ud)
+{
+    (void)p;
+    *(size_t *)ud += s * n;
+    return s * n;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 4) {
+        fprintf(stderr, "usage: curl_loop seq|conc N URL\n");
+        return 2;
+    }
+    long n = strtol(argv[2], NULL, 10);
+    const char *url = argv[3];
+    size_t bytes = 0;
+    long ok = 0;
+    curl_global_init(CURL_GLOBAL_DEFAULT);
+    if (strcmp(argv[1], "seq") == 0) {
+        CURL *e = curl_easy_init();
+        curl_easy_setopt(e, CURLOPT_URL, url);
+        curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
+        curl_easy_setopt(e, CURLOPT_WRITEDATA, &bytes);
+        for (long i = 0; i < n; i++) {
+            long code = 0;
+            if (curl_easy_perform(e) == CURLE_OK &&
+                curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &code) == CURLE_OK && code == 200)
+                ok++;
+        }
+        curl_easy_cleanup(e);
+    } else {
+        CURLM *m = curl_multi_init();
+        for (long i = 0; i < n; i++) {
+            CURL *e = curl_easy_init();
+            curl_easy_setopt(e, CURLOPT_URL, url);
+            curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
+            curl_easy_setopt(e, CURLOPT_WRITEDATA, &bytes);
+            curl_multi_add_handle(m, e);
+        }
+        int running = 1;
+        while (running) {
+            curl_multi_perform(m, &running);
+            if (running) curl_multi_poll(m, NULL, 0, 1000, NULL);
+            CURLMsg *msg;
+            int left;
+            while ((msg = curl_multi_info_read(m, &left))) {
+                if (msg->msg != CURLMSG_DONE) continue;
+                long code = 0;
+                curl_easy_getinfo(msg->easy_handle, CURLINFO_RESPONSE_CODE, &code);
+                if (msg->data.result == CURLE_OK && code == 200) ok++;
+                curl_multi_remove_handle(m, msg->easy_handle);
+                curl_easy_cleanup(msg->easy_handle);
+            }
+        }
+        curl_multi_cleanup(m);
+    }
+    printf("%ld ok of %ld, %zu bytes\n", ok, n, bytes);
+    return ok == n ? 0 : 1;
+}

@@ -1,0 +1,1 @@
+-- bench/empty.lua: the empty recipe whose `moonbox run` time is the startup cost.
