@@ -94,10 +94,12 @@ startup() { # CMD... -> mean wall ms over 50 runs
 }
 mb=$(startup "$MOONBOX" run "$ROOT/bench/empty.lua")
 lu=$(startup lua5.4 "$ROOT/bench/empty.lua")
+tr=$(startup /bin/true)
 {
 echo
 echo "| startup | mean wall ms (50 runs) |"
 echo "|---|---:|"
 echo "| moonbox run bench/empty.lua | $mb |"
 echo "| lua5.4 bench/empty.lua | $lu |"
+echo "| /bin/true (process start floor) | $tr |"
 } | tee -a "$OUT/http.md"

@@ -1,0 +1,257 @@
+-- The HTTP client (moonbox.http) against real servers on loopback: moonbox's own server in the
+-- same process and loop, and a misbehaving peer (tests/c/misbehaving_server.c) for the
+-- failures a correct server cannot produce.
+local T = require "moonbox.testing"
+local task = require "moonbox.task"
+local http = require "moonbox.http"
+local httpd = require "moonbox.httpd"
+local proc = require "moonbox.proc"
+local build = require "moonbox.build"
+
+local PEER = os.getenv("MOONBOX_TEST_PEER") or
+  (os.getenv("MOONBOX_BUILD_DIR") or (build.exe:match("(.*)/") or ".")) .. "/tests/c/misbehaving_server"
+
+-- Starts the misbehaving peer; returns its base URL and the process handle.
+local function start_peer()
+  local p = proc.spawn { PEER }
+  local port = p:lines("stdout")()
+  assert(tonumber(port), "misbehaving_server did not print a port")
+  return "http://127.0.0.1:" .. port, p
+end
+
+local function rss_kb()
+  for line in io.lines("/proc/self/status") do
+    local kb = line:match("^VmRSS:%s+(%d+)")
+    if kb then return tonumber(kb) end
+  end
+end
+
+local function with_server(fn)
+  return T.async(function()
+    local srv <close> = httpd.listen { host = "127.0.0.1", port = 0 }
+    fn(srv)
+  end)
+end
+
+describe("http.request", function()
+  it("returns status, lower-cased headers and the body", with_server(function(srv)
+    srv:route("GET", "/hello", function()
+      return 201, "hi there", { ["X-Thing"] = "yes", ["Content-Type"] = "text/plain" }
+    end)
+    local r = http.request { url = srv.url .. "/hello" }
+    assert.are.equal(201, r.status)
+    assert.are.equal("hi there", r.body)
+    assert.are.equal("yes", r.headers["x-thing"])
+    assert.are.equal("text/plain", r.headers["content-type"])
+  end))
+
+  it("sends the method, headers and a binary body as given", with_server(function(srv)
+    local seen
+    srv:route("*", "/echo", function(req)
+      seen = { method = req.method, ctype = req.headers["content-type"], body = req.body }
+      return 200, req.body
+    end)
+    local payload = "a\0b\255\r\n" .. string.rep("z", 100000)
+    local r = http.request { method = "PUT", url = srv.url .. "/echo", body = payload,
+      headers = { ["Content-Type"] = "application/octet-stream" } }
+    assert.are.equal(200, r.status)
+    assert.are.equal(payload, r.body)
+    assert.are.same({ method = "PUT", ctype = "application/octet-stream", body = payload }, seen)
+  end))
+
+  it("treats HTTP error statuses as results, not errors", with_server(function(srv)
+    srv:route("GET", "/missing", function() return 404, '{"message":"nope"}' end)
+    local r = http.request { url = srv.url .. "/missing" }
+    assert.are.equal(404, r.status)
+    assert.are.equal('{"message":"nope"}', r.body)
+  end))
+
+  it("streams request bodies from a file and response bodies to a file", with_server(function(srv)
+    srv:route("POST", "/up", function(req) return 200, req.body end, { max_body = 4 * 1024 * 1024 })
+    local src, dst = os.tmpname(), os.tmpname()
+    local data = string.rep("0123456789", 200000)
+    local f = assert(io.open(src, "wb"))
+    f:write(data)
+    f:close()
+    local r = http.request { method = "POST", url = srv.url .. "/up", body_file = src, output_file = dst }
+    assert.are.equal(200, r.status)
+    assert.are.equal("", r.body)
+    local got = assert(io.open(dst, "rb")):read("a")
+    assert.are.equal(#data, #got)
+    assert.is_true(got == data)
+    os.remove(src)
+    os.remove(dst)
+  end))
+
+  it("refuses header values with line breaks before sending anything", T.async(function()
+    local ok, err = pcall(http.request, { url = "http://127.0.0.1:1/", headers = { X = "a\r\nInjected: 1" } })
+    assert.is_false(ok)
+    assert.matches("line break", err)
+  end))
+
+  it("completes 1,000 concurrent requests", with_server(function(srv)
+    srv:route("GET", "/n/:i", function(req)
+      task.sleep(0.01)
+      return 200, req.captures.i
+    end)
+    local tasks = {}
+    for i = 1, 1000 do
+      tasks[i] = task.spawn(http.request, { url = srv.url .. "/n/" .. i, timeout = 60 })
+    end
+    for i = 1, 1000 do
+      local r = task.join(tasks[i])
+      assert.are.equal(200, r.status)
+      assert.are.equal(tostring(i), r.body)
+    end
+    assert.is_true(srv:stats().max_active >= 100, "requests were not in flight together")
+  end))
+end)
+
+describe("http.request failures", function()
+  it("makes connection refused a retryable connect_failed error", T.async(function()
+    local ok, err = pcall(http.request, { url = "http://127.0.0.1:1/x" })
+    assert.is_false(ok)
+    assert.are.equal("connect_failed", err.code)
+    assert.is_true(err.retryable)
+    assert.are.equal("GET", err.method)
+    assert.matches("http_client_spec.lua:%d+: http.request: GET http://127.0.0.1:1/x: ", tostring(err))
+  end))
+
+  it("makes a connection reset mid-body a connection_reset error", T.async(function()
+    local base, peer = start_peer()
+    local ok, err = pcall(http.request, { url = base .. "/reset" })
+    assert.is_false(ok)
+    assert.are.equal("connection_reset", err.code)
+    assert.is_true(err.retryable)
+    peer:kill("KILL")
+  end))
+
+  it("makes a closed connection without reply a connection_reset error", T.async(function()
+    local base, peer = start_peer()
+    local ok, err = pcall(http.request, { url = base .. "/close" })
+    assert.is_false(ok)
+    assert.are.equal("connection_reset", err.code)
+    peer:kill("KILL")
+  end))
+
+  it("makes a reply that is not HTTP a malformed_response error", T.async(function()
+    local base, peer = start_peer()
+    local ok, err = pcall(http.request, { url = base .. "/malformed" })
+    assert.is_false(ok)
+    assert.are.equal("malformed_response", err.code)
+    assert.is_false(err.retryable)
+    peer:kill("KILL")
+  end))
+
+  it("fires the total timeout", T.async(function()
+    local base, peer = start_peer()
+    local t0 = task.now()
+    local ok, err = pcall(http.request, { url = base .. "/hang", timeout = 0.2 })
+    assert.is_false(ok)
+    assert.are.equal("timeout", err.code)
+    assert.is_true(task.now() - t0 < 5)
+    peer:kill("KILL")
+  end))
+
+  it("fires the idle timeout on a trickling body", T.async(function()
+    local base, peer = start_peer()
+    -- 300 ms between bytes is fine with a 5 s idle timeout...
+    local r = http.request { url = base .. "/trickle", idle_timeout = 5 }
+    assert.are.equal("tttttttttt", r.body)
+    -- ...but a stall longer than the idle timeout is not.
+    local ok, err = pcall(http.request, { url = base .. "/hang", idle_timeout = 1 })
+    assert.is_false(ok)
+    assert.are.equal("timeout", err.code)
+    peer:kill("KILL")
+  end))
+
+  it("aborts the transfer when the waiting task's deadline expires", T.async(function()
+    local base, peer = start_peer()
+    local ok, err = pcall(task.timeout, 0.1, http.request, { url = base .. "/hang" })
+    assert.is_false(ok)
+    assert.is_true(task.is_timeout(err))
+    peer:kill("KILL")
+  end))
+
+  it("enforces max_body", with_server(function(srv)
+    srv:route("GET", "/big", function() return 200, string.rep("x", 100000) end)
+    local ok, err = pcall(http.request, { url = srv.url .. "/big", max_body = 1000 })
+    assert.is_false(ok)
+    assert.are.equal("body_too_large", err.code)
+  end))
+end)
+
+describe("http.stream", function()
+  it("pauses the transfer for a slow reader, keeping memory bounded", with_server(function(srv)
+    local total = 40 * 1024 * 1024
+    srv:route("GET", "/firehose", function(_, res)
+      local w = res:stream(200, { ["Content-Type"] = "application/octet-stream" })
+      local chunk = string.rep("m", 64 * 1024)
+      for _ = 1, total // #chunk do w:write(chunk) end
+      w:close()
+    end)
+    collectgarbage()
+    local before = rss_kb()
+    local resp <close> = http.stream { url = srv.url .. "/firehose", buffer = 64 * 1024 }
+    local got, reads = 0, 0
+    while true do
+      local c = resp:read()
+      if not c then break end
+      got = got + #c
+      reads = reads + 1
+      if reads % 8 == 0 then task.sleep(0.001) end -- a slow consumer
+      if reads % 256 == 0 then collectgarbage("step") end
+    end
+    local grew = rss_kb() - before
+    local st = resp:stats()
+    assert.are.equal(total, got)
+    assert.is_true(st.pauses > 0, "the transfer never paused")
+    -- the C buffer never holds more than its bound plus one network chunk
+    assert.is_true(st.peak_buffered <= 64 * 1024 + 64 * 1024, "peak buffered " .. st.peak_buffered)
+    -- and the process did not grow by anything like the 40 MiB body (generous ceiling)
+    assert.is_true(grew < 24 * 1024, "RSS grew by " .. grew .. " KiB")
+  end))
+
+  it("reads Server-Sent Events, including a final event without a blank line",
+    with_server(function(srv)
+      srv:route("GET", "/events", function(_, res)
+        local w = res:stream(200, { ["Content-Type"] = "text/event-stream" })
+        w:sse("output", '{"stream":"stdout","data":"hi\\n"}')
+        w:comment("keep-alive")
+        w:write("event: exit\ndata: {\"exit_code\":\ndata: 3}") -- no trailing blank line
+        w:close()
+      end)
+      local resp <close> = http.stream { url = srv.url .. "/events" }
+      assert.are.equal(200, resp.status)
+      local e1 = resp:read_event()
+      assert.are.same({ event = "output", data = '{"stream":"stdout","data":"hi\\n"}' }, e1)
+      local e2 = resp:read_event()
+      assert.are.same({ event = "exit", data = '{"exit_code":\n3}' }, e2)
+      assert.is_nil(resp:read_event())
+    end))
+
+  it("raises the transfer error when the body is cut", T.async(function()
+    local base, peer = start_peer()
+    local resp <close> = http.stream { url = base .. "/reset" }
+    local ok, err = pcall(function()
+      while resp:read() do end
+    end)
+    assert.is_false(ok)
+    assert.are.equal("connection_reset", err.code)
+    peer:kill("KILL")
+  end))
+
+  it("stops the transfer when the reading task is cancelled", T.async(function()
+    local base, peer = start_peer()
+    local reader = task.spawn(function()
+      local resp <close> = http.stream { url = base .. "/trickle" }
+      while resp:read() do end
+    end)
+    task.sleep(0.5)
+    task.cancel(reader)
+    local ok, err = pcall(task.join, reader)
+    assert.is_false(ok)
+    assert.is_true(task.is_cancelled(err))
+    peer:kill("KILL")
+  end))
+end)
