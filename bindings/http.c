@@ -18,6 +18,7 @@
 #include <string.h>
 
 #define RESPONSE_MT "moonbox.http.Response"
+#define OP_GUARD_MT "moonbox.http.OpGuard"
 #define CLIENT_KEY  "moonbox.http.client"
 
 #define DEFAULT_MAX_BODY   (256u * 1024 * 1024)
@@ -280,12 +281,17 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
 static int l_request(lua_State *L)
 {
     mb_task *t = mb_task_check_yieldable(L, "http.request");
+    luaL_checktype(L, 1, LUA_TTABLE);
+    lua_settop(L, 1);
+    /* Until the park owns op, a guard frees it if reading the options raises. */
+    http_op **guard = (http_op **)lua_newuserdatauv(L, sizeof *guard, 0);
+    *guard = NULL;
+    luaL_setmetatable(L, OP_GUARD_MT);
     http_op *op = (http_op *)calloc(1, sizeof *op);
     if (!op) return luaL_error(L, "http.request: out of memory");
-    if (!start_op(L, op, 0)) {
-        free(op);
-        return lua_error(L);
-    }
+    *guard = op;
+    if (!start_op(L, op, 0)) return lua_error(L); /* the guard frees op */
+    *guard = NULL;
     op->waiter = t;
     return mb_task_park(L, t, whole_abort, op, (lua_KContext)op, whole_k);
 }
@@ -573,6 +579,14 @@ static int resp_index(lua_State *L)
     return 1;
 }
 
+static int op_guard_gc(lua_State *L)
+{
+    http_op **guard = (http_op **)lua_touserdata(L, 1);
+    free(*guard);
+    *guard = NULL;
+    return 0;
+}
+
 /* http.curl_version() -> "7.88.1". */
 static int l_curl_version(lua_State *L)
 {
@@ -605,6 +619,11 @@ int luaopen_moonbox_http(lua_State *L)
         lua_setfield(L, -2, "__gc");
         lua_pushcfunction(L, resp_gc);
         lua_setfield(L, -2, "__close");
+    }
+    lua_pop(L, 1);
+    if (luaL_newmetatable(L, OP_GUARD_MT)) {
+        lua_pushcfunction(L, op_guard_gc);
+        lua_setfield(L, -2, "__gc");
     }
     lua_pop(L, 1);
     luaL_newlib(L, funcs);

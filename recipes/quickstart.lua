@@ -49,7 +49,7 @@ print("slow request: " .. tostring(err))
 -- 3. Structured concurrency: one failing child cancels its siblings; the error surfaces here.
 local cancelled = 0
 ok, err = pcall(task.scope, function(s)
-  for i = 1, 3 do
+  for _ = 1, 3 do
     s:spawn(function()
       local _guard <close> = setmetatable({}, { __close = function(_, e)
         if task.is_cancelled(e) then cancelled = cancelled + 1 end

@@ -1,0 +1,1338 @@
+/*
+ * http_server.c — the HTTP server: libmicrohttpd in external-event mode on a libev loop, a
+ * router, bounded request bodies, and responses that may come later (see http_server.h).
+ *
+ * MHD runs with its own epoll set; the loop watches that one descriptor with an ev_io and keeps
+ * one ev_timer armed from MHD_get_timeout after every MHD_run (0 when MHD has work queued, and
+ * after every resume, so MHD is never called from inside its own callbacks). A request record is
+ * made by the URI callback, routed when its headers are complete (so the body mode and limit
+ * are known before any body byte), and, once complete, its connection is suspended and
+ * on_request called. The answer is stored on the record and the connection resumed; MHD then
+ * calls the access handler again, which queues it. A streamed answer is fed from a byte queue:
+ * when the queue is empty the content reader suspends the connection and returns 0, the
+ * documented way to wait for data in external mode; a write resumes it.
+ *
+ * Ownership: a record has one reference for MHD (taken by the URI callback, dropped on
+ * NOTIFY_COMPLETED), one per outside holder (hs_request_retain) and one for a streamed response
+ * object (dropped by MHD's free callback). Whoever drops the last one frees it.
+ */
+#include "http_server.h"
+
+#include <microhttpd.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Bytes read and dropped after a body passed its limit before the connection is cut: enough to
+ * answer 413 to a client that sent a modest excess without Expect: 100-continue, small enough
+ * that an endless chunked upload cannot keep the server busy. */
+#define HS_DISCARD_MAX    (1024u * 1024)
+#define HS_STREAM_BLOCK   (16u * 1024)
+#define HS_LISTEN_BACKLOG 1024u
+#define HS_MAX_ALLOW      16
+
+/* Where a request is in its life, as the access handler sees it. */
+enum {
+    PH_NEW,      /* made by the URI callback; headers not seen yet */
+    PH_BODY,     /* routed; receiving the body */
+    PH_REJECTED, /* answered before the handler (404, 405, 413, 500) */
+    PH_HANDLER,  /* complete; suspended until the handler answers */
+    PH_RESPONSE, /* the answer is queued with MHD */
+    PH_DONE,     /* MHD has finished with it */
+};
+
+typedef struct hs_segment {
+    char *text;
+    size_t len;
+    int capture; /* ":name": text is the name */
+} hs_segment;
+
+typedef struct hs_route {
+    char *method; /* "*" matches any */
+    hs_segment *segs;
+    size_t nsegs;
+    int rest; /* the pattern ends in '*' */
+    int body_mode;
+    size_t max_body;
+    char *upload_dir;
+    int handler_id;
+} hs_route;
+
+struct hs_server {
+    struct ev_loop *loop;
+    struct MHD_Daemon *daemon;
+    ev_io io;
+    ev_timer timer;
+    hs_route *routes;
+    size_t nroutes, routes_cap;
+    size_t max_body;
+    char *upload_dir;
+    hs_request_fn on_request;
+    void *ud;
+    hs_request *live; /* every record that still points at this server */
+    char host[INET6_ADDRSTRLEN];
+    int port;
+    hs_stats stats;
+    int closing;
+    int quiesced;
+    int log_to_stderr;
+    char lastlog[256];
+};
+
+typedef struct hs_span {
+    const char *p;
+    size_t n;
+} hs_span;
+
+struct hs_request {
+    hs_server *srv;              /* NULL once the server closed */
+    struct MHD_Connection *conn; /* NULL once MHD completed the request */
+    hs_request *prev, *next;     /* srv->live */
+    int refs;
+    int mhd_ref; /* MHD's reference has not been dropped yet */
+    int phase;
+    int suspended; /* we suspended conn and have not resumed it */
+    int state;     /* enum hs_request_state */
+    hs_request_view view;
+
+    char *target;
+    char *path;
+    char *method;
+    char remote[INET6_ADDRSTRLEN];
+    hs_pair *headers;
+    size_t nheaders;
+    hs_pair captures[HS_MAX_CAPTURES + 1];
+    size_t ncaptures;
+
+    /* body */
+    const hs_route *route; /* valid while receiving (routes live as long as the server) */
+    size_t max_body;
+    size_t received;
+    size_t discarded;
+    int too_large;
+    int store_errno;
+    char *body;
+    size_t body_cap;
+    int body_fd;
+    char *body_path;
+
+    /* the answer */
+    struct MHD_Response *pending;
+    unsigned pending_status;
+    int responded;
+
+    /* a streamed answer: bytes q[q_off .. q_off + q_len) wait for MHD */
+    int streaming;
+    char *q;
+    size_t q_off, q_len, q_cap, q_bound;
+    int q_ended, q_abort;
+
+    hs_request_fn notify;
+    void *notify_ud;
+};
+
+static long g_live_requests;
+
+/* ---- small helpers ------------------------------------------------------------------------- */
+
+static void hs_seterr(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+    if (!err || errlen == 0) return;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static char *hs_strndup(const char *s, size_t n)
+{
+    char *d = (char *)malloc(n + 1);
+    if (!d) return NULL;
+    memcpy(d, s, n);
+    d[n] = '\0';
+    return d;
+}
+
+static int hs_hexval(int c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+size_t hs_percent_decode(const char *src, size_t n, char *out, int plus_is_space)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < n; i++) {
+        char c = src[i];
+        if (c == '%' && i + 2 < n) {
+            int hi = hs_hexval((unsigned char)src[i + 1]);
+            int lo = hs_hexval((unsigned char)src[i + 2]);
+            if (hi >= 0 && lo >= 0) {
+                out[o++] = (char)(hi * 16 + lo);
+                i += 2;
+                continue;
+            }
+        }
+        out[o++] = (plus_is_space && c == '+') ? ' ' : c;
+    }
+    out[o] = '\0';
+    return o;
+}
+
+/* A token character of RFC 9110 (header names and methods). */
+static int hs_is_tchar(int c)
+{
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           (c && strchr("!#$%&'*+-.^_`|~", c) != NULL);
+}
+
+/* Writes {"message":"<msg, JSON-escaped>"} into out (truncating a long message). */
+static void hs_json_message(char *out, size_t len, const char *msg)
+{
+    size_t o = 0;
+    const char *head = "{\"message\":\"";
+    size_t hl = strlen(head);
+    if (len < hl + 4) {
+        if (len) out[0] = '\0';
+        return;
+    }
+    memcpy(out, head, hl);
+    o = hl;
+    for (const unsigned char *p = (const unsigned char *)msg; *p && o + 8 < len; p++) {
+        if (*p == '"' || *p == '\\') {
+            out[o++] = '\\';
+            out[o++] = (char)*p;
+        } else if (*p < 0x20) {
+            o += (size_t)snprintf(out + o, len - o, "\\u%04x", *p);
+        } else {
+            out[o++] = (char)*p;
+        }
+    }
+    memcpy(out + o, "\"}", 3);
+}
+
+static void hs_notify(hs_request *r)
+{
+    if (r->notify) r->notify(r, r->notify_ud);
+}
+
+/* Makes MHD look at the server again on the loop's next turn (never from inside MHD). */
+static void hs_kick(hs_server *s)
+{
+    if (!s || s->closing) return;
+    ev_timer_stop(s->loop, &s->timer);
+    ev_timer_set(&s->timer, 0., 0.);
+    ev_timer_start(s->loop, &s->timer);
+}
+
+/* Resumes the connection if we suspended it, so MHD picks up a new answer or new stream bytes. */
+static void hs_wake_conn(hs_request *r)
+{
+    if (r->conn && r->suspended && r->srv && !r->srv->closing) {
+        r->suspended = 0;
+        MHD_resume_connection(r->conn);
+        hs_kick(r->srv);
+    }
+}
+
+static void hs_body_file_remove(hs_request *r)
+{
+    if (r->body_fd >= 0) close(r->body_fd);
+    r->body_fd = -1;
+    if (r->body_path) {
+        unlink(r->body_path);
+        free(r->body_path);
+        r->body_path = NULL;
+    }
+    r->view.body_file = NULL;
+}
+
+static void hs_unlink_live(hs_request *r)
+{
+    hs_server *s = r->srv;
+    if (!s) return;
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        s->live = r->next;
+    if (r->next) r->next->prev = r->prev;
+    r->prev = r->next = NULL;
+    r->srv = NULL;
+}
+
+/* ---- requests: lifetime ---------------------------------------------------------------------- */
+
+void hs_request_retain(hs_request *r)
+{
+    r->refs++;
+}
+
+void hs_request_release(hs_request *r)
+{
+    if (--r->refs > 0) return;
+    hs_body_file_remove(r);
+    hs_unlink_live(r);
+    free(r->body);
+    free(r->q);
+    free(r->target);
+    free(r->path);
+    free(r->method);
+    for (size_t i = 0; i < r->nheaders; i++) {
+        free((char *)r->headers[i].name);
+        free((char *)r->headers[i].value);
+    }
+    free(r->headers);
+    for (size_t i = 0; i < r->ncaptures; i++)
+        free((char *)r->captures[i].value);
+    g_live_requests--;
+    free(r);
+}
+
+const hs_request_view *hs_request_get_view(const hs_request *r)
+{
+    return &r->view;
+}
+
+int hs_request_state(const hs_request *r)
+{
+    return r->state;
+}
+
+void *hs_request_server_ud(const hs_request *r)
+{
+    return r->srv && !r->srv->closing ? r->srv->ud : NULL;
+}
+
+void hs_request_set_notify(hs_request *r, hs_request_fn fn, void *ud)
+{
+    r->notify = fn;
+    r->notify_ud = ud;
+}
+
+void hs_request_drop_body(hs_request *r)
+{
+    free(r->body);
+    r->body = NULL;
+    r->body_cap = 0;
+    r->view.body = NULL;
+    r->view.body_len = 0;
+}
+
+void hs_request_discard_body_file(hs_request *r)
+{
+    hs_body_file_remove(r);
+}
+
+long hs_live_requests(void)
+{
+    return g_live_requests;
+}
+
+const char *hs_mhd_version(void)
+{
+    return MHD_get_version();
+}
+
+/* ---- routing ------------------------------------------------------------------------------- */
+
+static void hs_route_free(hs_route *rt)
+{
+    for (size_t i = 0; i < rt->nsegs; i++)
+        free(rt->segs[i].text);
+    free(rt->segs);
+    free(rt->method);
+    free(rt->upload_dir);
+}
+
+/* Parses pattern into rt's segments. Returns HS_OK or HS_ERR_INVALID/HS_ERR_NOMEM. */
+static int hs_route_parse(hs_route *rt, const char *pattern, char *err, size_t errlen)
+{
+    if (pattern[0] != '/') {
+        hs_seterr(err, errlen, "route pattern '%s' must start with '/'", pattern);
+        return HS_ERR_INVALID;
+    }
+    size_t cap = 1;
+    for (const char *p = pattern + 1; *p; p++)
+        if (*p == '/') cap++;
+    rt->segs = (hs_segment *)calloc(cap, sizeof *rt->segs);
+    if (!rt->segs) return HS_ERR_NOMEM;
+    size_t ncap = 0;
+    const char *p = pattern + 1;
+    for (;;) {
+        size_t n = strcspn(p, "/");
+        int last = p[n] == '\0';
+        if (n == 1 && p[0] == '*') {
+            if (!last) {
+                hs_seterr(err, errlen, "route pattern '%s': '*' must be the last segment", pattern);
+                return HS_ERR_INVALID;
+            }
+            rt->rest = 1;
+            break;
+        }
+        hs_segment *sg = &rt->segs[rt->nsegs];
+        if (n > 0 && p[0] == ':') {
+            if (n == 1) {
+                hs_seterr(err, errlen, "route pattern '%s': ':' needs a name", pattern);
+                return HS_ERR_INVALID;
+            }
+            for (size_t i = 1; i < n; i++) {
+                char c = p[i];
+                if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                      c == '_')) {
+                    hs_seterr(err, errlen,
+                              "route pattern '%s': capture names use letters, digits and _",
+                              pattern);
+                    return HS_ERR_INVALID;
+                }
+            }
+            if (++ncap > HS_MAX_CAPTURES) {
+                hs_seterr(err, errlen, "route pattern '%s': more than %d captures", pattern,
+                          HS_MAX_CAPTURES);
+                return HS_ERR_INVALID;
+            }
+            sg->capture = 1;
+            sg->text = hs_strndup(p + 1, n - 1);
+            sg->len = n - 1;
+        } else {
+            if (memchr(p, '*', n)) {
+                hs_seterr(err, errlen, "route pattern '%s': '*' must be a whole last segment",
+                          pattern);
+                return HS_ERR_INVALID;
+            }
+            sg->text = hs_strndup(p, n);
+            sg->len = n;
+        }
+        if (!sg->text) return HS_ERR_NOMEM;
+        rt->nsegs++;
+        if (last) break;
+        p += n + 1;
+    }
+    return HS_OK;
+}
+
+int hs_server_add_route(hs_server *s, const char *method, const char *pattern, int body_mode,
+                        size_t max_body, const char *upload_dir, int handler_id, char *err,
+                        size_t errlen)
+{
+    if (!method || !*method) {
+        hs_seterr(err, errlen, "route method must not be empty");
+        return HS_ERR_INVALID;
+    }
+    if (strcmp(method, "*") != 0)
+        for (const char *m = method; *m; m++)
+            if (!hs_is_tchar((unsigned char)*m)) {
+                hs_seterr(err, errlen, "route method '%s' is not an HTTP method token", method);
+                return HS_ERR_INVALID;
+            }
+    if (body_mode < HS_BODY_MEMORY || body_mode > HS_BODY_NONE) {
+        hs_seterr(err, errlen, "unknown body mode %d", body_mode);
+        return HS_ERR_INVALID;
+    }
+    if (s->nroutes == s->routes_cap) {
+        size_t cap = s->routes_cap ? s->routes_cap * 2 : 8;
+        hs_route *nr = (hs_route *)realloc(s->routes, cap * sizeof *nr);
+        if (!nr) return HS_ERR_NOMEM;
+        s->routes = nr;
+        s->routes_cap = cap;
+    }
+    hs_route rt;
+    memset(&rt, 0, sizeof rt);
+    int rc = hs_route_parse(&rt, pattern, err, errlen);
+    rt.method = strdup(method);
+    rt.upload_dir = upload_dir ? strdup(upload_dir) : NULL;
+    if (rc == HS_OK && (!rt.method || (upload_dir && !rt.upload_dir))) rc = HS_ERR_NOMEM;
+    if (rc != HS_OK) {
+        if (rc == HS_ERR_NOMEM) hs_seterr(err, errlen, "out of memory adding a route");
+        hs_route_free(&rt);
+        return rc;
+    }
+    rt.body_mode = body_mode;
+    rt.max_body = max_body ? max_body : s->max_body;
+    rt.handler_id = handler_id;
+    s->routes[s->nroutes++] = rt;
+    return HS_OK;
+}
+
+/* Matches path against rt; on success fills caps (one per capture segment) and *rest. This is
+ * O(segments); routes are tried in order, so a lookup is O(routes x segments). A trie would
+ * make it O(segments), but route tables here hold tens of entries and the order-of-registration
+ * rule it would complicate is the one users reason with. */
+static int hs_route_match(const hs_route *rt, const char *path, hs_span *caps, hs_span *rest)
+{
+    if (path[0] != '/') return 0;
+    const char *p = path + 1;
+    int at_end = 0;
+    size_t k = 0;
+    for (size_t i = 0; i < rt->nsegs; i++) {
+        if (at_end) return 0;
+        size_t n = strcspn(p, "/");
+        const hs_segment *sg = &rt->segs[i];
+        if (sg->capture) {
+            if (n == 0) return 0;
+            caps[k].p = p;
+            caps[k].n = n;
+            k++;
+        } else if (n != sg->len || memcmp(p, sg->text, n) != 0) {
+            return 0;
+        }
+        if (p[n] == '/') {
+            p += n + 1;
+        } else {
+            p += n;
+            at_end = 1;
+        }
+    }
+    if (rt->rest) {
+        rest->p = p;
+        rest->n = at_end ? 0 : strlen(p);
+        return 1;
+    }
+    return at_end;
+}
+
+static int hs_method_matches(const char *route_method, const char *method)
+{
+    return strcmp(route_method, "*") == 0 || strcmp(route_method, method) == 0;
+}
+
+/* Finds the route for (method, path): the first whose pattern and method match; a HEAD request
+ * falls back to the first GET route. When patterns match but no method does, *allow receives
+ * the allowed methods ("GET, HEAD, POST") and NULL is returned. */
+static const hs_route *hs_route_find(hs_server *s, const char *method, const char *path,
+                                     hs_span *caps, hs_span *rest, char *allow, size_t allowlen,
+                                     int *path_matched)
+{
+    const char *methods[HS_MAX_ALLOW];
+    size_t nm = 0;
+    const hs_route *head_fallback = NULL;
+    hs_span fb_caps[HS_MAX_CAPTURES], fb_rest = {NULL, 0};
+    int is_head = strcmp(method, "HEAD") == 0;
+    *path_matched = 0;
+    for (size_t i = 0; i < s->nroutes; i++) {
+        const hs_route *rt = &s->routes[i];
+        hs_span c[HS_MAX_CAPTURES], r = {NULL, 0};
+        if (!hs_route_match(rt, path, c, &r)) continue;
+        *path_matched = 1;
+        if (hs_method_matches(rt->method, method)) {
+            memcpy(caps, c, sizeof c);
+            *rest = r;
+            return rt;
+        }
+        if (is_head && !head_fallback && strcmp(rt->method, "GET") == 0) {
+            head_fallback = rt;
+            memcpy(fb_caps, c, sizeof c);
+            fb_rest = r;
+        }
+        int seen = 0;
+        for (size_t j = 0; j < nm; j++)
+            if (strcmp(methods[j], rt->method) == 0) seen = 1;
+        if (!seen && nm < HS_MAX_ALLOW) methods[nm++] = rt->method;
+    }
+    if (head_fallback) {
+        memcpy(caps, fb_caps, sizeof fb_caps);
+        *rest = fb_rest;
+        return head_fallback;
+    }
+    allow[0] = '\0';
+    size_t o = 0;
+    for (size_t j = 0; j < nm; j++) {
+        o += (size_t)snprintf(allow + o, o < allowlen ? allowlen - o : 0, "%s%s", j ? ", " : "",
+                              methods[j]);
+        if (strcmp(methods[j], "GET") == 0) {
+            int has_head = 0;
+            for (size_t k = 0; k < nm; k++)
+                if (strcmp(methods[k], "HEAD") == 0) has_head = 1;
+            if (!has_head)
+                o += (size_t)snprintf(allow + o, o < allowlen ? allowlen - o : 0, ", HEAD");
+        }
+        if (o >= allowlen) break;
+    }
+    return NULL;
+}
+
+/* ---- requests: MHD side -------------------------------------------------------------------- */
+
+/* MHD's URI callback: the request line has arrived. Makes the record (holding MHD's reference)
+ * from the raw target, which MHD would otherwise hand out only percent-decoded. */
+static void *hs_uri_cb(void *cls, const char *uri, struct MHD_Connection *conn)
+{
+    hs_server *s = (hs_server *)cls;
+    hs_request *r = (hs_request *)calloc(1, sizeof *r);
+    if (!r) return NULL;
+    if (!uri) uri = "";
+    size_t plen = strcspn(uri, "?");
+    r->target = strdup(uri);
+    r->path = hs_strndup(uri, plen);
+    if (!r->target || !r->path) {
+        free(r->target);
+        free(r->path);
+        free(r);
+        return NULL;
+    }
+    r->srv = s;
+    r->conn = conn;
+    r->refs = 1;
+    r->mhd_ref = 1;
+    r->phase = PH_NEW;
+    r->state = HS_LIVE;
+    r->body_fd = -1;
+    r->view.target = r->target;
+    r->view.path = r->path;
+    r->view.query = uri[plen] == '?' ? r->target + plen + 1 : "";
+    r->next = s->live;
+    if (s->live) s->live->prev = r;
+    s->live = r;
+    g_live_requests++;
+    s->stats.active++;
+    if (s->stats.active > s->stats.max_active) s->stats.max_active = s->stats.active;
+    return r;
+}
+
+typedef struct hs_header_copy {
+    hs_request *r;
+    int failed;
+} hs_header_copy;
+
+static enum MHD_Result hs_copy_header(void *cls, enum MHD_ValueKind kind, const char *key,
+                                      const char *value)
+{
+    hs_header_copy *hc = (hs_header_copy *)cls;
+    hs_request *r = hc->r;
+    (void)kind;
+    char *k = strdup(key ? key : "");
+    char *v = strdup(value ? value : "");
+    if (!k || !v) {
+        free(k);
+        free(v);
+        hc->failed = 1;
+        return MHD_NO;
+    }
+    r->headers[r->nheaders].name = k;
+    r->headers[r->nheaders].value = v;
+    r->nheaders++;
+    return MHD_YES;
+}
+
+/* Queues an answer made here (not by the handler): JSON {"message": msg}, optionally one more
+ * header. Only valid in the access handler with no answer queued yet. */
+static enum MHD_Result hs_answer_now(hs_request *r, unsigned status, const char *msg,
+                                     const char *hname, const char *hvalue)
+{
+    char body[512];
+    hs_json_message(body, sizeof body, msg);
+    struct MHD_Response *resp =
+        MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_COPY);
+    if (!resp) return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    if (hname) MHD_add_response_header(resp, hname, hvalue);
+    enum MHD_Result ret = MHD_queue_response(r->conn, status, resp);
+    MHD_destroy_response(resp);
+    r->phase = PH_REJECTED;
+    r->responded = 1;
+    hs_body_file_remove(r);
+    hs_request_drop_body(r);
+    return ret;
+}
+
+/* Opens the 0600 temporary file a file-mode body goes to. Returns 0 or an errno value. */
+static int hs_open_body_file(hs_request *r, const char *dir)
+{
+    size_t n = strlen(dir) + sizeof "/moonbox-upload-XXXXXX";
+    char *path = (char *)malloc(n);
+    if (!path) return ENOMEM;
+    snprintf(path, n, "%s/moonbox-upload-XXXXXX", dir);
+    int fd = mkostemp(path, O_CLOEXEC);
+    if (fd < 0) {
+        int e = errno;
+        free(path);
+        return e;
+    }
+    fchmod(fd, 0600);
+    r->body_fd = fd;
+    r->body_path = path;
+    return 0;
+}
+
+/* The first access-handler call: headers are complete. Copies what the handler will read,
+ * routes, and decides the body's fate before any of it is read. */
+static enum MHD_Result hs_begin(hs_server *s, hs_request *r, struct MHD_Connection *conn,
+                                const char *method)
+{
+    char msg[600];
+    r->method = strdup(method ? method : "");
+    int n = MHD_get_connection_values(conn, MHD_HEADER_KIND, NULL, NULL);
+    if (n > 0) r->headers = (hs_pair *)calloc((size_t)n, sizeof *r->headers);
+    if (!r->method || (n > 0 && !r->headers)) return MHD_NO;
+    hs_header_copy hc = {r, 0};
+    if (n > 0) MHD_get_connection_values(conn, MHD_HEADER_KIND, hs_copy_header, &hc);
+    if (hc.failed) return MHD_NO;
+    const union MHD_ConnectionInfo *ci =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+    if (ci && ci->client_addr) {
+        const struct sockaddr *sa = ci->client_addr;
+        if (sa->sa_family == AF_INET) {
+            const struct sockaddr_in *in = (const struct sockaddr_in *)(const void *)sa;
+            inet_ntop(AF_INET, &in->sin_addr, r->remote, sizeof r->remote);
+            r->view.remote_port = ntohs(in->sin_port);
+        } else if (sa->sa_family == AF_INET6) {
+            const struct sockaddr_in6 *in6 = (const struct sockaddr_in6 *)(const void *)sa;
+            inet_ntop(AF_INET6, &in6->sin6_addr, r->remote, sizeof r->remote);
+            r->view.remote_port = ntohs(in6->sin6_port);
+        }
+    }
+    r->view.method = r->method;
+    r->view.remote = r->remote;
+    r->view.headers = r->headers;
+    r->view.nheaders = r->nheaders;
+    s->stats.requests++;
+
+    hs_span caps[HS_MAX_CAPTURES], rest = {NULL, 0};
+    char allow[256];
+    int path_matched;
+    const hs_route *rt =
+        hs_route_find(s, r->method, r->path, caps, &rest, allow, sizeof allow, &path_matched);
+    if (!rt) {
+        if (path_matched) {
+            snprintf(msg, sizeof msg, "method %s is not allowed for %s", r->method, r->path);
+            return hs_answer_now(r, MHD_HTTP_METHOD_NOT_ALLOWED, msg, MHD_HTTP_HEADER_ALLOW, allow);
+        }
+        snprintf(msg, sizeof msg, "no route for %s %s", r->method, r->path);
+        return hs_answer_now(r, MHD_HTTP_NOT_FOUND, msg, NULL, NULL);
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < rt->nsegs; i++) {
+        if (!rt->segs[i].capture) continue;
+        char *v = (char *)malloc(caps[k].n + 1);
+        if (!v) return MHD_NO;
+        hs_percent_decode(caps[k].p, caps[k].n, v, 0);
+        r->captures[r->ncaptures].name = rt->segs[i].text;
+        r->captures[r->ncaptures].value = v;
+        r->ncaptures++;
+        k++;
+    }
+    if (rt->rest) {
+        char *v = (char *)malloc(rest.n + 1);
+        if (!v) return MHD_NO;
+        hs_percent_decode(rest.p, rest.n, v, 0);
+        r->captures[r->ncaptures].name = "rest";
+        r->captures[r->ncaptures].value = v;
+        r->ncaptures++;
+    }
+    r->view.captures = r->captures;
+    r->view.ncaptures = r->ncaptures;
+    r->view.handler_id = rt->handler_id;
+    r->view.body_mode = rt->body_mode;
+    r->route = rt;
+    r->max_body = rt->max_body;
+
+    /* A declared length above the limit is refused before a byte of it is read: a client that
+     * sent Expect: 100-continue never sends the body at all. */
+    const char *cl =
+        MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    unsigned long long declared = 0;
+    int have_length = 0;
+    if (cl && *cl >= '0' && *cl <= '9') {
+        char *end;
+        errno = 0;
+        declared = strtoull(cl, &end, 10);
+        have_length = (*end == '\0' && errno == 0);
+        if (errno == ERANGE) declared = ULLONG_MAX, have_length = 1;
+    }
+    if (have_length && declared > r->max_body) {
+        s->stats.rejected_large++;
+        snprintf(msg, sizeof msg, "request body of %llu bytes exceeds the limit of %zu bytes",
+                 declared, r->max_body);
+        return hs_answer_now(r, MHD_HTTP_CONTENT_TOO_LARGE, msg, NULL, NULL);
+    }
+    if (rt->body_mode == HS_BODY_FILE) {
+        const char *dir = rt->upload_dir ? rt->upload_dir : s->upload_dir;
+        int e = hs_open_body_file(r, dir);
+        if (e) {
+            snprintf(msg, sizeof msg, "cannot store the request body in %s: %s", dir, strerror(e));
+            snprintf(s->lastlog, sizeof s->lastlog, "%.200s", msg);
+            return hs_answer_now(r, MHD_HTTP_INTERNAL_SERVER_ERROR, msg, NULL, NULL);
+        }
+    } else if (rt->body_mode == HS_BODY_MEMORY && have_length && declared > 0) {
+        r->body = (char *)malloc((size_t)declared + 1);
+        if (!r->body) return MHD_NO;
+        r->body_cap = (size_t)declared + 1;
+        if (r->body_cap > s->stats.peak_body_bytes) s->stats.peak_body_bytes = r->body_cap;
+    }
+    r->phase = PH_BODY;
+    return MHD_YES;
+}
+
+/* Takes n body bytes. Past the limit, what was kept is freed and the rest only counted. */
+static void hs_take_body(hs_server *s, hs_request *r, const char *data, size_t n)
+{
+    if (r->too_large || r->store_errno) {
+        r->discarded += n;
+        return;
+    }
+    if (n > r->max_body - r->received) {
+        r->too_large = 1;
+        r->discarded += n;
+        hs_request_drop_body(r);
+        hs_body_file_remove(r);
+        return;
+    }
+    if (r->view.body_mode == HS_BODY_MEMORY) {
+        size_t need = r->received + n + 1;
+        if (need > r->body_cap) {
+            size_t cap = r->body_cap ? r->body_cap : 4096;
+            while (cap < need)
+                cap *= 2;
+            if (cap > r->max_body + 1) cap = r->max_body + 1;
+            char *nb = (char *)realloc(r->body, cap);
+            if (!nb) {
+                r->store_errno = ENOMEM;
+                hs_request_drop_body(r);
+                return;
+            }
+            r->body = nb;
+            r->body_cap = cap;
+            if (cap > s->stats.peak_body_bytes) s->stats.peak_body_bytes = cap;
+        }
+        memcpy(r->body + r->received, data, n);
+    } else if (r->view.body_mode == HS_BODY_FILE) {
+        size_t off = 0;
+        while (off < n) {
+            ssize_t w = write(r->body_fd, data + off, n - off);
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) {
+                r->store_errno = w < 0 ? errno : EIO;
+                hs_body_file_remove(r);
+                return;
+            }
+            off += (size_t)w;
+        }
+    }
+    r->received += n;
+}
+
+/* The body is complete: answer 413/500 here, or suspend and hand the request over. */
+static enum MHD_Result hs_complete(hs_server *s, hs_request *r, struct MHD_Connection *conn)
+{
+    char msg[300];
+    if (r->too_large) {
+        s->stats.rejected_large++;
+        snprintf(msg, sizeof msg, "request body exceeds the limit of %zu bytes", r->max_body);
+        return hs_answer_now(r, MHD_HTTP_CONTENT_TOO_LARGE, msg, NULL, NULL);
+    }
+    if (r->store_errno) {
+        snprintf(msg, sizeof msg, "cannot store the request body: %s", strerror(r->store_errno));
+        return hs_answer_now(r, MHD_HTTP_INTERNAL_SERVER_ERROR, msg, NULL, NULL);
+    }
+    if (r->view.body_mode == HS_BODY_FILE) {
+        close(r->body_fd);
+        r->body_fd = -1;
+        r->view.body_file = r->body_path;
+        r->view.body_file_size = r->received;
+    } else if (r->view.body_mode == HS_BODY_MEMORY) {
+        if (r->body) r->body[r->received] = '\0';
+        r->view.body = r->body ? r->body : "";
+        r->view.body_len = r->received;
+    }
+    r->route = NULL;
+    r->phase = PH_HANDLER;
+    MHD_suspend_connection(conn);
+    r->suspended = 1;
+    s->on_request(r, s->ud);
+    return MHD_YES;
+}
+
+/* MHD's access handler: called when the headers are in, with each piece of body, once more when
+ * the body is complete, and again after every resume while the handler has the request. */
+static enum MHD_Result hs_access_cb(void *cls, struct MHD_Connection *conn, const char *url,
+                                    const char *method, const char *version,
+                                    const char *upload_data, size_t *upload_data_size,
+                                    void **req_cls)
+{
+    hs_server *s = (hs_server *)cls;
+    hs_request *r = (hs_request *)*req_cls;
+    (void)url;
+    (void)version;
+    if (!r) return MHD_NO; /* the URI callback ran out of memory */
+    switch (r->phase) {
+    case PH_NEW:
+        return hs_begin(s, r, conn, method);
+    case PH_BODY:
+        if (*upload_data_size > 0) {
+            hs_take_body(s, r, upload_data, *upload_data_size);
+            *upload_data_size = 0;
+            return r->discarded > HS_DISCARD_MAX ? MHD_NO : MHD_YES;
+        }
+        return hs_complete(s, r, conn);
+    case PH_HANDLER:
+        if (r->pending) {
+            struct MHD_Response *resp = r->pending;
+            r->pending = NULL;
+            r->phase = PH_RESPONSE;
+            enum MHD_Result ret = MHD_queue_response(conn, r->pending_status, resp);
+            MHD_destroy_response(resp);
+            return ret;
+        }
+        /* Resumed without an answer (the server is closing): wait again. */
+        MHD_suspend_connection(conn);
+        r->suspended = 1;
+        return MHD_YES;
+    default:
+        *upload_data_size = 0;
+        return MHD_YES;
+    }
+}
+
+/* MHD's completion callback: the request ended, sent, failed, or dropped at shutdown. */
+static void hs_completed_cb(void *cls, struct MHD_Connection *conn, void **req_cls,
+                            enum MHD_RequestTerminationCode toe)
+{
+    hs_server *s = (hs_server *)cls;
+    hs_request *r = (hs_request *)*req_cls;
+    (void)conn;
+    if (!r) return;
+    *req_cls = NULL;
+    if (!r->mhd_ref) return;
+    r->mhd_ref = 0;
+    if (s->stats.active > 0) s->stats.active--;
+    r->conn = NULL;
+    r->suspended = 0;
+    if (toe == MHD_REQUEST_TERMINATED_COMPLETED_OK)
+        r->state = HS_FINISHED;
+    else if (toe == MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN)
+        r->state = HS_GONE_SERVER;
+    else
+        r->state = HS_GONE_CLIENT;
+    if (r->phase < PH_HANDLER) hs_body_file_remove(r); /* never handed over */
+    r->phase = PH_DONE;
+    if (r->pending) {
+        struct MHD_Response *resp = r->pending;
+        r->pending = NULL;
+        MHD_destroy_response(resp);
+    }
+    hs_notify(r);
+    hs_request_release(r);
+}
+
+/* MHD's content reader for streamed answers: hands over queued bytes (telling the writer side
+ * when the queue is back within its bound), ends the body when the stream was closed, and
+ * otherwise suspends the connection and returns 0 until a write resumes it. */
+static ssize_t hs_stream_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    hs_request *r = (hs_request *)cls;
+    (void)pos;
+    if (r->q_abort) return MHD_CONTENT_READER_END_WITH_ERROR;
+    if (r->q_len > 0) {
+        size_t n = r->q_len < max ? r->q_len : max;
+        memcpy(buf, r->q + r->q_off, n);
+        r->q_off += n;
+        r->q_len -= n;
+        if (r->q_len == 0) r->q_off = 0;
+        if (r->q_len <= r->q_bound) hs_notify(r);
+        return (ssize_t)n;
+    }
+    if (r->q_ended) return MHD_CONTENT_READER_END_OF_STREAM;
+    if (r->conn && !r->suspended) {
+        MHD_suspend_connection(r->conn);
+        r->suspended = 1;
+    }
+    return 0;
+}
+
+static void hs_stream_free(void *cls)
+{
+    hs_request_release((hs_request *)cls);
+}
+
+/* ---- requests: answers ----------------------------------------------------------------------- */
+
+static int hs_can_answer(hs_request *r, char *err, size_t errlen)
+{
+    if (r->responded) {
+        hs_seterr(err, errlen, "a response was already sent for this request");
+        return HS_ERR_STATE;
+    }
+    if (r->state != HS_LIVE || !r->conn || r->phase != PH_HANDLER) {
+        hs_seterr(err, errlen, "%s",
+                  r->state == HS_GONE_SERVER ? "the server was closed"
+                                             : "the client has gone away");
+        return HS_ERR_GONE;
+    }
+    return HS_OK;
+}
+
+static int hs_check_status(unsigned status, char *err, size_t errlen)
+{
+    if (status < 100 || status > 999) {
+        hs_seterr(err, errlen, "status %u is not a valid HTTP status", status);
+        return HS_ERR_INVALID;
+    }
+    return HS_OK;
+}
+
+/* Adds the caller's headers to resp. Content-Length and Transfer-Encoding are the server's to
+ * set (MHD derives them from the body), so they are skipped. */
+static int hs_add_headers(struct MHD_Response *resp, const hs_pair *h, size_t n, char *err,
+                          size_t errlen)
+{
+    for (size_t i = 0; i < n; i++) {
+        const char *name = h[i].name, *value = h[i].value;
+        if (!name || !*name || !value) {
+            hs_seterr(err, errlen, "empty response header name or value");
+            return HS_ERR_INVALID;
+        }
+        for (const char *p = name; *p; p++)
+            if (!hs_is_tchar((unsigned char)*p)) {
+                hs_seterr(err, errlen, "response header name '%s' is not a token", name);
+                return HS_ERR_INVALID;
+            }
+        if (strpbrk(value, "\r\n")) {
+            hs_seterr(err, errlen, "response header '%s' has a line break in its value", name);
+            return HS_ERR_INVALID;
+        }
+        if (strcasecmp(name, "Content-Length") == 0 || strcasecmp(name, "Transfer-Encoding") == 0)
+            continue;
+        if (MHD_add_response_header(resp, name, value) != MHD_YES) {
+            hs_seterr(err, errlen, "libmicrohttpd refused response header '%s'", name);
+            return HS_ERR_INVALID;
+        }
+    }
+    return HS_OK;
+}
+
+/* Stores resp as the answer (consuming it) and resumes the connection to send it. */
+static int hs_set_answer(hs_request *r, unsigned status, struct MHD_Response *resp,
+                         const hs_pair *h, size_t n, char *err, size_t errlen)
+{
+    int rc = hs_add_headers(resp, h, n, err, errlen);
+    if (rc != HS_OK) {
+        MHD_destroy_response(resp);
+        return rc;
+    }
+    r->pending = resp;
+    r->pending_status = status;
+    r->responded = 1;
+    hs_wake_conn(r);
+    return HS_OK;
+}
+
+int hs_request_respond(hs_request *r, unsigned status, const hs_pair *headers, size_t nheaders,
+                       const void *body, size_t len, char *err, size_t errlen)
+{
+    int rc = hs_check_status(status, err, errlen);
+    if (rc == HS_OK) rc = hs_can_answer(r, err, errlen);
+    if (rc != HS_OK) return rc;
+    struct MHD_Response *resp =
+        MHD_create_response_from_buffer(len, (void *)(uintptr_t)body, MHD_RESPMEM_MUST_COPY);
+    if (!resp) {
+        hs_seterr(err, errlen, "out of memory creating a response");
+        return HS_ERR_NOMEM;
+    }
+    return hs_set_answer(r, status, resp, headers, nheaders, err, errlen);
+}
+
+int hs_request_respond_fd(hs_request *r, unsigned status, const hs_pair *headers, size_t nheaders,
+                          int fd, uint64_t size, char *err, size_t errlen)
+{
+    int rc = hs_check_status(status, err, errlen);
+    if (rc == HS_OK) rc = hs_can_answer(r, err, errlen);
+    if (rc != HS_OK) {
+        close(fd);
+        return rc;
+    }
+    struct MHD_Response *resp = MHD_create_response_from_fd64(size, fd);
+    if (!resp) {
+        close(fd);
+        hs_seterr(err, errlen, "libmicrohttpd cannot send this file (size %llu)",
+                  (unsigned long long)size);
+        return HS_ERR_NOMEM;
+    }
+    return hs_set_answer(r, status, resp, headers, nheaders, err, errlen);
+}
+
+int hs_request_stream_open(hs_request *r, unsigned status, const hs_pair *headers, size_t nheaders,
+                           size_t bound, char *err, size_t errlen)
+{
+    int rc = hs_check_status(status, err, errlen);
+    if (rc == HS_OK) rc = hs_can_answer(r, err, errlen);
+    if (rc != HS_OK) return rc;
+    struct MHD_Response *resp = MHD_create_response_from_callback(
+        MHD_SIZE_UNKNOWN, HS_STREAM_BLOCK, hs_stream_read, r, hs_stream_free);
+    if (!resp) {
+        hs_seterr(err, errlen, "out of memory creating a response");
+        return HS_ERR_NOMEM;
+    }
+    hs_request_retain(r); /* the response's, dropped by hs_stream_free */
+    r->streaming = 1;
+    r->q_bound = bound ? bound : HS_DEFAULT_STREAM_BUFFER;
+    rc = hs_set_answer(r, status, resp, headers, nheaders, err, errlen);
+    if (rc != HS_OK) r->streaming = 0;
+    return rc;
+}
+
+int hs_request_stream_write(hs_request *r, const void *data, size_t len)
+{
+    if (!r->streaming || r->q_ended) return HS_ERR_STATE;
+    if (r->state != HS_LIVE) return HS_ERR_GONE;
+    if (len == 0) return HS_OK;
+    if (r->q_off + r->q_len + len > r->q_cap) {
+        if (r->q_len + len <= r->q_cap) {
+            memmove(r->q, r->q + r->q_off, r->q_len);
+        } else {
+            size_t cap = r->q_cap ? r->q_cap : 4096;
+            while (cap < r->q_len + len)
+                cap *= 2;
+            char *nq = (char *)malloc(cap);
+            if (!nq) return HS_ERR_NOMEM;
+            if (r->q_len) memcpy(nq, r->q + r->q_off, r->q_len);
+            free(r->q);
+            r->q = nq;
+            r->q_cap = cap;
+        }
+        r->q_off = 0;
+    }
+    memcpy(r->q + r->q_off + r->q_len, data, len);
+    r->q_len += len;
+    hs_wake_conn(r);
+    return HS_OK;
+}
+
+size_t hs_request_stream_pending(const hs_request *r)
+{
+    return r->q_len;
+}
+
+size_t hs_request_stream_bound(const hs_request *r)
+{
+    return r->q_bound;
+}
+
+void hs_request_stream_close(hs_request *r, int abort)
+{
+    if (!r->streaming || r->q_ended) return;
+    r->q_ended = 1;
+    r->q_abort = abort;
+    hs_wake_conn(r);
+}
+
+/* ---- servers --------------------------------------------------------------------------------- */
+
+/* MHD's logger. Its messages are about clients misbehaving or resources running out; a server
+ * that printed them would let any client write to our stderr, so the last one is kept for
+ * error reports and printed only when MOONBOX_HTTPD_LOG=1. */
+static void hs_log_cb(void *cls, const char *fmt, va_list ap)
+{
+    hs_server *s = (hs_server *)cls;
+    vsnprintf(s->lastlog, sizeof s->lastlog, fmt, ap);
+    size_t n = strlen(s->lastlog);
+    while (n > 0 && (s->lastlog[n - 1] == '\n' || s->lastlog[n - 1] == '\r'))
+        s->lastlog[--n] = 0;
+    if (s->log_to_stderr) fprintf(stderr, "moonbox httpd: %s\n", s->lastlog);
+}
+
+/* Lets MHD do all it can without blocking (accept, read, write, call back), then re-arms the
+ * timer from MHD_get_timeout: 0 when MHD has more ready work than one run took, the nearest
+ * connection timeout otherwise, and not at all when MHD needs no timer. */
+static void hs_run(hs_server *s)
+{
+    MHD_UNSIGNED_LONG_LONG ms;
+    MHD_run(s->daemon);
+    ev_timer_stop(s->loop, &s->timer);
+    if (MHD_get_timeout(s->daemon, &ms) == MHD_YES) {
+        ev_timer_set(&s->timer, (double)ms / 1000.0, 0.);
+        ev_timer_start(s->loop, &s->timer);
+    }
+}
+
+static void hs_io_cb(struct ev_loop *loop, ev_io *w, int revents)
+{
+    (void)loop;
+    (void)revents;
+    hs_run((hs_server *)w->data);
+}
+
+static void hs_timer_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop;
+    (void)revents;
+    hs_run((hs_server *)w->data);
+}
+
+static void hs_server_free(hs_server *s)
+{
+    for (size_t i = 0; i < s->nroutes; i++)
+        hs_route_free(&s->routes[i]);
+    free(s->routes);
+    free(s->upload_dir);
+    free(s);
+}
+
+int hs_server_start(struct ev_loop *loop, const hs_config *cfg, hs_server **out, char *err,
+                    size_t errlen)
+{
+    const char *host = cfg->host ? cfg->host : "127.0.0.1";
+    *out = NULL;
+    if (cfg->port < 0 || cfg->port > 65535) {
+        hs_seterr(err, errlen, "port %d is out of range", cfg->port);
+        return HS_ERR_INVALID;
+    }
+    if (!cfg->on_request) {
+        hs_seterr(err, errlen, "no request callback");
+        return HS_ERR_INVALID;
+    }
+    hs_server *s = (hs_server *)calloc(1, sizeof *s);
+    if (!s) {
+        hs_seterr(err, errlen, "out of memory");
+        return HS_ERR_NOMEM;
+    }
+    s->loop = loop;
+    s->max_body = cfg->max_body ? cfg->max_body : HS_DEFAULT_MAX_BODY;
+    s->upload_dir = strdup(cfg->upload_dir ? cfg->upload_dir : "/tmp");
+    s->on_request = cfg->on_request;
+    s->ud = cfg->ud;
+    const char *dbg = getenv("MOONBOX_HTTPD_LOG");
+    s->log_to_stderr = dbg && strcmp(dbg, "1") == 0;
+    if (!s->upload_dir) {
+        hs_server_free(s);
+        hs_seterr(err, errlen, "out of memory");
+        return HS_ERR_NOMEM;
+    }
+
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    int gai = getaddrinfo(host, NULL, &hints, &ai);
+    if (gai != 0 || !ai) {
+        hs_seterr(err, errlen, "cannot resolve listen address '%s': %s", host,
+                  gai ? gai_strerror(gai) : "no address");
+        hs_server_free(s);
+        return HS_ERR_INVALID;
+    }
+    struct sockaddr_storage addr;
+    memset(&addr, 0, sizeof addr);
+    memcpy(&addr, ai->ai_addr, ai->ai_addrlen);
+    int family = ai->ai_family;
+    freeaddrinfo(ai);
+    unsigned int flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    if (family == AF_INET6) {
+        struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)&addr;
+        in6->sin6_port = htons((uint16_t)cfg->port);
+        inet_ntop(AF_INET6, &in6->sin6_addr, s->host, sizeof s->host);
+        flags |= MHD_USE_IPv6;
+    } else {
+        struct sockaddr_in *in = (struct sockaddr_in *)&addr;
+        in->sin_port = htons((uint16_t)cfg->port);
+        inet_ntop(AF_INET, &in->sin_addr, s->host, sizeof s->host);
+    }
+    unsigned int limit = cfg->connection_limit ? cfg->connection_limit : HS_DEFAULT_CONNECTION_MAX;
+    unsigned int idle = cfg->idle_timeout ? cfg->idle_timeout : HS_DEFAULT_IDLE_TIMEOUT;
+    s->daemon = MHD_start_daemon(
+        flags, (uint16_t)cfg->port, NULL, NULL, hs_access_cb, s, MHD_OPTION_SOCK_ADDR,
+        (struct sockaddr *)&addr, MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_CONNECTION_TIMEOUT,
+        idle, MHD_OPTION_LISTEN_BACKLOG_SIZE, HS_LISTEN_BACKLOG, MHD_OPTION_NOTIFY_COMPLETED,
+        hs_completed_cb, s, MHD_OPTION_URI_LOG_CALLBACK, hs_uri_cb, s, MHD_OPTION_EXTERNAL_LOGGER,
+        hs_log_cb, s, MHD_OPTION_END);
+    if (!s->daemon) {
+        hs_seterr(err, errlen, "cannot listen on %s port %d: %s", s->host, cfg->port,
+                  s->lastlog[0] ? s->lastlog : "libmicrohttpd refused to start");
+        hs_server_free(s);
+        return HS_ERR_SYSTEM;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_EPOLL_FD);
+    const union MHD_DaemonInfo *pi = MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_BIND_PORT);
+    if (!di || di->epoll_fd < 0 || !pi) {
+        MHD_stop_daemon(s->daemon);
+        hs_server_free(s);
+        hs_seterr(err, errlen, "libmicrohttpd did not report its epoll descriptor or port");
+        return HS_ERR_SYSTEM;
+    }
+    s->port = pi->port;
+    ev_io_init(&s->io, hs_io_cb, di->epoll_fd, EV_READ);
+    s->io.data = s;
+    ev_io_start(loop, &s->io);
+    ev_timer_init(&s->timer, hs_timer_cb, 0., 0.);
+    s->timer.data = s;
+    hs_kick(s);
+    *out = s;
+    return HS_OK;
+}
+
+int hs_server_port(const hs_server *s)
+{
+    return s->port;
+}
+
+const char *hs_server_host(const hs_server *s)
+{
+    return s->host;
+}
+
+void hs_server_stats(const hs_server *s, hs_stats *out)
+{
+    *out = s->stats;
+    const union MHD_DaemonInfo *ci =
+        MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+    out->connections = ci ? ci->num_connections : 0;
+}
+
+void hs_server_quiesce(hs_server *s)
+{
+    if (s->quiesced) return;
+    s->quiesced = 1;
+    MHD_socket fd = MHD_quiesce_daemon(s->daemon);
+    if (fd != MHD_INVALID_SOCKET) close(fd);
+    hs_kick(s);
+}
+
+void hs_server_close(hs_server *s)
+{
+    s->closing = 1;
+    ev_io_stop(s->loop, &s->io);
+    ev_timer_stop(s->loop, &s->timer);
+    /* MHD must not be stopped with suspended connections; resumed ones it closes itself,
+     * ending their requests as HS_GONE_SERVER through hs_completed_cb. */
+    for (hs_request *r = s->live; r; r = r->next) {
+        if (r->conn && r->suspended) {
+            r->suspended = 0;
+            MHD_resume_connection(r->conn);
+        }
+    }
+    MHD_stop_daemon(s->daemon);
+    s->daemon = NULL;
+    /* What is left is held by handlers (or, defensively, by MHD if it never reported an end). */
+    while (s->live) {
+        hs_request *r = s->live;
+        hs_request_retain(r); /* destroying a stream answer below drops a reference */
+        hs_unlink_live(r);
+        r->conn = NULL;
+        r->suspended = 0;
+        if (r->pending) {
+            struct MHD_Response *resp = r->pending;
+            r->pending = NULL;
+            MHD_destroy_response(resp);
+        }
+        if (r->state == HS_LIVE) r->state = HS_GONE_SERVER;
+        hs_notify(r);
+        if (r->mhd_ref) {
+            r->mhd_ref = 0;
+            hs_request_release(r);
+        }
+        hs_request_release(r);
+    }
+    hs_server_free(s);
+}
