@@ -317,6 +317,18 @@ static int res_send(lua_State *L)
     return answer_result(L, res, rc, err, "res:send");
 }
 
+/* res:drop() -> true, or false when the client has gone: answers by closing the connection
+ * without a reply, as a response lost on the way would look to the client (fault injection).
+ * Raises when a response was already sent. Does not yield. */
+static int res_drop(lua_State *L)
+{
+    hd_response *res = check_res(L, 1);
+    hs_request *r = res_answerable(L, res, "res:drop");
+    char err[256];
+    int rc = hs_request_drop(r, err, sizeof err);
+    return answer_result(L, res, rc, err, "res:drop");
+}
+
 /* res:send_file(status, path, headers) -> true, or false when the client has gone. Sends the
  * file's bytes (sendfile; the file is opened now, so a later rename or unlink does not matter)
  * with Content-Type defaulting to application/octet-stream. Raises a structured error (op
@@ -1282,8 +1294,8 @@ static const luaL_Reg request_methods[] = {
 };
 
 static const luaL_Reg response_methods[] = {
-    {"send", res_send}, {"send_file", res_send_file}, {"stream", res_stream}, {"sent", res_sent},
-    {NULL, NULL},
+    {"send", res_send},     {"drop", res_drop}, {"send_file", res_send_file},
+    {"stream", res_stream}, {"sent", res_sent}, {NULL, NULL},
 };
 
 static const luaL_Reg writer_methods[] = {

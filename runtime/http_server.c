@@ -132,6 +132,7 @@ struct hs_request {
     struct MHD_Response *pending;
     unsigned pending_status;
     int responded;
+    int drop; /* answer by closing the connection without a reply (fault injection) */
 
     /* a streamed answer: bytes q[q_off .. q_off + q_len) wait for MHD */
     int streaming;
@@ -878,6 +879,10 @@ static enum MHD_Result hs_access_cb(void *cls, struct MHD_Connection *conn, cons
         }
         return hs_complete(s, r, conn);
     case PH_HANDLER:
+        if (r->drop) {
+            r->phase = PH_RESPONSE;
+            return MHD_NO; /* MHD closes the connection: the client gets no reply at all */
+        }
         if (r->pending) {
             struct MHD_Response *resp = r->pending;
             r->pending = NULL;
@@ -1024,6 +1029,16 @@ static int hs_set_answer(hs_request *r, unsigned status, struct MHD_Response *re
     }
     r->pending = resp;
     r->pending_status = status;
+    r->responded = 1;
+    hs_wake_conn(r);
+    return HS_OK;
+}
+
+int hs_request_drop(hs_request *r, char *err, size_t errlen)
+{
+    int rc = hs_can_answer(r, err, errlen);
+    if (rc != HS_OK) return rc;
+    r->drop = 1;
     r->responded = 1;
     hs_wake_conn(r);
     return HS_OK;

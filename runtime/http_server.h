@@ -156,6 +156,10 @@ void hs_request_discard_body_file(hs_request *r);
 /* Answers with status, headers and a copy of body. The connection resumes on the loop's next
  * turn. HS_ERR_GONE when the client or server is gone, HS_ERR_STATE after a first answer,
  * HS_ERR_INVALID for a bad status or header. */
+/* Answers by closing the connection without any reply (the client sees the connection end
+ * before a status line), as a lost response would look; for fault injection. */
+int hs_request_drop(hs_request *r, char *err, size_t errlen);
+
 int hs_request_respond(hs_request *r, unsigned status, const hs_pair *headers, size_t nheaders,
                        const void *body, size_t len, char *err, size_t errlen);
 
