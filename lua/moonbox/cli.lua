@@ -51,6 +51,11 @@ end
 --- Runs fn(...) as the root task with SIGINT/SIGTERM cancelling it; returns exit code, plus
 -- the error when it failed.
 local function run_root(fn, ...)
+  return M.run_root_opts({}, fn, ...)
+end
+
+--- Like run_root; opts.quiet_signals: a signal is a normal way to stop (no message).
+function M.run_root_opts(opts, fn, ...)
   local sigs = core.signal_cancel({ "INT", "TERM" })
   local ok, err = pcall(core.run, fn, ...)
   local sig = core.signal_received()
@@ -59,6 +64,10 @@ local function run_root(fn, ...)
   core.shutdown()
   local unobserved = core.report_unobserved()
   if sig then
+    local cancelled = type(err) == "table" and core.Error.is(err) and err.code == "cancelled"
+    if opts.quiet_signals and (ok or cancelled) then
+      return EXIT_SIGNAL[sig] or EXIT_FAIL
+    end
     if not ok and not (type(err) == "table" and core.Error.is(err) and err.code == "cancelled") then
       eprintf("moonbox: interrupted by SIG%s; while unwinding: %s\n", sig, M.format_error(err))
     else
@@ -121,6 +130,103 @@ check runs at exit: a run that leaves any Lua registry reference held fails with
     if getmetatable(err) == exit_mt then return err.code end
     eprintf("moonbox test: %s\n", M.format_error(err))
     return EXIT_FAIL
+  end)
+
+--- Parses --flag VALUE / --flag=VALUE options against a spec {name = "value"|"flag"}; returns
+-- options, positional arguments, or nil and a message.
+local function parse_flags(args, spec)
+  local opts, rest = {}, {}
+  local i = 1
+  while i <= #args do
+    local a = args[i]
+    local name, value = a:match("^%-%-([%w%-]+)=(.*)$")
+    if not name then name = a:match("^%-%-([%w%-]+)$") end
+    if name then
+      local kind = spec[name]
+      if not kind then return nil, "unknown option --" .. name end
+      if kind == "flag" then
+        opts[name] = true
+      else
+        if value == nil then
+          i = i + 1
+          value = args[i]
+          if value == nil then return nil, "option --" .. name .. " needs a value" end
+        end
+        opts[name] = value
+      end
+    else
+      rest[#rest + 1] = a
+    end
+    i = i + 1
+  end
+  return opts, rest
+end
+M.parse_flags = parse_flags
+
+--- The default state directory: $XDG_STATE_HOME/moonbox, else ~/.local/state/moonbox.
+function M.state_home()
+  local xdg = os.getenv("XDG_STATE_HOME")
+  if xdg and xdg ~= "" then return xdg .. "/moonbox" end
+  return (os.getenv("HOME") or "/root") .. "/.local/state/moonbox"
+end
+
+command("local", "serve Render's sandbox API on this machine",
+  "moonbox local [--port N] [--state DIR] [--image DIR] [--faults SPEC] [--api-key KEY]\n" ..
+  "                     [--workspace tea-...] [--concurrency-limit N] [--seed N]",
+  [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and runs real, isolated sandboxes on
+this machine: namespaces, an overlay root filesystem over the host's root (or --image DIR),
+snapshots as layers. Prints the lines that point a client at it:
+
+  RENDER_LOCAL_DEV_URL=http://127.0.0.1:8120
+  RENDER_API_KEY=...            (generated at first start, kept 0600 in the state dir)
+  RENDER_WORKSPACE_ID=tea-...
+
+--port 0 picks a free port. --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
+--faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
+/_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
+Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
+  function(args)
+    local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
+      faults = "value", ["api-key"] = "value", workspace = "value", ["concurrency-limit"] = "value",
+      seed = "value", host = "value" })
+    if not opts then return usage_error("local: %s", rest) end
+    if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
+    local port = tonumber(opts.port or "8120")
+    if not port or port < 0 or port > 65535 or port % 1 ~= 0 then
+      return usage_error("local: --port must be 0..65535")
+    end
+    local loopback = { ["127.0.0.1"] = true, localhost = true, ["::1"] = true }
+    if opts.host and not loopback[opts.host] then
+      return usage_error("local: --host must be a loopback address; moonbox local never listens elsewhere")
+    end
+    local faults = opts.faults
+    if faults and faults:sub(1, 1) == "@" then
+      local f = io.open(faults:sub(2))
+      if not f then return usage_error("local: cannot read the faults file %s", faults:sub(2)) end
+      faults = f:read("a")
+      f:close()
+    end
+    local code, err = M.run_root_opts({ quiet_signals = true }, function()
+      local backend = require("moonbox.local").start {
+        host = opts.host, port = port, state_dir = opts.state or (M.state_home() .. "/local"),
+        image = opts.image, faults = faults, api_key = opts["api-key"], workspace = opts.workspace,
+        concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
+      }
+      local _close <close> = setmetatable({}, { __close = function() backend:close() end })
+      io.stdout:write(string.format(
+        "RENDER_LOCAL_DEV_URL=%s\nRENDER_API_KEY=%s\nRENDER_WORKSPACE_ID=%s\n",
+        backend.url, backend.api_key, backend.workspace))
+      io.stdout:flush()
+      io.stderr:write(string.format("moonbox local: serving on %s (state in %s); Ctrl-C stops\n",
+        backend.url, backend.state_dir))
+      core.cond():wait()
+    end)
+    if err ~= nil then
+      eprintf("moonbox local: %s\n", M.format_error(err))
+      return EXIT_FAIL
+    end
+    if code == 130 or code == 143 then return EXIT_OK end
+    return code
   end)
 
 command("version", "print the version", "moonbox version",
