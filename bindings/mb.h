@@ -176,6 +176,7 @@ void mb_errors_open(lua_State *L);
 
 /* ---- module openers ------------------------------------------------------------------------ */
 
+int luaopen_moonbox_archive(lua_State *L);
 int luaopen_moonbox_core(lua_State *L);
 int luaopen_moonbox_http(lua_State *L);
 int luaopen_moonbox_httpd(lua_State *L);
