@@ -174,6 +174,9 @@ static http_op *start_op(lua_State *L, http_op *op, int stream)
     spec.connect_timeout_ms = (long)(opt_seconds(L, 1, "connect_timeout") * 1000);
     spec.timeout_ms = (long)(opt_seconds(L, 1, "timeout") * 1000);
     spec.idle_timeout_ms = (long)(opt_seconds(L, 1, "idle_timeout") * 1000);
+    lua_getfield(L, 1, "fresh_connect");
+    spec.fresh_connect = lua_toboolean(L, -1);
+    lua_pop(L, 1);
     spec.stream = stream;
     if (lua_getfield(L, 1, "buffer") != LUA_TNIL)
         spec.stream_buffer = (size_t)luaL_checkinteger(L, -1);
@@ -274,10 +277,11 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
  * headers ({name=value} or {"Name: value"}), body (string) or body_file (path), output_file
  * (write the body there; body is then ""), timeout / connect_timeout / idle_timeout (seconds),
  * max_body (bytes kept in memory, default 256 MiB), accept_encoding ("gzip" to request and
- * decode compressed bodies). Any HTTP status is a result, not an error. Raises a structured
- * error (op "http.request", code connect_failed | dns_failed | timeout | connection_reset |
- * malformed_response | tls_failed | body_too_large | file_error | bad_url | transport_error,
- * retryable, method, url) when the transfer itself fails. [yields] */
+ * decode compressed bodies), fresh_connect (true: a new connection, so libcurl can never
+ * re-send the request on its own after a reused connection died). Any HTTP status is a result, not
+ * an error. Raises a structured error (op "http.request", code connect_failed | dns_failed |
+ * timeout | connection_reset | malformed_response | tls_failed | body_too_large | file_error |
+ * bad_url | transport_error, retryable, method, url) when the transfer itself fails. [yields] */
 static int l_request(lua_State *L)
 {
     mb_task *t = mb_task_check_yieldable(L, "http.request");

@@ -65,6 +65,7 @@ struct mb_task {
 
     /* Cancellation requested while not parked: delivered at the next park. */
     int cancel_pending;
+    int cancel_delivered; /* a cancelled error was raised in it at least once */
     int deadline_pending; /* level index of a fired deadline not yet delivered, or -1 */
 
     /* Deadline stack: absolute ev_now() times; fired levels are no longer enforced. */

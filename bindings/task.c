@@ -299,6 +299,7 @@ mb_task *mb_task_check_yieldable(lua_State *L, const char *what)
 
 static int raise_cancelled(lua_State *L, mb_task *t)
 {
+    t->cancel_delivered = 1;
     mb_error_new(L, "task", "cancelled", "task %I was cancelled", (lua_Integer)t->id);
     mb_setfield_int(L, -1, "task_id", (lua_Integer)t->id);
     return lua_error(L);
@@ -519,6 +520,7 @@ static int task_entry(lua_State *L)
     int n = lua_gettop(L);
     if (t->cancel_pending) { /* cancelled before it ever ran: do not start the body */
         t->cancel_pending = 0;
+        t->cancel_delivered = 1;
         lua_settop(L, 0);
         lua_pushboolean(L, 0);
         mb_error_new(L, "task", "cancelled", "task %I was cancelled before it started",
@@ -586,6 +588,18 @@ static void task_complete(mb_runtime *rt, mb_task *t, int status, int nres)
     lua_setiuservalue(L, ud, UV_THREAD);
     set_task_of(rt, co, NULL);
     t->co = NULL;
+    if (!t->ok && !t->observed && t->cancel_delivered) {
+        /* It ended by the cancellation it was sent: that is what cancelling asks for, not a
+         * failure anybody must hear about. */
+        lua_getfield(L, data, "err");
+        if (lua_istable(L, -1)) {
+            lua_getfield(L, -1, "code");
+            if (lua_isstring(L, -1) && strcmp(lua_tostring(L, -1), "cancelled") == 0)
+                t->observed = 1;
+            lua_pop(L, 1);
+        }
+        lua_pop(L, 1);
+    }
     if (!t->ok && !t->observed) {
         /* Remember it until someone joins it or the run ends (reported then, or by __gc). */
         lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.unobserved");
@@ -598,6 +612,10 @@ static void task_complete(mb_runtime *rt, mb_task *t, int status, int nres)
     t->ref = LUA_NOREF;
     mb_unref(L, ref);
     lua_settop(L, top);
+    /* Whoever drives the loop (task.run, shutdown) waits for some task to finish and checks
+     * after each ev_run(ONCE): return to it now rather than blocking in the next poll, which
+     * may have nothing to wake it. */
+    ev_break(rt->loop, EVBREAK_ONE);
 }
 
 /* Resumes one task; only the drain calls this. */

@@ -543,6 +543,10 @@ http_request *http_request_start(http_client *c, const http_request_spec *spec,
         curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, (spec->idle_timeout_ms + 999) / 1000);
     }
     if (spec->accept_encoding) curl_easy_setopt(e, CURLOPT_ACCEPT_ENCODING, spec->accept_encoding);
+    /* libcurl silently re-sends a request, POSTs included, when a reused keep-alive connection
+     * dies before any reply byte. A request that must never be sent twice (a create) asks for
+     * a connection of its own, which curl does not retry. */
+    if (spec->fresh_connect) curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
 
     if (strcmp(method, "HEAD") == 0) {
         curl_easy_setopt(e, CURLOPT_NOBODY, 1L);

@@ -55,6 +55,7 @@ typedef struct http_request_spec {
     size_t stream_buffer;    /* stream mode: pause above this many buffered bytes */
     size_t max_body;         /* memory mode: fail with HTTP_ERR_TOO_LARGE above this; 0 = no cap */
     const char *accept_encoding; /* e.g. "gzip"; NULL = send none, no decoding */
+    int fresh_connect;           /* never on a reused connection (see http_request_start) */
 } http_request_spec;
 
 /* Creates a client on loop. Returns NULL with a message in err on failure. */

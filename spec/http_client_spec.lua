@@ -258,3 +258,21 @@ describe("http.stream", function()
     peer:kill("KILL")
   end))
 end)
+
+describe("http.request fresh_connect", function()
+  it("never lets libcurl re-send a request whose reused connection died", with_server(function(srv)
+    local calls = 0
+    srv:route("POST", "/once", function(_, res)
+      calls = calls + 1
+      res:drop() -- the request was carried out; only the reply is lost
+    end)
+    srv:route("GET", "/warm", function() return 200, "ok" end)
+    -- warm a keep-alive connection so the POST could go out on a reused one
+    assert.are.equal(200, http.request { url = srv.url .. "/warm" }.status)
+    local ok, err = pcall(http.request, { method = "POST", url = srv.url .. "/once", body = "{}",
+      fresh_connect = true })
+    assert.is_false(ok)
+    assert.are.equal("connection_reset", err.code)
+    assert.are.equal(1, calls)
+  end))
+end)

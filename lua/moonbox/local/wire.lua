@@ -1,0 +1,159 @@
+--- moonbox.local.wire — Render's wire conventions for the local backend (render-api.md §1).
+--
+-- What every route shares: the JSON error body {message, code?}, the public shape of each
+-- record (private fields start with "_" and never leave the process), list pages of
+-- [{<kind>: {...}, cursor}] with opaque cursors, ownerId rules, and Go's path.Clean rule for
+-- file paths.
+local json = require "moonbox.json"
+
+local M = {}
+
+M.ApiError = { __name = "moonbox.local.ApiError" }
+M.ApiError.__tostring = function(e)
+  return string.format("%d %s%s", e.status, e.message, e.code and (" (" .. e.code .. ")") or "")
+end
+
+--- wire.is_api_error(v) -> whether v was raised by local.fail.
+function M.is_api_error(v) return getmetatable(v) == M.ApiError end
+
+--- wire.public(rec) -> a copy of rec without private ("_") fields, nil values as JSON null
+-- where Render sends null.
+function M.public(rec, nulls)
+  local out = {}
+  for k, v in pairs(rec) do
+    if type(k) == "string" and k:sub(1, 1) ~= "_" then out[k] = v end
+  end
+  for _, k in ipairs(nulls or {}) do
+    if out[k] == nil then out[k] = json.null end
+  end
+  return out
+end
+
+local SANDBOX_NULLS = { "terminatedAt" }
+local SNAPSHOT_NULLS = { "name", "capturedAt", "sizeBytes", "error", "expiresAt" }
+local GROUP_NULLS = { "environmentId" }
+
+function M.sandbox(rec) return M.public(rec, SANDBOX_NULLS) end
+function M.snapshot(rec) return M.public(rec, SNAPSHOT_NULLS) end
+function M.group(rec) return M.public(rec, GROUP_NULLS) end
+function M.exec(rec) return M.public(rec) end
+
+-- ---- cursors and pages -----------------------------------------------------------------------
+
+local B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+
+-- base64url without padding: cursors must look opaque, and survive a query string unescaped.
+local function b64(s)
+  local out = {}
+  for i = 1, #s, 3 do
+    local a, b, c = s:byte(i, i + 2)
+    local n = (a << 16) | ((b or 0) << 8) | (c or 0)
+    local chars = 2 + (b and 1 or 0) + (c and 1 or 0)
+    for j = 1, chars do
+      local v = (n >> (6 * (4 - j))) & 63
+      out[#out + 1] = B64:sub(v + 1, v + 1)
+    end
+  end
+  return table.concat(out)
+end
+
+local function unb64(s)
+  if not s:match("^[%w%-_]+$") or #s % 4 == 1 then return nil end
+  local out = {}
+  for i = 1, #s, 4 do
+    local chunk = s:sub(i, i + 3)
+    local n = 0
+    for j = 1, 4 do
+      local c = chunk:sub(j, j)
+      local v = c ~= "" and (B64:find(c, 1, true) - 1) or 0
+      n = (n << 6) | v
+    end
+    local bytes = #chunk - 1
+    for j = 1, bytes do out[#out + 1] = string.char((n >> (8 * (3 - j))) & 255) end
+  end
+  return table.concat(out)
+end
+
+--- wire.cursor(kind, seq) -> an opaque cursor naming one record's place in its list.
+function M.cursor(kind, seq) return b64(kind .. ":" .. seq) end
+
+--- wire.parse_cursor(kind, s) -> seq, or nil when s is not a cursor of that kind.
+function M.parse_cursor(kind, s)
+  local raw = unb64(s or "")
+  if not raw then return nil end
+  local k, seq = raw:match("^(%a+):(%d+)$")
+  if k ~= kind then return nil end
+  return tonumber(seq)
+end
+
+--- wire.page(req, kind, wrapper, records, shape, opts) -> JSON array page. records are newest
+-- first; the cursor query parameter continues after the record it names; limit is 1..100
+-- (default 20). Raises 400 invalid_cursor / invalid_limit.
+function M.page(req, kind, wrapper, records, shape, fail)
+  local limit = 20
+  local lim = req:query_param("limit")
+  if lim ~= nil then
+    limit = math.tointeger(tonumber(lim))
+    if not limit or limit < 1 or limit > 100 then
+      fail(400, "limit must be an integer between 1 and 100", "invalid_limit")
+    end
+  end
+  local start = 1
+  local cur = req:query_param("cursor")
+  if cur ~= nil then
+    local seq = M.parse_cursor(kind, cur)
+    if not seq then fail(400, "invalid cursor", "invalid_cursor") end
+    start = #records + 1
+    for i, rec in ipairs(records) do
+      if rec._seq < seq then
+        start = i
+        break
+      end
+    end
+  end
+  local out = json.array()
+  for i = start, math.min(#records, start + limit - 1) do
+    local rec = records[i]
+    out[#out + 1] = { [wrapper] = shape(rec), cursor = M.cursor(kind, rec._seq) }
+  end
+  return out
+end
+
+-- ---- paths ------------------------------------------------------------------------------------
+
+--- wire.clean_path(p) -> p cleaned exactly as Go's path.Clean does.
+function M.clean_path(p)
+  if p == "" then return "." end
+  local rooted = p:sub(1, 1) == "/"
+  local out = {}
+  for seg in p:gmatch("[^/]+") do
+    if seg == ".." then
+      if #out > 0 and out[#out] ~= ".." then
+        out[#out] = nil
+      elseif not rooted then
+        out[#out + 1] = ".."
+      end
+    elseif seg ~= "." then
+      out[#out + 1] = seg
+    end
+  end
+  local s = table.concat(out, "/")
+  if rooted then return "/" .. s end
+  return s == "" and "." or s
+end
+
+--- wire.sandbox_path(p, fail) -> the absolute path inside the sandbox: relative paths are under
+-- the home directory /root. Raises 400 for a missing or unclean path.
+function M.sandbox_path(p, fail)
+  if p == nil or p == "" then fail(400, "query parameter 'path' is required") end
+  local clean = M.clean_path(p)
+  if clean ~= p then
+    fail(400, string.format("path %q is not clean (it would be %q); send it cleaned", p, clean))
+  end
+  if p:find("%z") then fail(400, "path contains a NUL byte") end
+  if p:sub(1, 1) == "/" then return p end
+  if p == "." then return "/root" end
+  return "/root/" .. p
+end
+
+return M

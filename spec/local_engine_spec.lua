@@ -1,0 +1,560 @@
+-- Pins moonbox.local.engine: real local sandboxes (overlay root, bubblewrap namespaces, a
+-- freezer cgroup) — exec, isolation between sandboxes and from the host, suspend, snapshots as
+-- layers, file operations inside the sandbox, teardown that leaves nothing behind, recovery
+-- after a restart. Needs root, bwrap, nsenter, setpriv, overlayfs and a freezer cgroup (CI has
+-- them); the first spec fails with eng:check()'s sentences when something is missing.
+local T = require "moonbox.testing"
+local task = require "moonbox.task"
+local proc = require "moonbox.proc"
+local httpd = require "moonbox.httpd"
+local Engine = require "moonbox.local.engine"
+
+local STATE = string.format("/tmp/moonbox-engine-spec-%d-%d", os.time(), math.random(1e6))
+local eng = Engine.new { state_dir = STATE }
+local created = {} -- every id a spec created, terminated again in teardown
+
+local function new_id(name)
+  local id = "sbx-" .. name
+  created[#created + 1] = { eng = eng, id = id }
+  return id
+end
+
+-- Runs command in sandbox id and returns its stdout; fails the spec on a non-zero exit.
+local function sh(e, id, command)
+  local r = e:run(id, command)
+  assert.are.equal(0, r.code, "`" .. command .. "` in " .. id .. " exited " .. tostring(r.code) ..
+    ": " .. r.stderr)
+  return r.stdout
+end
+
+local function errors_with(code, fn, ...)
+  local ok, err = pcall(fn, ...)
+  assert.is_false(ok, "expected an error with code " .. code)
+  assert.are.equal("table", type(err), tostring(err))
+  assert.are.equal(code, err.code, tostring(err))
+  return err
+end
+
+local function host_file(name, content)
+  local path = STATE .. "-" .. name
+  local f = assert(io.open(path, "wb"))
+  f:write(content)
+  f:close()
+  return path
+end
+
+local function read_all(p)
+  local parts = {}
+  for chunk in function() return p:read("stdout") end do parts[#parts + 1] = chunk end
+  return table.concat(parts)
+end
+
+local function exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+local function mounted_under(prefix)
+  local f = assert(io.open("/proc/self/mountinfo"))
+  local s = f:read("a")
+  f:close()
+  return s:find(prefix, 1, true) ~= nil
+end
+
+local function gone(pid)
+  local f = io.open("/proc/" .. pid .. "/stat")
+  if not f then return true end
+  local state = f:read("a"):match("^%d+ %b() (%a)")
+  f:close()
+  return state == "Z" or state == "X"
+end
+
+-- T.async, plus a 1 ms timer when the body ends. moonbox's scheduler resumes tasks in an
+-- ev_prepare watcher, so when a test body finishes there, core.run's ev_run(EVRUN_ONCE) goes on
+-- into epoll_wait and sleeps until the next event — up to libev's 60 s cap while a process pipe
+-- is watched (reported to the runtime's owner). The timer is that next event.
+local function async(fn)
+  return T.async(function(...)
+    local t0 = task.now()
+    fn(...)
+    if os.getenv("MB_SPEC_TIMES") then io.stderr:write(string.format(" [%.2fs] ", task.now() - t0)) end
+    task.spawn(function() task.sleep(0.001) end)
+  end)
+end
+
+-- A background counter that replaces /tmp/count atomically (a reader never sees it empty).
+local COUNTER = [[setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/count; ]] ..
+  [[sleep 0.005; done' >/dev/null 2>&1 &]]
+
+local function wait_for(fn, seconds)
+  local deadline = task.now() + (seconds or 5)
+  while task.now() < deadline do
+    if fn() then return true end
+    task.sleep(0.01)
+  end
+  return fn()
+end
+
+describe("moonbox.local.engine", function()
+  teardown(async(function()
+    for _, c in ipairs(created) do pcall(c.eng.terminate, c.eng, c.id) end
+    pcall(eng.close, eng)
+    proc.run { "sh", "-c", 'rm -rf -- "$1" "$1"-*', "rm", STATE }
+  end))
+
+  it("passes its own check on this machine", async(function()
+    local c = eng:check()
+    assert.is_true(c.ok, table.concat(c.problems, "\n"))
+  end))
+
+  it("runs `echo hi` in /root as root with the create env and the sandbox id as hostname",
+    async(function()
+      local id = new_id("echo")
+      local info = eng:create(id, { env = { GREETING = "hello world", LD_LIBRARY_PATH = "/opt/x" } })
+      assert.are.equal("running", info.state)
+      assert.is_true(eng:alive(id))
+      local r = eng:run(id, 'echo hi; pwd; id -u; echo "$GREETING|$HOME|$LD_LIBRARY_PATH"; hostname; ' ..
+        'echo err >&2; exit 3')
+      assert.are.equal(3, r.code)
+      assert.are.equal("hi\n/root\n0\nhello world|/root|/opt/x\n" .. id .. "\n", r.stdout)
+      assert.are.equal("err\n", r.stderr)
+      eng:terminate(id)
+    end))
+
+  it("runs each command as the leader of its own session and process group", async(function()
+    local id = new_id("session")
+    eng:create(id)
+    local out = sh(eng, id, "ps -o pid=,pgid=,sid= -p $$")
+    local pid, pgid, sid = out:match("(%d+)%s+(%d+)%s+(%d+)")
+    assert.are.equal(pid, pgid)
+    assert.are.equal(pid, sid)
+    eng:terminate(id)
+  end))
+
+  it("keeps a deny-all sandbox off the host's loopback while an allow-all one reaches it",
+    async(function()
+      local srv <close> = httpd.listen { port = 0 }
+      srv:route("GET", "/", function() return 200, "ok" end)
+      local closed, open = new_id("deny"), new_id("allow")
+      task.all({
+        function() eng:create(closed, { network = "deny-all" }) end,
+        function() eng:create(open, { network = "allow-all" }) end,
+      })
+      local probe = "exec 3<>/dev/tcp/127.0.0.1/" .. srv.port ..
+        " && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3"
+      local denied = eng:run(closed, probe)
+      assert.are_not.equal(0, denied.code)
+      assert.matches("refused", denied.stderr) -- refused, not unreachable: its own loopback is up
+      local allowed = eng:run(open, probe)
+      assert.are.equal(0, allowed.code, allowed.stderr)
+      assert.matches("200 OK", allowed.stdout)
+      assert.matches("ok$", allowed.stdout)
+      -- deny-all has a network namespace of its own, with loopback as its only interface
+      assert.matches("^%s*lo:", sh(eng, closed, "tail -n +3 /proc/net/dev"))
+      assert.are.equal("1\n", sh(eng, closed, "tail -n +3 /proc/net/dev | wc -l"))
+      eng:terminate(closed)
+      eng:terminate(open)
+    end))
+
+  it("hides one sandbox's files and processes from another, and the state dir from both",
+    async(function()
+      local a, b = new_id("iso-a"), new_id("iso-b")
+      eng:create(a)
+      eng:create(b)
+      local marker = "moonbox-secret-" .. math.random(1e9)
+      sh(eng, a, "echo classified > /root/" .. marker .. "; setsid sleep 4242 >/dev/null 2>&1 &")
+      -- B: not at the same path, not through the host-root base layer (A's upper and the whole
+      -- state dir live on the host's root filesystem), not anywhere on B's filesystem.
+      local upper_path = eng:info(a).upper .. "/root/" .. marker
+      assert.is_true(exists(upper_path)) -- it is there on the host...
+      local r = eng:run(b, "cat /root/" .. marker .. "; cat " .. upper_path .. "; ls -A " .. STATE ..
+        "; find / -xdev -name '" .. marker .. "*' 2>/dev/null; exit 0")
+      assert.are.equal("", r.stdout)                -- ...and nowhere in B
+      assert.matches("No such file", r.stderr)
+      local ps = sh(eng, b, "ps -e -o pid=,args=")
+      assert.is_nil(ps:find("4242", 1, true), ps)
+      local visible = tonumber(sh(eng, b, "ls /proc | grep -c '^[0-9][0-9]*$'"))
+      assert.is_true(visible <= 5, visible .. " processes visible in B") -- init, holder, bash, ls, grep
+      assert.matches("sleep 4242", sh(eng, a, "ps -e -o args="))
+      eng:terminate(a)
+      eng:terminate(b)
+    end))
+
+  it("shows a process started by one exec to the next exec of the same sandbox", async(function()
+    local id = new_id("shared-pid")
+    eng:create(id)
+    sh(eng, id, "setsid nohup sleep 1000 >/dev/null 2>&1 &")
+    assert.matches("^%d+\n$", sh(eng, id, "pgrep -f 'sleep 1000'"))
+    -- one that keeps the exec's pipes open does not hold eng:run either
+    local t0 = task.now()
+    assert.are.equal("started\n", sh(eng, id, "sleep 2000 & echo started"))
+    assert.is_true(task.now() - t0 < 2)
+    assert.matches("^%d+\n$", sh(eng, id, "pgrep -f 'sleep 2000'"))
+    eng:terminate(id)
+  end))
+
+  it("survives a user killing every process inside it", async(function()
+    local id = new_id("killall")
+    eng:create(id)
+    sh(eng, id, "setsid sleep 1000 >/dev/null 2>&1 &")
+    eng:run(id, "kill -9 -1; kill -9 1; kill -TERM 1")
+    assert.is_true(eng:alive(id))
+    assert.are.equal("", sh(eng, id, "pgrep -f '^sleep 1000'; true"))
+    -- orphans are reaped by the init: no zombie is left behind
+    sh(eng, id, "for i in 1 2 3; do sh -c 'sleep 0.02 &'; done")
+    task.sleep(0.2)
+    assert.are.equal("", sh(eng, id, "ps -eo stat= | grep Z; true"))
+    eng:terminate(id)
+  end))
+
+  it("terminates every process of the sandbox, unmounts it and removes its upper dir",
+    async(function()
+      local id = new_id("term")
+      local info = eng:create(id)
+      sh(eng, id, "setsid sleep 1000 >/dev/null 2>&1 & (sleep 2000 &) ; nohup sleep 3000 >/dev/null 2>&1 &")
+      local h = eng:exec(id, "sleep 4000") -- still running when terminate comes
+      local pids = eng:processes(id)
+      assert.is_true(#pids >= 6, "expected the holder, its init and the sleeps, got " .. #pids)
+      eng:terminate(id)
+      assert.are.same({}, eng:processes(id))
+      for _, pid in ipairs(pids) do assert.is_true(gone(pid), "pid " .. pid .. " survived") end
+      assert.are_not.equal(0, (h:wait())) -- killed with the sandbox (or refused entry)
+      assert.is_false(exists(info.upper))
+      assert.is_false(exists(STATE .. "/sandboxes/" .. id))
+      assert.is_false(mounted_under(STATE .. "/sandboxes/" .. id))
+      assert.is_false(eng:alive(id))
+      eng:terminate(id) -- idempotent
+      errors_with("not_found", eng.exec, eng, id, "true")
+    end))
+
+  it("stops progress while frozen and resumes it on thaw", async(function()
+    local id = new_id("freeze")
+    eng:create(id)
+    sh(eng, id, COUNTER)
+    local function count()
+      -- read_file works on a frozen sandbox: file helpers stay outside its cgroup
+      return tonumber(read_all(eng:read_file(id, "/tmp/count")))
+    end
+    assert.is_true(wait_for(function() local ok, n = pcall(count) return ok and n and n > 3 end))
+    eng:freeze(id)
+    assert.is_true(eng:frozen(id))
+    local c1 = count()
+    task.sleep(0.2)
+    assert.are.equal(c1, count())
+    errors_with("frozen", eng.exec, eng, id, "true")
+    eng:thaw(id)
+    assert.is_false(eng:frozen(id))
+    assert.is_true(wait_for(function() return count() > c1 + 5 end))
+    eng:terminate(id) -- also from frozen:
+    local id2 = new_id("freeze-term")
+    eng:create(id2)
+    sh(eng, id2, "setsid sleep 1000 >/dev/null 2>&1 &")
+    eng:freeze(id2)
+    eng:terminate(id2)
+    assert.are.same({}, eng:processes(id2))
+  end))
+
+  it("freezes and thaws through cgroup v2 too", async(function()
+    if not exists("/sys/fs/cgroup/unified/cgroup.controllers") then
+      pending("no cgroup v2 hierarchy mounted at /sys/fs/cgroup/unified")
+      return
+    end
+    local e2 = Engine.new { state_dir = STATE .. "-v2", cgroup_root = "/sys/fs/cgroup/unified" }
+    local id = "sbx-v2"
+    created[#created + 1] = { eng = e2, id = id }
+    e2:create(id)
+    sh(e2, id, COUNTER)
+    local function count() return tonumber(read_all(e2:read_file(id, "/tmp/count"))) end
+    assert.is_true(wait_for(function() local ok, n = pcall(count) return ok and n and n > 3 end))
+    e2:freeze(id)
+    local c1 = count()
+    task.sleep(0.2)
+    assert.are.equal(c1, count())
+    e2:thaw(id)
+    assert.is_true(wait_for(function() return count() > c1 + 5 end))
+    e2:terminate(id)
+    assert.is_true(e2:close())
+  end))
+
+  it("restores a filesystem snapshot, without what /dev held", async(function()
+    local src, dst = new_id("snap-src"), new_id("snap-dst")
+    eng:create(src)
+    sh(eng, src, "mkdir -p /app && echo v1 > /app/data.txt && echo in-dev > /dev/mine && " ..
+      "echo in-shm > /dev/shm/seg && rm /etc/hostname && echo t > /tmp/t")
+    local layer = STATE .. "/layers/fs1"
+    local snap = eng:capture(src, layer, { kind = "filesystem" })
+    assert.is_true(snap.size > 0)
+    assert.is_nil(snap.dev_tar)
+    assert.are.same({ layer }, snap.layers)
+    assert.is_true(eng:alive(src))
+    assert.is_false(eng:frozen(src))
+    sh(eng, src, "echo v2 > /app/data.txt") -- the source goes on; the layer does not change
+    eng:create(dst, { lowers = snap.layers })
+    assert.are.equal("v1\n", sh(eng, dst, "cat /app/data.txt"))
+    assert.are.equal("t\n", sh(eng, dst, "cat /tmp/t"))
+    assert.are.equal("gone\n", sh(eng, dst, "test -e /etc/hostname || echo gone")) -- whiteout kept
+    assert.are.equal("absent\n", sh(eng, dst, "test -e /dev/mine || test -e /dev/shm/seg || echo absent"))
+    eng:terminate(src)
+    eng:terminate(dst)
+  end))
+
+  it("restores /dev from a runtime snapshot", async(function()
+    local src, dst = new_id("rt-src"), new_id("rt-dst")
+    eng:create(src)
+    sh(eng, src, "echo in-dev > /dev/mine && echo in-shm > /dev/shm/seg && echo f > /root/f")
+    local snap = eng:capture(src, STATE .. "/layers/rt1", { kind = "runtime" })
+    assert.are.equal(STATE .. "/layers/rt1.dev.tar", snap.dev_tar)
+    assert.is_true(exists(snap.dev_tar))
+    eng:create(dst, { lowers = snap.layers, dev_tar = snap.dev_tar })
+    assert.are.equal("in-dev\nin-shm\nf\n", sh(eng, dst, "cat /dev/mine /dev/shm/seg /root/f"))
+    assert.are.equal("ok\n", sh(eng, dst, "echo ok > /dev/null && head -c 4 /dev/urandom | wc -c >/dev/null && echo ok"))
+    eng:terminate(src)
+    eng:terminate(dst)
+  end))
+
+  it("restores a chain of three snapshots (a restored sandbox of a restored sandbox)", async(function()
+    local a, b, c, d = new_id("chain-a"), new_id("chain-b"), new_id("chain-c"), new_id("chain-d")
+    eng:create(a)
+    sh(eng, a, "mkdir -p /data && echo a > /data/a && echo doomed > /data/doomed && mkdir -p /data/dir && touch /data/dir/old")
+    local s1 = eng:capture(a, STATE .. "/layers/c1")
+    eng:create(b, { lowers = s1.layers })
+    sh(eng, b, "echo b > /data/b && rm /data/doomed && rm -rf /data/dir && mkdir /data/dir && touch /data/dir/new")
+    local s2 = eng:capture(b, STATE .. "/layers/c2")
+    assert.are.same({ STATE .. "/layers/c2", STATE .. "/layers/c1" }, s2.layers)
+    eng:create(c, { lowers = s2.layers })
+    sh(eng, c, "echo c > /data/c && echo a2 > /data/a")
+    local s3 = eng:capture(c, STATE .. "/layers/c3")
+    assert.are.equal(3, #s3.layers)
+    eng:create(d, { lowers = s3.layers })
+    assert.are.equal("a2\nb\nc\n", sh(eng, d, "cat /data/a /data/b /data/c"))
+    assert.are.equal("dir\n", sh(eng, d, "test -e /data/doomed || ls /data | grep -v '^[abc]$'"))
+    assert.are.equal("new\n", sh(eng, d, "ls /data/dir")) -- opaque directory kept through the chain
+    for _, id in ipairs({ a, b, c, d }) do eng:terminate(id) end
+  end))
+
+  it("writes, reads, stats, lists and tars files inside the sandbox", async(function()
+    local id, other = new_id("files"), new_id("files-2")
+    eng:create(id)
+    eng:create(other)
+    local body = string.rep("0123456789", 10000) .. "\n\0binary\255"
+    local src = host_file("upload", body)
+    eng:write_file(id, "/srv/app/data.bin", src)
+    assert.are.equal(body, read_all(eng:read_file(id, "/srv/app/data.bin")))
+    local st = eng:stat(id, "/srv/app/data.bin")
+    assert.are.equal("file", st.type)
+    assert.are.equal(#body, st.size)
+    assert.are.equal(tonumber("600", 8), st.mode)
+    assert.is_true(math.abs(st.modifiedAt - os.time()) < 60)
+    eng:write_file(id, "notes.txt", host_file("notes", "n\n"), { mode = tonumber("644", 8) })
+    assert.are.equal("644 root n\n", sh(eng, id, "stat -c '%a %U' /root/notes.txt | tr '\\n' ' '; cat /root/notes.txt"))
+    assert.is_nil(eng:stat(id, "/srv/missing"))
+    errors_with("not_found", eng.read_file, eng, id, "/srv/missing")
+    errors_with("is_directory", eng.read_file, eng, id, "/srv/app")
+    errors_with("is_directory", eng.write_file, eng, id, "/srv/app", src)
+    errors_with("not_directory", eng.write_file, eng, id, "/srv/app/data.bin/x", src)
+
+    sh(eng, id, "mkdir -p /srv/app/sub/deep && echo x > /srv/app/sub/deep/f && ln -s sub /srv/app/cur")
+    assert.are.equal("directory", eng:stat(id, "/srv/app/cur", { follow = true }).type)
+    local top = eng:list(id, "/srv/app", 1)
+    local names = {}
+    for _, e in ipairs(top) do names[#names + 1] = e.name .. ":" .. e.type end
+    assert.are.same({ "cur:symlink", "data.bin:file", "sub:directory" }, names)
+    assert.are.equal("sub", top[1].target)
+    assert.are.equal(0, top[3].size)
+    local deep = eng:list(id, "/srv/app", 3)
+    names = {}
+    for _, e in ipairs(deep) do names[#names + 1] = e.name end
+    assert.are.same({ "cur", "data.bin", "sub", "sub/deep", "sub/deep/f" }, names)
+    local self_entry = eng:list(id, "/srv/app", 0)
+    assert.are.equal(1, #self_entry)
+    assert.are.equal("app", self_entry[1].name)
+    assert.are.equal("directory", self_entry[1].type)
+    assert.is_nil(eng:list(id, "/srv/nothing", 1))
+    errors_with("not_directory", eng.list, eng, id, "/srv/app/data.bin", 1)
+
+    -- tar out of one sandbox, into another: names relative, the symlink kept as a link
+    local tgz = STATE .. "-app.tgz"
+    local p = eng:tar_out(id, "/srv/app")
+    local f = assert(io.open(tgz, "wb"))
+    f:write(read_all(p))
+    f:close()
+    assert.are.equal(0, (p:wait()))
+    local members = {}
+    for name in proc.run({ "tar", "-tzf", tgz }).stdout:gmatch("[^\n]+") do members[name] = true end
+    assert.are.same({ cur = true, ["data.bin"] = true, ["sub/"] = true, ["sub/deep/"] = true,
+      ["sub/deep/f"] = true }, members)
+    eng:tar_in(other, "/restore", tgz)
+    assert.are.equal(body, read_all(eng:read_file(other, "/restore/data.bin")))
+    assert.are.equal("sub\nx\n", sh(eng, other, "readlink /restore/cur; cat /restore/cur/deep/f"))
+    errors_with("not_found", eng.tar_out, eng, id, "/srv/none")
+    errors_with("not_directory", eng.tar_out, eng, id, "/srv/app/data.bin")
+    eng:terminate(id)
+    eng:terminate(other)
+  end))
+
+  it("resolves a symlink to a host path inside the sandbox, never on the host", async(function()
+    local id, victim = new_id("link"), new_id("link-victim")
+    eng:create(id)
+    eng:create(victim)
+    local secret = host_file("host-secret", "host only\n")   -- exists on the host
+    sh(eng, victim, "echo victim-data > /root/v")
+    local victim_file = eng:info(victim).upper .. "/root/v"   -- another sandbox's layer
+    sh(eng, id, "ln -s " .. secret .. " /root/a && ln -s " .. victim_file .. " /root/b && " ..
+      "ln -s /etc/hostname /root/c")
+    errors_with("not_found", eng.read_file, eng, id, "/root/a")
+    errors_with("not_found", eng.read_file, eng, id, "/root/b")
+    local st = eng:stat(id, "/root/a")
+    assert.are.equal("symlink", st.type)
+    assert.are.equal(secret, st.target)
+    -- writing through the path replaces the link inside the sandbox; the host file is untouched
+    eng:write_file(id, "/root/a", host_file("overwrite", "mine\n"))
+    assert.are.equal("host only\n", io.open(secret):read("a"))
+    assert.are.equal("file", eng:stat(id, "/root/a").type)
+    -- a link to a base-image file reads the sandbox's view of it
+    assert.are.equal(sh(eng, id, "cat /etc/hostname"), read_all(eng:read_file(id, "/root/c")))
+    -- an archive that plants a link and writes through it stays inside the sandbox too
+    local tgz = STATE .. "-evil.tgz"
+    assert.are.equal(0, proc.run { "sh", "-c", 'd=$(mktemp -d) && ln -s "$2" "$d/esc" && ' ..
+      'tar -czf "$1" -C "$d" esc && rm -rf "$d"', "sh", tgz, STATE }.code)
+    eng:tar_in(id, "/root/x", tgz)
+    assert.are.equal("", sh(eng, id, "ls -A /root/x/esc/ 2>/dev/null; true"))
+    eng:terminate(id)
+    eng:terminate(victim)
+  end))
+
+  it("delivers 50 MB of exec output completely", async(function()
+    local id = new_id("big")
+    eng:create(id)
+    local h = eng:exec(id, "head -c 52428800 /dev/zero | tr '\\0' x; echo; echo done >&2")
+    local n, last, errs = 0, "", {}
+    local t0 = task.now()
+    task.all({
+      function()
+        for chunk in function() return h:read("stdout") end do
+          n = n + #chunk
+          last = (last .. chunk):sub(-2)
+        end
+      end,
+      function() for chunk in function() return h:read("stderr") end do errs[#errs + 1] = chunk end end,
+    })
+    assert.are.equal(0, (h:wait()))
+    assert.are.equal(52428801, n)
+    assert.are.equal("x\n", last:sub(-2))
+    assert.are.equal("done\n", table.concat(errs))
+    print(string.format("\n  50 MB of exec output in %.0f ms", (task.now() - t0) * 1000))
+    eng:terminate(id)
+  end))
+
+  it("keeps a command running after its handle is detached or dropped, and kills on request",
+    async(function()
+      local id = new_id("detach")
+      eng:create(id)
+      local h = eng:exec(id, "seq 1 300000; echo finished > /root/done")
+      h:detach() -- the caller left; 2 MB of output are drained by the engine
+      eng:exec(id, "seq 1 300000; echo finished > /root/done2") -- dropped without a word
+      collectgarbage()
+      collectgarbage()
+      assert.is_true(wait_for(function()
+        local ok = pcall(eng.stat, eng, id, "/root/done")
+        return ok and eng:stat(id, "/root/done") and eng:stat(id, "/root/done2")
+      end, 10), "a detached or dropped command did not finish")
+      local k = eng:exec(id, "trap 'exit 42' TERM; sleep 100 & wait")
+      task.sleep(0.1)
+      assert.is_true(k:kill("TERM"))
+      assert.are.equal(42, (k:wait()))
+      local k2 = eng:exec(id, "sleep 100")
+      task.sleep(0.05)
+      k2:kill("KILL")
+      local code, sig = k2:wait()
+      assert.are.equal(137, code)
+      assert.are.equal("KILL", sig)
+      assert.is_false(k2:kill())
+      eng:terminate(id)
+    end))
+
+  it("starts 20 sandboxes concurrently, all of which work", async(function()
+    local ids = {}
+    for i = 1, 20 do ids[i] = new_id("many-" .. i) end
+    local t0 = task.now()
+    task.map(ids, function(id) eng:create(id, { network = (#id % 2 == 0) and "deny-all" or "allow-all" }) end,
+      { concurrency = 20 })
+    local elapsed = task.now() - t0
+    local outs = task.map(ids, function(id) return sh(eng, id, "hostname") end, { concurrency = 20 })
+    for i, id in ipairs(ids) do assert.are.equal(id .. "\n", outs[i]) end
+    print(string.format("\n  20 concurrent creates: %.0f ms in all", elapsed * 1000))
+    task.map(ids, function(id) eng:terminate(id) end, { concurrency = 20 })
+    for _, id in ipairs(ids) do assert.are.same({}, eng:processes(id)) end
+  end))
+
+  it("measures create-to-ready and exec round-trip times", async(function()
+    local creates, execs = {}, {}
+    for i = 1, 8 do
+      local id = new_id("time-" .. i)
+      local t0 = task.now()
+      eng:create(id)
+      creates[#creates + 1] = (task.now() - t0) * 1000
+      if i == 1 then
+        for _ = 1, 30 do
+          local t1 = task.now()
+          eng:run(id, "true")
+          execs[#execs + 1] = (task.now() - t1) * 1000
+        end
+      end
+      eng:terminate(id)
+    end
+    local function summary(xs)
+      table.sort(xs)
+      return string.format("median %.1f ms, min %.1f, max %.1f (n=%d)", xs[(#xs + 1) // 2], xs[1], xs[#xs], #xs)
+    end
+    print("\n  create -> ready: " .. summary(creates) .. "\n  exec round trip: " .. summary(execs))
+  end))
+
+  it("recovers after a restart: cleans mounts and cgroups, keeps the filesystem for a revive",
+    async(function()
+      local id = new_id("recover")
+      eng:create(id)
+      sh(eng, id, "echo survived > /root/keep; setsid sleep 1000 >/dev/null 2>&1 &")
+      -- What a crash of the backend leaves: processes dead (die-with-parent), the overlay
+      -- still mounted, the cgroup and the directories still there.
+      eng.sandboxes[id].holder:kill("KILL")
+      local fresh = Engine.new { state_dir = STATE }
+      assert.is_true(wait_for(function() return #fresh:processes(id) == 0 end))
+      local report, item = fresh:recover(), nil
+      for _, r in ipairs(report) do if r.id == id then item = r end end
+      assert.is_table(item, "recover() did not report " .. id)
+      assert.is_true(item.was_mounted)
+      assert.is_false(mounted_under(STATE .. "/sandboxes/" .. id))
+      assert.are.same({}, fresh:processes(id))
+      assert.is_true(exists(item.upper .. "/root/keep"))
+      fresh:create(id, { revive = true })
+      assert.are.equal("survived\n", sh(fresh, id, "cat /root/keep"))
+      assert.are.equal("", sh(fresh, id, "pgrep -f '^sleep 1000'; true"))
+      fresh:terminate(id)
+      eng.sandboxes[id] = nil -- the old engine's record of it is stale
+      assert.is_false(exists(STATE .. "/sandboxes/" .. id))
+    end))
+
+  it("raises structured errors naming the sandbox", async(function()
+    local id = new_id("errors")
+    local err = errors_with("not_found", eng.exec, eng, "sbx-none", "true")
+    assert.are.equal("local.engine.exec", err.op)
+    assert.are.equal("sbx-none", err.sandbox_id)
+    assert.matches("sbx%-none", err.message)
+    eng:create(id)
+    errors_with("exists", eng.create, eng, id)
+    errors_with("layer_missing", eng.create, eng, "sbx-nolayer", { lowers = { STATE .. "/layers/none" } })
+    assert.is_false(exists(STATE .. "/sandboxes/sbx-nolayer"))
+    errors_with("invalid_env", eng.create, eng, "sbx-badenv", { env = { UID = "0" } })
+    errors_with("exists", eng.capture, eng, id, STATE .. "/sandboxes") -- an existing directory
+    assert.has_error(function() eng:create("../escape") end)
+    eng:terminate(id)
+  end))
+
+  it("leaves no mount, cgroup or process behind once everything is terminated", async(function()
+    assert.is_true(eng:close())
+    assert.is_false(mounted_under(STATE))
+    assert.is_false(exists(eng.cg.dir .. "/cgroup.procs"))
+    for _, c in ipairs(created) do assert.are.same({}, c.eng:processes(c.id)) end
+  end))
+end)

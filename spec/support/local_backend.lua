@@ -1,0 +1,147 @@
+--- spec/support/local_backend.lua — starts a real `moonbox local` process for specs and talks
+-- to it over real HTTP. Every backend gets a fresh state directory, a fixed API key and
+-- workspace (so request vectors can name them), and an ephemeral port.
+local proc = require "moonbox.proc"
+local http = require "moonbox.http"
+local json = require "moonbox.json"
+local build = require "moonbox.build"
+
+local M = {}
+
+M.BIN = os.getenv("MOONBOX_BIN") or build.exe
+M.KEY = "rnd_speckey0123456789"
+M.WORKSPACE = "tea-cph1rs3idesc73a2b2mg"
+
+local Backend = {}
+Backend.__index = Backend
+
+--- M.start(opts) -> backend. opts.args: extra `moonbox local` arguments; opts.state: reuse a
+-- state directory (restart specs). [yields]
+function M.start(opts)
+  opts = opts or {}
+  local state = opts.state or proc.run({ "mktemp", "-d", "/tmp/moonbox-local-spec.XXXXXX" }).stdout:gsub("%s+$", "")
+  local argv = { M.BIN, "local", "--port", "0", "--state", state, "--api-key", M.KEY,
+    "--workspace", M.WORKSPACE }
+  for _, a in ipairs(opts.args or {}) do argv[#argv + 1] = a end
+  argv.stderr = opts.stderr or "inherit"
+  local p = proc.spawn(argv)
+  local lines = p:lines("stdout")
+  local env = {}
+  for _ = 1, 3 do
+    local line = lines()
+    if not line then error("moonbox local exited before printing its address") end
+    local k, v = line:match("^([%w_]+)=(.*)$")
+    if k then env[k] = v end
+  end
+  local self = setmetatable({ p = p, state = state, url = env.RENDER_LOCAL_DEV_URL,
+    key = env.RENDER_API_KEY, workspace = env.RENDER_WORKSPACE_ID }, Backend)
+  return self
+end
+
+--- backend:stop(): SIGTERM and wait (its sandboxes stop with it). [yields]
+function Backend:stop()
+  if self.stopped then return end
+  self.stopped = true
+  self.p:kill("TERM")
+  self.p:wait()
+end
+
+--- backend:destroy(): stop and remove the state directory. [yields]
+function Backend:destroy()
+  self:stop()
+  proc.run { "rm", "-rf", "--one-file-system", self.state }
+end
+
+local function encode_query(q)
+  if not q then return "" end
+  local parts = {}
+  local keys = {}
+  for k in pairs(q) do keys[#keys + 1] = k end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    local v = q[k]
+    local vals = type(v) == "table" and v or { v }
+    for _, one in ipairs(vals) do
+      parts[#parts + 1] = k .. "=" .. tostring(one):gsub("[^%w%-_%.~]", function(c)
+        return string.format("%%%02X", c:byte())
+      end)
+    end
+  end
+  return #parts > 0 and ("?" .. table.concat(parts, "&")) or ""
+end
+M.encode_query = encode_query
+
+--- backend:req(method, path, opts) -> status, decoded JSON (or raw body), headers. opts: query
+-- (table), body (table → JSON, string → raw), headers, auth (false to omit; a string to use
+-- another key). Control-plane requests carry the API key by default. [yields]
+function Backend:req(method, path, opts)
+  opts = opts or {}
+  local headers = { Accept = "application/json" }
+  if opts.auth ~= false then headers.Authorization = "Bearer " .. (opts.auth or self.key) end
+  local body = opts.body
+  if type(body) == "table" then
+    body = json.encode(body)
+    headers["Content-Type"] = "application/json"
+  end
+  for k, v in pairs(opts.headers or {}) do headers[k] = v end
+  local url = (opts.base or self.url) .. path .. encode_query(opts.query)
+  local r = http.request { method = method, url = url, headers = headers, body = body,
+    timeout = opts.timeout or 60, fresh_connect = opts.fresh_connect }
+  local decoded = r.body
+  if (r.headers["content-type"] or ""):find("json") then decoded = json.decode(r.body) end
+  return r.status, decoded, r.headers, r.body
+end
+
+--- backend:create(body) -> the created sandbox, once it is running. [yields]
+function Backend:create(body)
+  body = body or {}
+  body.ownerId = body.ownerId or self.workspace
+  local status, sb = self:req("POST", "/v1/sandboxes", { body = body })
+  assert(status == 201, "create failed: " .. status .. " " .. json.encode(sb))
+  return self:wait_status(sb.id, "running")
+end
+
+--- backend:wait_status(id, status) -> the sandbox once it has that status (30 s at most). [yields]
+function Backend:wait_status(id, want)
+  local task = require "moonbox.task"
+  for _ = 1, 600 do
+    local _, sb = self:req("GET", "/v1/sandboxes/" .. id)
+    if sb.status == want then return sb end
+    if sb.status == "errored" or (sb.status == "terminated" and want ~= "terminated") then
+      error("sandbox " .. id .. " became " .. sb.status)
+    end
+    task.sleep(0.05)
+  end
+  error("sandbox " .. id .. " did not become " .. want)
+end
+
+--- backend:exec(id, command) -> {code=, stdout=, stderr=, events=} through a stream token. [yields]
+function Backend:exec(id, command, opts)
+  opts = opts or {}
+  local status, tok = self:req("POST", "/v1/sandboxes/" .. id .. "/runs/stream/token",
+    { body = { command = command } })
+  assert(status == 201, "token: " .. status .. " " .. json.encode(tok))
+  local resp <close> = http.stream { method = "POST", url = tok.uri, body = json.encode({ command = command }),
+    headers = { Authorization = "Bearer " .. tok.token, Accept = "text/event-stream",
+      ["Content-Type"] = "application/json" }, timeout = opts.timeout or 120 }
+  local out = { stdout = {}, stderr = {}, events = {}, status = resp.status, exec_id = tok.executionId }
+  if resp.status ~= 200 then
+    out.body = resp:read()
+    return out
+  end
+  while true do
+    local ev = resp:read_event()
+    if not ev then break end
+    out.events[#out.events + 1] = ev
+    local d = json.decode(ev.data)
+    if ev.event == "output" then
+      table.insert(out[d.stream], d.data)
+    elseif ev.event == "exit" then
+      out.code = d.exit_code
+    end
+  end
+  out.stdout, out.stderr = table.concat(out.stdout), table.concat(out.stderr)
+  return out
+end
+
+return M
