@@ -4,6 +4,7 @@ max_line_length = 110
 codes = true
 files["spec/**/*_spec.lua"] = { std = "+busted", max_line_length = 140 }
 files["spec/support/*.lua"] = { max_line_length = 140 }
+files["bench/*.lua"] = { max_line_length = 140 }
 files["spec/**/*.lua"] = { std = "+busted" }
 exclude_files = { "build*/**" }
 -- `local _guard <close> = ...` is used by being closed; the leading underscore says so.

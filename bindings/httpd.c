@@ -490,9 +490,11 @@ static void add_lines(luaL_Buffer *b, const char *prefix, const char *s, size_t 
 {
     size_t i = 0;
     for (;;) {
-        size_t j = i;
-        while (j < n && s[j] != '\n' && s[j] != '\r')
-            j++;
+        /* memchr is vectorised; SSE data rarely has line breaks, often none at all. */
+        const char *nl = memchr(s + i, '\n', n - i);
+        size_t j = nl ? (size_t)(nl - s) : n;
+        const char *cr = memchr(s + i, '\r', j - i);
+        if (cr) j = (size_t)(cr - s);
         luaL_addstring(b, prefix);
         luaL_addlstring(b, s + i, j - i);
         luaL_addchar(b, '\n');

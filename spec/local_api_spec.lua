@@ -463,6 +463,87 @@ describe("fault injection and the journal", function()
   end))
 end)
 
+describe("logs", function()
+  it("replays lifecycle events and exec output as SSE, filtered by execId", T.async(function()
+    local sb = B:create()
+    local r = B:exec(sb.id, "echo logged-line")
+    B:exec(sb.id, "echo other-line")
+    local resp <close> = http.stream { url = B.url .. "/v1/sandboxes/" .. sb.id .. "/logs?follow=false&execId=" .. r.exec_id,
+      headers = { Authorization = "Bearer " .. B.key, Accept = "text/event-stream" } }
+    assert.are.equal(200, resp.status)
+    assert.matches("^text/event%-stream", resp.headers["content-type"])
+    local types, lines = {}, {}
+    while true do
+      local ev = resp:read_event()
+      if not ev then break end
+      local d = json.decode(ev.data)
+      assert.is_string(d.at)
+      if ev.event == "lifecycle" then types[#types + 1] = d.type end
+      if ev.event == "log" then lines[#lines + 1] = d.data end
+    end
+    assert.are.same({ "creating", "running" }, types)
+    assert.are.same({ "logged-line\n" }, lines)
+    B:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate")
+  end))
+end)
+
+describe("bad input", function()
+  it("answers 413 for a control-plane body over 1 MiB", T.async(function()
+    local s = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, name = string.rep("x", 2 * 1024 * 1024) } })
+    assert.are.equal(413, s)
+  end))
+
+  it("refuses an expired connect token", T.async(function()
+    local b2 = L.start { env = { MOONBOX_LOCAL_TOKEN_TTL = "0.3" } }
+    local sb = b2:create()
+    local _, tok = b2:req("POST", "/v1/sandboxes/" .. sb.id .. "/runs/stream/token", { body = { command = "true" } })
+    task.sleep(0.6)
+    local r = http.request { method = "POST", url = tok.uri, body = '{"command":"true"}',
+      headers = { Authorization = "Bearer " .. tok.token } }
+    assert.are.equal(401, r.status)
+    assert.matches("expired", json.decode(r.body).message)
+    b2:destroy()
+  end))
+
+  it("refuses hostile archives with 400 unsafe_archive and writes nothing", T.async(function()
+    local sb = B:create()
+    local dir = proc.run({ "mktemp", "-d" }).stdout:gsub("%s+$", "")
+    local script = [[
+      set -e; cd "$1"; mkdir -p src && echo pwned > src/evil
+      tar -czf dotdot.tgz --transform 's,^src/evil,../../../../root/escaped,' src/evil
+      tar -czPf absolute.tgz --transform 's,^.*src/evil,/root/escaped,' "$1/src/evil"
+      mkdir -p l && ln -s /root l/link && tar -czf symlink.tgz -C l link
+      mkdir -p s && ln -s ../../../root s/up && tar -czf uplink.tgz -C s up
+    ]]
+    local made = proc.run { "sh", "-c", script, "sh", dir }
+    assert.are.equal(0, made.code, made.stderr)
+    for _, name in ipairs({ "dotdot", "absolute", "symlink", "uplink" }) do
+      local data = assert(io.open(dir .. "/" .. name .. ".tgz", "rb")):read("a")
+      local _, tok = B:req("POST", "/v1/sandboxes/" .. sb.id .. "/files/upload/token", { query = { path = "target/" .. name } })
+      local up = http.request { method = "PUT", url = tok.uri, body = data, headers = {
+        Authorization = "Bearer " .. tok.token, ["Content-Type"] = "application/x-tar", ["Content-Encoding"] = "gzip" } }
+      assert.are.equal(400, up.status, name)
+      assert.are.equal("unsafe_archive", json.decode(up.body).code, name)
+    end
+    local r = B:exec(sb.id, "ls /root/target /root/escaped 2>&1; true")
+    assert.matches("No such file", r.stdout)
+    assert.not_matches("pwned", B:exec(sb.id, "cat /root/escaped 2>/dev/null; true").stdout)
+    proc.run { "rm", "-rf", dir }
+    B:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate")
+  end))
+end)
+
+describe("group deletion", function()
+  it("deletes an empty group and refuses one with live sandboxes", T.async(function()
+    local _, g = B:req("POST", "/v1/sandbox-groups", { body = { ownerId = B.workspace, name = "temp" } })
+    local _, sb = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, sandboxGroupId = g.id } })
+    assert.are.equal(409, (B:req("DELETE", "/v1/sandbox-groups/" .. g.id)))
+    B:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate")
+    assert.are.equal(204, (B:req("DELETE", "/v1/sandbox-groups/" .. g.id)))
+    assert.are.equal(404, (B:req("DELETE", "/v1/sandbox-groups/" .. g.id)))
+  end))
+end)
+
 describe("restart", function()
   it("keeps every record; sandboxes whose processes died are reported errored", T.async(function()
     local b2 = L.start()

@@ -24,6 +24,7 @@ function M.start(opts)
     "--workspace", M.WORKSPACE }
   for _, a in ipairs(opts.args or {}) do argv[#argv + 1] = a end
   argv.stderr = opts.stderr or "inherit"
+  argv.env = opts.env
   local p = proc.spawn(argv)
   local lines = p:lines("stdout")
   local env = {}

@@ -32,6 +32,7 @@ local DEFAULTS = {
   max_upload = 8 * 1024 * 1024 * 1024,
   journal_max = 10000,
   log_max = 5000,
+  log_bytes = 4 * 1024 * 1024,
 }
 
 local PLANS = { ["1c-2g"] = true, ["2c-4g"] = true, ["4c-8g"] = true, ["8c-16g"] = true,
@@ -95,6 +96,9 @@ function M.start(opts)
     log = opts.log or function(line) io.stderr:write("moonbox local: ", line, "\n") end,
   }, Backend)
   if opts.concurrency_limit then self.limits.concurrency_limit = opts.concurrency_limit end
+  -- Test-only: how long connect tokens live (so specs can see one expire).
+  local ttl = tonumber(os.getenv("MOONBOX_LOCAL_TOKEN_TTL") or "")
+  if ttl then self.limits.token_ttl = ttl end
 
   -- Credentials: fixed by flags, else generated at first start and kept (0600) in the state dir.
   local key_file = state_dir .. "/api-key"
@@ -155,8 +159,16 @@ function Backend:emit(id, event, data)
     self.logs[id] = list
   end
   data.at = data.at or ids.iso(now())
-  list[#list + 1] = { event = event, data = data, t = now() }
-  if #list > self.limits.log_max then table.remove(list, 1) end
+  local size = data.data and #data.data or 0
+  list.n = (list.n or 0) + 1
+  list[#list + 1] = { event = event, data = data, t = now(), size = size, n = list.n }
+  list.bytes = (list.bytes or 0) + size
+  -- Bounded by events and by bytes: a chatty exec must not grow the backend without limit.
+  while #list > self.limits.log_max or list.bytes > self.limits.log_bytes do
+    local old = table.remove(list, 1)
+    list.bytes = list.bytes - old.size
+    list.dropped = (list.dropped or 0) + 1
+  end
   local c = self.log_conds[id]
   if c then c:broadcast() end
 end

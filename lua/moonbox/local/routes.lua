@@ -820,14 +820,16 @@ local function logs(b, req, ctx, res)
     ["Cache-Control"] = "no-cache", ["render-request-id"] = ctx.rid })
   local cond = b.log_conds[rec.id] or core.cond()
   b.log_conds[rec.id] = cond
-  local pos = 1
+  local seen = 0 -- events carry increasing numbers; the oldest may have been dropped meanwhile
   local ok = pcall(function()
     while true do
       local list = b.logs[rec.id] or {}
       local finished = false
-      while pos <= #list do
-        local ev = list[pos]
-        pos = pos + 1
+      local first = 1
+      while first <= #list and list[first].n <= seen do first = first + 1 end
+      for i = first, #list do
+        local ev = list[i]
+        seen = ev.n
         local keep = (not since_t or ev.t >= since_t) and
           (ev.event ~= "log" or not exec_id or ev.data.execId == exec_id)
         if keep then w:sse(ev.event, json.encode(ev.data)) end
