@@ -372,6 +372,26 @@ describe("snapshots and restore", function()
     assert.are.same({ 400, "invalid_snapshot_id" }, { s6, b6.code })
   end))
 
+  it("answers snapshot_not_available for a snapshot of another group or still capturing, " ..
+    "and snapshot_creating when deleting one that is capturing", T.async(function()
+    local big = B:create()
+    assert.are.equal(0, B:exec(big.id, "head -c 300000000 /dev/zero > /root/big").code)
+    local _, snap = B:req("POST", "/v1/sandboxes/" .. big.id .. "/snapshots", { body = { kind = "filesystem" } })
+    local s1, b1 = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, snapshotId = snap.id } })
+    local s2, b2 = B:req("DELETE", "/v1/sandbox-groups/" .. snap.sandboxGroupId .. "/snapshots/" .. snap.id)
+    local _, now = B:req("GET", "/v1/sandbox-groups/" .. snap.sandboxGroupId .. "/snapshots/" .. snap.id)
+    if now.status == "creating" or b1.code then -- only meaningful while the capture still runs
+      assert.are.same({ 409, "snapshot_not_available" }, { s1, b1.code })
+      assert.are.same({ 409, "snapshot_creating" }, { s2, b2.code })
+    end
+    wait_snapshot(snap)
+    local _, g2 = B:req("POST", "/v1/sandbox-groups", { body = { ownerId = B.workspace, name = "elsewhere" } })
+    local s3, b3 = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, snapshotId = snap.id,
+      sandboxGroupId = g2.id } })
+    assert.are.same({ 409, "snapshot_not_available" }, { s3, b3.code })
+    B:req("POST", "/v1/sandboxes/" .. big.id .. "/terminate")
+  end))
+
   it("refuses to snapshot a sandbox that is not running", T.async(function()
     local other = B:create()
     B:req("POST", "/v1/sandboxes/" .. other.id .. "/terminate")
