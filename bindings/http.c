@@ -438,19 +438,7 @@ static int push_event(void *ud, const sse_event *ev)
 {
     event_sink *s = (event_sink *)ud;
     lua_State *L = s->L;
-    lua_createtable(L, 0, 4);
-    lua_pushlstring(L, ev->event, ev->event_len);
-    lua_setfield(L, -2, "event");
-    lua_pushlstring(L, ev->data, ev->data_len);
-    lua_setfield(L, -2, "data");
-    if (ev->id_len) {
-        lua_pushlstring(L, ev->id, ev->id_len);
-        lua_setfield(L, -2, "id");
-    }
-    if (ev->retry_ms >= 0) {
-        lua_pushinteger(L, ev->retry_ms);
-        lua_setfield(L, -2, "retry");
-    }
+    mb_push_sse_event(L, ev);
     lua_rawseti(L, s->queue, (lua_Integer)luaL_len(L, s->queue) + 1);
     return 0;
 }

@@ -190,6 +190,10 @@ int luaopen_moonbox_strings(lua_State *L);
  * (so task lookup is one load), standard libraries opened, C modules preloaded. */
 lua_State *mb_main_state(void);
 
+/* Pushes {event=, data=, id=?, retry=?} for a parsed Server-Sent Event (an sse_event *; the
+ * type stays in runtime/sse.h). Shared by moonbox.sse and http's response:read_event. */
+void mb_push_sse_event(lua_State *L, const void *event);
+
 /* Registers every C module above in package.preload. */
 void mb_preload_modules(lua_State *L);
 

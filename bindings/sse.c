@@ -14,9 +14,9 @@ typedef struct lparser {
     int live;
 } lparser;
 
-static int collect(void *ud, const sse_event *ev)
+void mb_push_sse_event(lua_State *L, const void *event)
 {
-    lua_State *L = (lua_State *)ud;
+    const sse_event *ev = (const sse_event *)event;
     lua_createtable(L, 0, 4);
     lua_pushlstring(L, ev->event, ev->event_len);
     lua_setfield(L, -2, "event");
@@ -30,6 +30,12 @@ static int collect(void *ud, const sse_event *ev)
         lua_pushinteger(L, ev->retry_ms);
         lua_setfield(L, -2, "retry");
     }
+}
+
+static int collect(void *ud, const sse_event *ev)
+{
+    lua_State *L = (lua_State *)ud;
+    mb_push_sse_event(L, ev);
     lua_rawseti(L, -2, (lua_Integer)luaL_len(L, -2) + 1);
     return 0;
 }

@@ -58,13 +58,7 @@ local function leftovers(dir)
   return found
 end
 
-local function errors_with(code, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, "expected an error with code " .. code)
-  assert.are.equal("table", type(err), tostring(err))
-  assert.are.equal(code, err.code, tostring(err))
-  return err
-end
+local errors_with = T.errors_with
 
 -- Waits until no archive worker runs (a cancelled one may still be removing its output).
 local function wait_workers_idle()

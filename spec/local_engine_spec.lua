@@ -27,13 +27,7 @@ local function sh(e, id, command)
   return r.stdout
 end
 
-local function errors_with(code, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, "expected an error with code " .. code)
-  assert.are.equal("table", type(err), tostring(err))
-  assert.are.equal(code, err.code, tostring(err))
-  return err
-end
+local errors_with = T.errors_with
 
 local function host_file(name, content)
   local path = STATE .. "-" .. name

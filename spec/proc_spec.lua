@@ -31,13 +31,7 @@ local function read_all(p, stream)
   return table.concat(parts)
 end
 
-local function errors_with(code, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, "expected an error with code " .. code)
-  assert.are.equal("table", type(err), tostring(err))
-  assert.are.equal(code, err.code, tostring(err))
-  return err
-end
+local errors_with = T.errors_with
 
 describe("proc.spawn", function()
   it("passes argv to the program literally, without a shell", T.async(function()

@@ -26,13 +26,7 @@ local function mode_of(path)
   return (sh("stat -c %a " .. path):gsub("%s+$", ""))
 end
 
-local function errors_with(code, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, "expected an error with code " .. code)
-  assert.are.equal("table", type(err), tostring(err))
-  assert.are.equal(code, err.code, tostring(err))
-  return err
-end
+local errors_with = T.errors_with
 
 local function misuse_error(fn, ...)
   local ok, err = pcall(fn, ...)

@@ -17,6 +17,16 @@ end
 --- T.run(fn, ...) -> results of fn: runs fn as a task until it finishes.
 M.run = core.run
 
+--- T.errors_with(code, fn, ...) -> err: calls fn(...), asserts it raised a structured error
+-- with that code, and returns the error for further checks.
+function M.errors_with(code, fn, ...)
+  local ok, err = pcall(fn, ...)
+  assert(not ok, "expected an error with code " .. code .. ", but the call succeeded")
+  assert(type(err) == "table", "expected a structured error with code " .. code .. ", got " .. tostring(err))
+  assert(err.code == code, "expected error code " .. code .. ", got " .. tostring(err.code) .. ": " .. tostring(err))
+  return err
+end
+
 --- T.refs() -> registry refs moonbox holds now (0 between tests means nothing leaked).
 M.refs = core.refs
 
