@@ -23,7 +23,8 @@ function M.errors_with(code, fn, ...)
   local ok, err = pcall(fn, ...)
   assert(not ok, "expected an error with code " .. code .. ", but the call succeeded")
   assert(type(err) == "table", "expected a structured error with code " .. code .. ", got " .. tostring(err))
-  assert(err.code == code, "expected error code " .. code .. ", got " .. tostring(err.code) .. ": " .. tostring(err))
+  assert(err.code == code,
+    "expected error code " .. code .. ", got " .. tostring(err.code) .. ": " .. tostring(err))
   return err
 end
 
