@@ -124,6 +124,13 @@ function M.start(opts)
 
   local Engine = require "moonbox.local.engine"
   self.engine = opts.engine or Engine.new { state_dir = state_dir, image = opts.image }
+  -- Say at once what this machine cannot do (no root, no overlayfs, ...), rather than only
+  -- through sandboxes that end errored later; the API itself still serves.
+  local ok_check, chk = pcall(self.engine.check, self.engine)
+  if ok_check and not chk.ok then
+    for _, problem in ipairs(chk.problems) do self.log("cannot run sandboxes here: " .. problem) end
+  end
+  self.check = ok_check and chk or { ok = false, problems = { tostring(chk) } }
 
   self.srv = httpd.listen { host = opts.host or "127.0.0.1", port = opts.port or 8120,
     max_body = 1024 * 1024, upload_dir = state_dir .. "/tmp", log = function(l) self.log(l) end }
