@@ -101,7 +101,14 @@ the recipe's task was cancelled and its guards unwound.]],
       return EXIT_FAIL
     end
     set_arg(file, rest)
-    local code, err = run_root(chunk, table.unpack(rest))
+    local code, err = run_root(function(...)
+      local r = table.pack(xpcall(chunk, core.msgh, ...))
+      -- An embedded local backend started for this recipe stops with it, whatever happened.
+      local render = package.loaded["moonbox.render"]
+      if render then pcall(render.close) end
+      if not r[1] then error(r[2], 0) end
+      return table.unpack(r, 2, r.n)
+    end, table.unpack(rest))
     if err ~= nil then
       eprintf("moonbox: recipe %s failed: %s\n", file, M.format_error(err))
     end
@@ -188,7 +195,7 @@ Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
   function(args)
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       faults = "value", ["api-key"] = "value", workspace = "value", ["concurrency-limit"] = "value",
-      seed = "value", host = "value" })
+      seed = "value", host = "value", quiet = "flag" })
     if not opts then return usage_error("local: %s", rest) end
     if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
     local port = tonumber(opts.port or "8120")
@@ -217,8 +224,10 @@ Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
         "RENDER_LOCAL_DEV_URL=%s\nRENDER_API_KEY=%s\nRENDER_WORKSPACE_ID=%s\n",
         backend.url, backend.api_key, backend.workspace))
       io.stdout:flush()
-      io.stderr:write(string.format("moonbox local: serving on %s (state in %s); Ctrl-C stops\n",
-        backend.url, backend.state_dir))
+      if not opts.quiet then
+        io.stderr:write(string.format("moonbox local: serving on %s (state in %s); Ctrl-C stops\n",
+          backend.url, backend.state_dir))
+      end
       core.cond():wait()
     end)
     if err ~= nil then

@@ -136,6 +136,8 @@ function M.start(opts)
     max_body = 1024 * 1024, upload_dir = state_dir .. "/tmp", log = function(l) self.log(l) end }
   self.url = self.srv.url
   self.port = self.srv.port
+  -- Where clients find a running backend (moonbox.render.conn reuses it): "URL WORKSPACE".
+  write_secret(state_dir .. "/endpoint", self.url .. " " .. self.workspace .. "\n")
   require("moonbox.local.routes").install(self)
   self:recover()
   self.tasks.ticker = task.spawn(function() self:tick_loop() end)
@@ -153,6 +155,7 @@ function Backend:close()
     if LIVE[rec.status] then pcall(self.engine.terminate, self.engine, id, { keep_upper = true }) end
   end
   if self.engine.close then pcall(self.engine.close, self.engine) end
+  os.remove(self.state_dir .. "/endpoint")
   self.st:close()
 end
 

@@ -1,0 +1,197 @@
+-- moonbox.render against a real `moonbox local`: sandboxes, exec, typed errors, retries (seen in
+-- the backend's request journal), and the never-re-sent create.
+local T = require "moonbox.testing"
+local task = require "moonbox.task"
+local json = require "moonbox.json"
+local render = require "moonbox.render"
+local L = require "spec.support.local_backend"
+
+local B
+
+local function run(fn) return function() T.run(fn) end end
+
+setup(run(function()
+  B = L.start()
+  render.connect { backend = B.url, api_key = B.key, workspace = B.workspace }
+end))
+teardown(run(function() if B then B:destroy() end end))
+
+local function journal_since(seq)
+  local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = seq } })
+  return entries
+end
+
+local function journal_mark()
+  local _, entries = B:req("GET", "/_moonbox/journal")
+  return entries[#entries].seq
+end
+
+local function faults(spec) B:req("PUT", "/_moonbox/faults", { body = spec }) end
+
+describe("render.sandboxes", function()
+  it("creates a running sandbox, sends only the fields given, and terminates it on scope exit", T.async(function()
+    local mark = journal_mark()
+    local id
+    do
+      local sb <close> = render.sandboxes.create {}
+      id = sb.id
+      assert.are.equal("running", sb.status)
+      assert.matches("^sbg%-", sb.sandbox_group_id)
+    end
+    local creates = {}
+    for _, e in ipairs(journal_since(mark)) do
+      if e.method == "POST" and e.path == "/v1/sandboxes" then creates[#creates + 1] = e end
+    end
+    assert.are.equal(1, #creates)
+    assert.are.equal(json.encode({ ownerId = B.workspace }), creates[1].body_json)
+    local _, got = B:req("GET", "/v1/sandboxes/" .. id)
+    assert.are.equal("terminated", got.status)
+  end))
+
+  it("keeps a sandbox past its scope after keep()", T.async(function()
+    local id
+    do
+      local sb <close> = render.sandboxes.create { network = "deny-all", timeout = 600 }
+      sb:keep()
+      id = sb.id
+      assert.are.equal("deny-all", sb.network_policy.default)
+    end
+    assert.are.equal("running", render.sandboxes.get(id).status)
+    render.sandboxes.terminate(id)
+    assert.are.equal("terminated", render.sandboxes.get(id).status)
+  end))
+
+  it("lists every sandbox through the pages", T.async(function()
+    local a <close> = render.sandboxes.create { name = "listed-a" }
+    local b <close> = render.sandboxes.create { name = "listed-b" }
+    local seen = {}
+    for sb in render.sandboxes.list {} do seen[sb.id] = true end
+    assert.is_true(seen[a.id] and seen[b.id])
+  end))
+
+  it("raises typed errors carrying the sandbox id, never the API key", T.async(function()
+    local ok, err = pcall(render.sandboxes.get, "sbx-0000000000000000000000000")
+    assert.is_false(ok)
+    assert.are.equal("not_found", err.code)
+    assert.are.equal(404, err.status)
+    assert.are.equal("sbx-0000000000000000000000000", err.sandbox_id)
+    assert.matches("^req%-", err.request_id)
+    assert.matches("sandbox sbx%-0+", tostring(err))
+    assert.is_nil(tostring(err):find(B.key, 1, true))
+    assert.is_nil((err.traceback or ""):find(B.key, 1, true))
+  end))
+
+  it("retries idempotent calls on 503 and 429, honouring Retry-After", T.async(function()
+    local sb <close> = render.sandboxes.create {}
+    faults("GET /v1/sandboxes/*=503#2;GET /v1/sandboxes/*=429:1#1")
+    local mark = journal_mark()
+    local t0 = task.now()
+    assert.are.equal("running", render.sandboxes.get(sb.id).status)
+    local gets = 0
+    for _, e in ipairs(journal_since(mark)) do
+      if e.method == "GET" and e.path == "/v1/sandboxes/" .. sb.id then gets = gets + 1 end
+    end
+    assert.are.equal(4, gets)
+    assert.is_true(task.now() - t0 >= 1, "Retry-After: 1 was not honoured")
+    B:req("DELETE", "/_moonbox/faults")
+  end))
+
+  it("never re-sends a create: a 503 is raised, a lost answer is unknown_outcome", T.async(function()
+    faults("POST /v1/sandboxes=503#1")
+    local mark = journal_mark()
+    local ok, err = pcall(render.sandboxes.create, {})
+    assert.is_false(ok)
+    assert.are.equal("server_error", err.code)
+    faults("POST /v1/sandboxes=drop#1")
+    local ok2, err2 = pcall(render.sandboxes.create, { name = "maybe" })
+    assert.is_false(ok2)
+    assert.are.equal("unknown_outcome", err2.code)
+    local posts = 0
+    for _, e in ipairs(journal_since(mark)) do
+      if e.method == "POST" and e.path == "/v1/sandboxes" then posts = posts + 1 end
+    end
+    assert.are.equal(2, posts)
+    B:req("DELETE", "/_moonbox/faults")
+    for sb in render.sandboxes.list {} do if sb.name == "maybe" then sb:terminate() end end
+  end))
+end)
+
+describe("sb:exec", function()
+  local sb
+  setup(run(function() sb = render.sandboxes.create {}:keep() end))
+  teardown(run(function() sb:terminate() end))
+
+  it("returns code, stdout, stderr and the exec id; check raises on non-zero", T.async(function()
+    local r = sb:exec("echo out; echo err >&2; exit 3")
+    assert.are.same({ 3, "out\n", "err\n", false }, { r.code, r.stdout, r.stderr, r.truncated })
+    assert.matches("^exe%-", r.exec_id)
+    local ok, err = pcall(r.check, r)
+    assert.is_false(ok)
+    assert.are.equal("exit_status", err.code)
+    assert.matches("err", err.message)
+    assert.are.equal(r, sb:exec("true"):check() and r)
+  end))
+
+  it("quotes argv elements so they arrive literally", T.async(function()
+    local r = sb:exec({ "printf", "%s|", "a b", "$HOME", "it's", "*" }):check()
+    assert.are.equal("a b|$HOME|it's|*|", r.stdout)
+  end))
+
+  it("runs in cwd when asked", T.async(function()
+    assert.are.equal("/tmp\n", sb:exec("pwd", { cwd = "/tmp" }):check().stdout)
+  end))
+
+  it("truncates at max_output bytes without splitting a character", T.async(function()
+    local r = sb:exec("printf 'ééééé'", { max_output = 5 })
+    assert.is_true(r.truncated)
+    assert.are.equal("éé", r.stdout) -- 4 bytes: the fifth would split a character
+  end))
+
+  it("streams output to on_output as it arrives", T.async(function()
+    local got = {}
+    sb:exec("echo one; echo two >&2", { on_output = function(s, d) got[#got + 1] = s .. ":" .. d end })
+    table.sort(got)
+    assert.are.same({ "stderr:two\n", "stdout:one\n" }, got)
+  end))
+
+  it("raises unknown_outcome when the stream ends without an exit event", T.async(function()
+    faults("POST /proxy/*/runs/stream=cut#1")
+    local ok, err = pcall(sb.exec, sb, "echo x")
+    assert.is_false(ok)
+    assert.are.equal("unknown_outcome", err.code)
+    assert.matches("^exe%-", err.exec_id)
+    B:req("DELETE", "/_moonbox/faults")
+  end))
+
+  it("refuses per-call env until it can travel outside the command text", T.async(function()
+    local ok, err = pcall(sb.exec, sb, "true", { env = { A = "b" } })
+    assert.is_false(ok)
+    assert.matches("per%-call env", err)
+  end))
+end)
+
+describe("the embedded local backend", function()
+  it("is started for a recipe when no backend is configured, and stopped with it", function()
+    local home = os.tmpname()
+    os.remove(home)
+    local recipe = os.tmpname()
+    local f = assert(io.open(recipe, "w"))
+    f:write([[
+local render = require "moonbox.render"
+local sb <close> = render.sandboxes.create {}
+io.write(sb:exec({ "echo", "embedded ok" }):check().stdout)
+]])
+    f:close()
+    local out = os.tmpname()
+    local cmd = string.format("env -u RENDER_API_KEY -u RENDER_LOCAL_DEV_URL -u RENDER_USE_LOCAL_DEV HOME=%s " ..
+      "XDG_STATE_HOME= %s run %s > %s 2>&1", home, L.BIN, recipe, out)
+    local ok = os.execute(cmd)
+    local text = assert(io.open(out)):read("a")
+    assert.is_true(ok, text)
+    assert.matches("embedded ok", text)
+    assert.matches("using an embedded local backend at http://127%.0%.0%.1:%d+", text)
+    local left = io.popen("pgrep -f '[m]oonbox local --quiet --port 0 --state " .. home .. "' || true"):read("a")
+    assert.are.equal("", left)
+    os.execute("rm -rf --one-file-system " .. home .. " " .. recipe .. " " .. out)
+  end)
+end)
