@@ -356,4 +356,10 @@ function sandbox_methods.exec(sb, cmd, opts)
 end
 
 M.Sandbox = Sandbox
+-- For the parts of the client that live in their own files (they extend M and the methods).
+M._methods = sandbox_methods
+M._wrap = wrap
+M._api = api
+M._owner = owner
+package.loaded["moonbox.render"] = M
 return M
