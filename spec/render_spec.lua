@@ -163,11 +163,6 @@ describe("sb:exec", function()
     B:req("DELETE", "/_moonbox/faults")
   end))
 
-  it("refuses per-call env until it can travel outside the command text", T.async(function()
-    local ok, err = pcall(sb.exec, sb, "true", { env = { A = "b" } })
-    assert.is_false(ok)
-    assert.matches("per%-call env", err)
-  end))
 end)
 
 describe("the embedded local backend", function()

@@ -361,5 +361,8 @@ M._methods = sandbox_methods
 M._wrap = wrap
 M._api = api
 M._owner = owner
+M.Result = Result
 package.loaded["moonbox.render"] = M
+-- The parts in their own files (each extends M and the Sandbox methods when loaded).
+require "moonbox.render.exec"
 return M

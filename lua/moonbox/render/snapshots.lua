@@ -1,0 +1,277 @@
+--- moonbox.render.snapshots — snapshots and sandbox groups (render-api.md §7, §8).
+--
+--   local snap = sb:snapshot { name = "py-base" }                  -- waits until available
+--   local copy <close> = render.sandboxes.create { snapshot = snap } -- restore = create
+--   local newest = render.snapshots.latest("py-base")
+--
+-- Requiring it adds `render.snapshots`, `render.groups` and the `sb:snapshot` method to
+-- moonbox.render. Snapshots are group-scoped: every call that names a snapshot by id alone
+-- resolves the group from the workspace's default group (what Render's CLI does). Restoring is
+-- render.sandboxes.create{ snapshot = snap }, which takes the group and plan from the snapshot.
+local render = require "moonbox.render"
+local json = require "moonbox.json"
+local task = require "moonbox.task"
+local core = require "moonbox.core"
+
+local api = render._api
+local camel = render.camel
+local sandbox_methods = render._methods
+
+-- ---- objects ----------------------------------------------------------------------------------
+
+--- Field access shared by Snapshot and Group: methods first, then the API's field in either
+-- spelling (snake_case or camelCase); JSON null reads as nil; unknown fields are kept.
+local function field_index(methods)
+  return function(obj, k)
+    local m = methods[k]
+    if m then return m end
+    local data = rawget(obj, "_data")
+    local v = data[k]
+    if v == nil and type(k) == "string" then v = data[camel(k)] end
+    if v == json.null then return nil end
+    return v
+  end
+end
+
+local snapshot_methods = {}
+local Snapshot = { __name = "moonbox.render.Snapshot", __index = field_index(snapshot_methods) }
+Snapshot.__tostring = function(s)
+  return string.format("Snapshot %s (%s, %s, %s)", s.id, s.name or "unnamed", s.status or "?", s.kind or "?")
+end
+
+local Group = { __name = "moonbox.render.Group", __index = field_index({}) }
+Group.__tostring = function(g)
+  return string.format("Group %s (%s, %s%s)", g.id, g.name or "?", g.region or "?",
+    g.is_default and ", default" or "")
+end
+
+local function wrap_snapshot(c, data)
+  return setmetatable({ _data = data, _conn = c }, Snapshot)
+end
+
+local function wrap_group(data)
+  return setmetatable({ _data = data }, Group)
+end
+
+-- ---- groups -----------------------------------------------------------------------------------
+
+local groups = {}
+
+--- render.groups.list() -> array of Group objects (fields in either spelling: g.id, g.name,
+-- g.region, g.is_default / g.isDefault, g.concurrency_limit, ...), all pages. Empty before the
+-- workspace's first sandbox. Raises structured errors (op "groups.list"). [yields]
+function groups.list()
+  local c = render.connection()
+  local out, cursor = {}, nil
+  while true do
+    local page = api.call(c, "groups.list", "GET", "/sandbox-groups",
+      { query = { ownerId = render._owner(c), cursor = cursor, limit = 100 } })
+    for _, item in ipairs(page) do out[#out + 1] = wrap_group(item.sandboxGroup) end
+    if #page < 100 then return out end
+    cursor = page[#page].cursor
+  end
+end
+
+--- render.groups.default() -> the workspace's default Group, or nil when it has none yet (the
+-- first sandbox creates it; this function never does). [yields]
+function groups.default()
+  for _, g in ipairs(groups.list()) do
+    if g.is_default then return g end
+  end
+  return nil
+end
+
+--- render.groups.create{name, concurrency_limit, region} -> the new Group. name is required;
+-- concurrency_limit and region are sent only when given. Not re-sent on failure (a lost answer
+-- raises "unknown_outcome"). Raises structured errors (op "groups.create"). [yields]
+function groups.create(opts)
+  opts = opts or {}
+  if type(opts.name) ~= "string" then error("render.groups.create: name (a string) is required", 2) end
+  local c = render.connection()
+  local data = api.call(c, "groups.create", "POST", "/sandbox-groups", {
+    body = { ownerId = render._owner(c), name = opts.name, concurrencyLimit = opts.concurrency_limit,
+      region = opts.region },
+    idempotent = false })
+  return wrap_group(data)
+end
+
+--- The id of a group option (a Group or an id); nil means the default group, which is looked
+-- up (nil when the workspace has none).
+local function group_id(g)
+  if type(g) == "table" then return g.id end
+  if g ~= nil then return g end
+  local d = groups.default()
+  return d and d.id
+end
+
+-- ---- snapshots --------------------------------------------------------------------------------
+
+local snapshots = {}
+
+local function snapshot_path(gid, sid)
+  return "/sandbox-groups/" .. gid .. "/snapshots/" .. sid
+end
+
+--- snap:refresh() -> snap with its fields re-read from the API. Raises "snapshot_not_found"
+-- once it is deleted or expired. [yields]
+function snapshot_methods.refresh(snap)
+  local c = rawget(snap, "_conn")
+  rawset(snap, "_data", api.call(c, "snapshots.get", "GET", snapshot_path(snap.sandbox_group_id, snap.id),
+    { query = { ownerId = c.workspace }, snapshot_id = snap.id }))
+  return snap
+end
+
+--- snap:wait_available{timeout = 300, interval = 0.1} -> snap once its status is "available".
+-- Polls with backoff (the interval doubles up to 2 s). Raises code "snapshot_failed" (message:
+-- the snapshot's error text) if capture failed, "timeout" after the deadline. [yields]
+function snapshot_methods.wait_available(snap, opts)
+  opts = opts or {}
+  local limit = opts.timeout or 300
+  local deadline = core.now() + limit
+  local interval = opts.interval or 0.1
+  while true do
+    local s = rawget(snap, "_data").status
+    if s == "available" then return snap end
+    if s == "failed" then
+      error(api.error { op = "snapshots.wait_available", code = "snapshot_failed", snapshot_id = snap.id,
+        sandbox_id = snap.source_sandbox_id,
+        message = "snapshot " .. snap.id .. " failed: " .. tostring(snap.error or "no reason given") }, 2)
+    end
+    if core.now() >= deadline then
+      error(api.error { op = "snapshots.wait_available", code = "timeout", snapshot_id = snap.id,
+        message = string.format("snapshot %s still %s after %g s", snap.id, tostring(s), limit) }, 2)
+    end
+    task.sleep(math.min(interval, math.max(deadline - core.now(), 0)))
+    interval = math.min(interval * 2, 2)
+    snap:refresh()
+  end
+end
+
+--- snap:delete(): deletes it (idempotent: deleting a deleted or expired snapshot succeeds).
+-- Sandboxes restored from it are unaffected. Raises "snapshot_creating" while it is being
+-- captured, "snapshot_not_found" if it never existed in its group. [yields]
+function snapshot_methods.delete(snap)
+  local c = rawget(snap, "_conn")
+  api.call(c, "snapshots.delete", "DELETE", snapshot_path(snap.sandbox_group_id, snap.id),
+    { query = { ownerId = c.workspace }, snapshot_id = snap.id })
+end
+
+--- render.snapshots.get(group_id, snapshot_id) -> Snapshot; or get(snap) with a Snapshot (or a
+-- table with id and sandbox_group_id), or get(snapshot_id) in the default group. Raises
+-- "snapshot_not_found" (deleted, expired, or in another group), "invalid_snapshot_id". [yields]
+function snapshots.get(a, b)
+  local gid, sid
+  if b ~= nil then
+    gid, sid = group_id(a), b
+  elseif type(a) == "table" then
+    gid, sid = a.sandbox_group_id or a.sandboxGroupId or group_id(nil), a.id
+  else
+    gid, sid = group_id(nil), a
+  end
+  if type(sid) ~= "string" then error("render.snapshots.get: a snapshot id is required", 2) end
+  local c = render.connection()
+  if not gid then
+    error(api.error { op = "snapshots.get", code = "snapshot_not_found", snapshot_id = sid,
+      message = "the workspace has no sandbox group yet, so no snapshot " .. sid }, 2)
+  end
+  local data = api.call(c, "snapshots.get", "GET", snapshot_path(gid, sid),
+    { query = { ownerId = c.workspace }, snapshot_id = sid })
+  return wrap_snapshot(c, data)
+end
+
+--- render.snapshots.list{group = Group or id (default: the default group), status = a status
+-- or a list} -> iterator over every Snapshot, all pages, newest first (expired and deleted
+-- ones are omitted by Render). Yields nothing when the workspace has no group yet. Raises
+-- "invalid_status", "not_found" (unknown group). [yields]
+function snapshots.list(opts)
+  opts = opts or {}
+  local c = render.connection()
+  local gid = group_id(opts.group)
+  local status = opts.status
+  if type(status) == "string" then status = { status } end
+  local cursor, page, i, done = nil, {}, 0, gid == nil
+  return function()
+    i = i + 1
+    if i > #page then
+      if done then return nil end
+      page = api.call(c, "snapshots.list", "GET", "/sandbox-groups/" .. gid .. "/snapshots",
+        { query = { ownerId = render._owner(c), status = status, cursor = cursor, limit = 100 } })
+      i = 1
+      if #page < 100 then done = true end
+      if #page == 0 then return nil end
+      cursor = page[#page].cursor
+    end
+    return wrap_snapshot(c, page[i].snapshot)
+  end
+end
+
+--- render.snapshots.latest(name, {group}) -> the newest "available" Snapshot with that name in
+-- the group (default: the default group), or nil. The same snapshot a restore by name picks.
+-- [yields]
+function snapshots.latest(name, opts)
+  opts = opts or {}
+  if type(name) ~= "string" then error("render.snapshots.latest: name (a string) is required", 2) end
+  for snap in snapshots.list { group = opts.group, status = "available" } do
+    if snap.name == name then return snap end
+  end
+  return nil
+end
+
+--- render.snapshots.delete(snap): deletes a Snapshot, or a snapshot id in the default group
+-- (idempotent). Raises as snap:delete(). [yields]
+function snapshots.delete(snap)
+  if type(snap) ~= "table" then
+    local gid = group_id(nil)
+    if not gid then
+      error(api.error { op = "snapshots.delete", code = "snapshot_not_found", snapshot_id = snap,
+        message = "the workspace has no sandbox group yet, so no snapshot " .. tostring(snap) }, 2)
+    end
+    snap = { id = snap, sandboxGroupId = gid }
+  end
+  if getmetatable(snap) ~= Snapshot then snap = wrap_snapshot(render.connection(), snap) end
+  return snapshot_methods.delete(snap)
+end
+
+--- render.snapshots.wait_available(snap, opts) -> snap once available; see
+-- snap:wait_available. [yields]
+function snapshots.wait_available(snap, opts)
+  return snapshot_methods.wait_available(snap, opts)
+end
+
+-- ---- sb:snapshot ------------------------------------------------------------------------------
+
+local KINDS = { filesystem = true, runtime = true }
+
+--- sb:snapshot{kind = "filesystem"|"runtime", name, expires_at, wait = true, wait_timeout = 300}
+-- -> Snapshot, once available (wait = false: at once, status "creating"). kind is always sent
+-- (default "filesystem": Render's default has changed between versions). expires_at is a unix
+-- time or an RFC 3339 string. Never re-sent (a lost answer raises "unknown_outcome"). Raises
+-- "invalid_snapshot_name", "sandbox_not_running" (e.g. suspended), and what wait_available
+-- raises. [yields]
+function sandbox_methods.snapshot(sb, opts)
+  opts = opts or {}
+  local kind = opts.kind or "filesystem"
+  if not KINDS[kind] then
+    error("sb:snapshot: kind must be \"filesystem\" or \"runtime\", got " .. tostring(kind), 2)
+  end
+  local expires = opts.expires_at
+  if type(expires) == "number" then
+    expires = os.date("!%Y-%m-%dT%H:%M:%SZ", math.floor(expires))
+  elseif expires ~= nil and type(expires) ~= "string" then
+    error("sb:snapshot: expires_at must be a unix time or an RFC 3339 string", 2)
+  end
+  local c = rawget(sb, "_conn")
+  local data = api.call(c, "sandbox:snapshot", "POST", "/sandboxes/" .. sb.id .. "/snapshots", {
+    query = { ownerId = c.workspace },
+    body = { kind = kind, name = opts.name, expiresAt = expires },
+    idempotent = false, sandbox_id = sb.id })
+  local snap = wrap_snapshot(c, data)
+  if opts.wait ~= false then snap:wait_available { timeout = opts.wait_timeout } end
+  return snap
+end
+
+render.Snapshot = Snapshot
+render.Group = Group
+render.snapshots = snapshots
+render.groups = groups
+return snapshots
