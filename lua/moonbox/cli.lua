@@ -83,15 +83,36 @@ function M.run_root_opts(opts, fn, ...)
   return EXIT_OK
 end
 
-command("run", "run a recipe as a task", "moonbox run FILE [ARGS...]",
+command("run", "run a recipe as a task", "moonbox run [--backend URL|local|render] FILE [ARGS...]",
   [[Loads FILE as a Lua chunk and runs it as the root task on the event loop, so its top
 level can call any moonbox function that waits. ARGS are in the global `arg` table (arg[0] is
 FILE), as with `lua`. When the chunk returns, tasks it left running are cancelled and unwound.
 
 Exit status: 0 on success; 1 when the recipe raised (message and traceback on stderr) or a task
 failed with nobody joining it; 2 on usage errors; 130 after SIGINT and 143 after SIGTERM, once
-the recipe's task was cancelled and its guards unwound.]],
+the recipe's task was cancelled and its guards unwound.
+
+--backend chooses where moonbox.render calls go: a URL (a `moonbox local` or another
+compatible server), `local` (the embedded local backend, started for the recipe when none is
+running), or `render` (Render's cloud; needs RENDER_API_KEY). Without it: RENDER_LOCAL_DEV_URL,
+then RENDER_API_KEY, then the embedded local backend.]],
   function(args)
+    local backend
+    while args[1] and args[1]:match("^%-%-backend") do
+      local v = args[1]:match("^%-%-backend=(.+)$")
+      if v then
+        table.remove(args, 1)
+      else
+        v = args[2]
+        if not v then return usage_error("run: --backend needs a value (URL, local or render)") end
+        table.remove(args, 1)
+        table.remove(args, 1)
+      end
+      backend = v
+    end
+    if backend and backend ~= "local" and backend ~= "render" and not backend:match("^https?://") then
+      return usage_error("run: --backend must be a URL, local or render, got '%s'", backend)
+    end
     local file = args[1]
     if not file then return usage_error("run: missing the recipe FILE") end
     local rest = table.move(args, 2, #args, 1, {})
@@ -102,6 +123,7 @@ the recipe's task was cancelled and its guards unwound.]],
     end
     set_arg(file, rest)
     local code, err = run_root(function(...)
+      if backend then require("moonbox.render").connect { backend = backend } end
       local r = table.pack(xpcall(chunk, core.msgh, ...))
       -- An embedded local backend started for this recipe stops with it, whatever happened.
       local render = package.loaded["moonbox.render"]
