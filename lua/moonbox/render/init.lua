@@ -131,8 +131,9 @@ end
 function M.sandboxes_create(opts)
   opts = opts or {}
   local c = M.connection()
+  local body = create_body(c, opts)
   local data = api.call(c, "sandboxes.create", "POST", "/sandboxes",
-    { body = create_body(c, opts), idempotent = false })
+    { body = body, idempotent = false, snapshot_id = body.snapshotId })
   local sb = wrap(c, data)
   if opts.wait ~= false then sb:wait_running { timeout = opts.wait_timeout } end
   return sb
@@ -365,4 +366,5 @@ M.Result = Result
 package.loaded["moonbox.render"] = M
 -- The parts in their own files (each extends M and the Sandbox methods when loaded).
 require "moonbox.render.exec"
+require "moonbox.render.snapshots"
 return M
