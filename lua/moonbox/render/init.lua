@@ -367,4 +367,5 @@ package.loaded["moonbox.render"] = M
 -- The parts in their own files (each extends M and the Sandbox methods when loaded).
 require "moonbox.render.exec"
 require "moonbox.render.snapshots"
+require "moonbox.render.files"
 return M
