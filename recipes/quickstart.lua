@@ -1,68 +1,38 @@
--- recipes/quickstart.lua — tasks and HTTP concurrency on one event loop.
+-- recipes/quickstart.lua — the whole life of a sandbox, start to finish.
 --
--- A tiny HTTP server runs in this same process (each request is handled by its own task),
--- and 200 client tasks fetch from it, at most 32 at a time. A slow endpoint shows a deadline
--- cancelling a request, and a scope shows that the first failure cancels its siblings.
--- Everything waits without blocking anything else: it is all one thread, one libev loop.
+-- Creates a sandbox (network deny-all), runs commands in it, uploads and downloads a file,
+-- captures a filesystem snapshot, restores three sandboxes from it concurrently, and leaves
+-- nothing running: every sandbox is a <close> guard, and the snapshot is deleted at the end.
+-- With no RENDER_API_KEY it runs against the embedded local backend (real sandboxes on this
+-- machine); with one, against Render's cloud.
 --
---   moonbox run recipes/quickstart.lua [COUNT]
+--   moonbox run recipes/quickstart.lua
+local render = require "moonbox.render"
 local task = require "moonbox.task"
-local http = require "moonbox.http"
-local httpd = require "moonbox.httpd"
 
-local count = tonumber(arg and arg[1]) or 200
-
-local srv <close> = httpd.listen { host = "127.0.0.1", port = 0 }
-srv:route("GET", "/square/:n", function(req)
-  local n = tonumber(req.captures.n)
-  task.sleep(0.001 * (n % 5)) -- a little latency: handlers wait concurrently too
-  return 200, tostring(n * n), { ["Content-Type"] = "text/plain" }
-end)
-srv:route("GET", "/slow", function()
-  task.sleep(30)
-  return 200, "too late"
-end)
-print(("serving on %s"):format(srv.url))
-
--- 1. Fan out: `count` requests, at most 32 in flight, results in order.
 local started = task.now()
-local numbers = {}
-for i = 1, count do numbers[i] = i end
-local squares, stats = task.map(numbers, function(n)
-  return tonumber(http.request { url = srv.url .. "/square/" .. n, timeout = 10 }.body)
-end, { concurrency = 32 })
-local sum = 0
-for i, v in ipairs(squares) do
-  assert(v == i * i, "wrong square for " .. i)
-  sum = sum + v
-end
-print(("%d requests in %.0f ms, at most %d in flight; sum of squares = %d")
-  :format(count, (task.now() - started) * 1000, stats.peak, sum))
+local sb <close> = render.sandboxes.create { network = "deny-all", timeout = 600 }
+print(("created %s (%s) in %.0f ms"):format(sb.id, sb.plan, (task.now() - started) * 1000))
 
--- 2. A deadline: the slow request is cancelled after 0.2 s (its transfer is aborted).
-local ok, err = pcall(task.timeout, 0.2, function()
-  return http.request { url = srv.url .. "/slow" }
-end)
-assert(not ok and task.is_timeout(err))
-print("slow request: " .. tostring(err))
+-- argv tables are quoted safely; env values travel as a file, never in command text
+local r = sb:exec({ "sh", "-c", 'echo "hello from $(hostname) as $GREETER"' },
+  { env = { GREETER = "moonbox" } }):check()
+io.write("exec: ", r.stdout)
 
--- 3. Structured concurrency: one failing child cancels its siblings; the error surfaces here.
-local cancelled = 0
-ok, err = pcall(task.scope, function(s)
-  for _ = 1, 3 do
-    s:spawn(function()
-      local _guard <close> = setmetatable({}, { __close = function(_, e)
-        if task.is_cancelled(e) then cancelled = cancelled + 1 end
-      end })
-      http.request { url = srv.url .. "/slow" }
-    end)
-  end
-  s:spawn(function()
-    task.sleep(0.05)
-    error("worker 4 gave up")
-  end)
-end)
-assert(not ok and tostring(err):find("worker 4 gave up"))
-print(("scope: %q; %d siblings cancelled"):format(tostring(err), cancelled))
-assert(cancelled == 3)
-print("done")
+sb:upload("work/input.txt", "3\n1\n2\n")
+sb:exec("sort -n work/input.txt > work/sorted.txt"):check()
+io.write("download: ", (sb:download("work/sorted.txt"):gsub("\n", " ")), "\n")
+
+sb:exec("mkdir -p /opt/app && echo 'built at step 1' > /opt/app/artifact"):check()
+local snap = sb:snapshot { kind = "filesystem", name = "quickstart" }
+print(("snapshot %s is %s (%d bytes)"):format(snap.id, snap.status, snap.size_bytes or 0))
+
+-- three restores at once; each is terminated when its task's scope ends
+local outputs = task.map({ 1, 2, 3 }, function(i)
+  local copy <close> = render.sandboxes.create { snapshot = snap, network = "deny-all", timeout = 600 }
+  return ("%d: %s"):format(i, copy:exec("cat /opt/app/artifact"):check().stdout:gsub("\n", ""))
+end, { concurrency = 3 })
+for _, line in ipairs(outputs) do print("restored " .. line) end
+
+snap:delete()
+print(("done in %.2f s; every sandbox is terminated as its scope closes"):format(task.now() - started))
