@@ -5,8 +5,9 @@ const [mode, nStr, url] = process.argv.slice(2);
 const n = Number(nStr);
 let ok = 0;
 let bytes = 0;
+const headers = process.env.BENCH_AUTH ? { Authorization: process.env.BENCH_AUTH } : {};
 async function one() {
-  const r = await fetch(url);
+  const r = await fetch(url, { headers });
   const body = await r.text();
   if (r.status === 200) ok++;
   bytes += body.length;

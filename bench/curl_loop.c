@@ -2,7 +2,8 @@
  * curl_loop.c — the floor: a minimal C libcurl client doing what the moonbox client does, with
  * nothing on top. `curl_loop seq N URL` makes N sequential GETs on one reused easy handle
  * (keep-alive); `curl_loop conc N URL` starts N GETs at once on one multi handle and drives them
- * with curl_multi_poll. Bodies are counted and dropped.
+ * with curl_multi_poll. Bodies are counted and dropped. $BENCH_AUTH, when set, is sent as an
+ * Authorization header (bench/run.sh uses it to call moonbox local's API).
  */
 #include <curl/curl.h>
 #include <stdio.h>
@@ -27,9 +28,17 @@ int main(int argc, char **argv)
     size_t bytes = 0;
     long ok = 0;
     curl_global_init(CURL_GLOBAL_DEFAULT);
+    struct curl_slist *hdrs = NULL;
+    const char *auth = getenv("BENCH_AUTH");
+    char line[512];
+    if (auth && *auth) {
+        snprintf(line, sizeof line, "Authorization: %s", auth);
+        hdrs = curl_slist_append(NULL, line);
+    }
     if (strcmp(argv[1], "seq") == 0) {
         CURL *e = curl_easy_init();
         curl_easy_setopt(e, CURLOPT_URL, url);
+        if (hdrs) curl_easy_setopt(e, CURLOPT_HTTPHEADER, hdrs);
         curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
         curl_easy_setopt(e, CURLOPT_WRITEDATA, &bytes);
         for (long i = 0; i < n; i++) {
@@ -65,6 +74,7 @@ int main(int argc, char **argv)
         }
         curl_multi_cleanup(m);
     }
+    curl_slist_free_all(hdrs);
     printf("%ld ok of %ld, %zu bytes\n", ok, n, bytes);
     return ok == n ? 0 : 1;
 }

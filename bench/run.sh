@@ -103,3 +103,34 @@ echo "| moonbox run bench/empty.lua | $mb |"
 echo "| lua5.4 bench/empty.lua | $lu |"
 echo "| /bin/true (process start floor) | $tr |"
 } | tee -a "$OUT/http.md"
+
+# The Render client's per-call overhead: render.sandboxes.get against moonbox local, vs the same
+# GET from the bare C loop and from Node's fetch (all sequential, keep-alive, same backend).
+if [ "$(id -u)" -eq 0 ]; then
+  RN=${RENDER_N:-2000}
+  lstate=$(mktemp -d)
+  "$MOONBOX" local --quiet --port 0 --state "$lstate" --api-key rnd_bench --workspace tea-cph1rs3idesc73a2b2mg > "$lstate/out" &
+  lpid=$!
+  for _ in $(seq 100); do grep -q RENDER_WORKSPACE_ID "$lstate/out" 2>/dev/null && break; sleep 0.1; done
+  LURL=$(sed -n 's/^RENDER_LOCAL_DEV_URL=//p' "$lstate/out")
+  SID=$(curl -s -H 'Authorization: Bearer rnd_bench' -d '{"ownerId":"tea-cph1rs3idesc73a2b2mg"}' "$LURL/v1/sandboxes" | sed 's/.*"id":"\(sbx-[0-9a-v]*\)".*/\1/')
+  sleep 1
+  GURL="$LURL/v1/sandboxes/$SID"
+  c=$(BENCH_AUTH="Bearer rnd_bench" measure "$BUILD/bench_curl_loop" seq "$RN" "$GURL")
+  m=$(measure "$MOONBOX" run "$ROOT/bench/render_get.lua" "$RN" "$LURL" rnd_bench tea-cph1rs3idesc73a2b2mg "$SID")
+  nd="0 0 0"
+  [ $have_node = 1 ] && nd=$(BENCH_AUTH="Bearer rnd_bench" measure node "$ROOT/bench/client.mjs" seq "$RN" "$GURL")
+  cfl=$(echo "$c" | cut -d' ' -f2)
+  ncpu=$(echo "$nd" | cut -d' ' -f2)
+  {
+  echo
+  echo "| scenario | client | requests | wall s | CPU µs/request | peak RSS MB | CPU vs C floor | CPU vs Node |"
+  echo "|---|---|---:|---:|---:|---:|---:|---:|"
+  row "GET /v1/sandboxes/{id}" "moonbox render.sandboxes.get" "$RN" "$m" "$cfl" "$ncpu"
+  row "GET /v1/sandboxes/{id}" "bare C libcurl" "$RN" "$c" "$cfl" "$ncpu"
+  [ $have_node = 1 ] && row "GET /v1/sandboxes/{id}" "Node fetch" "$RN" "$nd" "$cfl" "$ncpu"
+  } | tee -a "$OUT/http.md"
+  curl -s -o /dev/null -H 'Authorization: Bearer rnd_bench' -X POST "$LURL/v1/sandboxes/$SID/terminate"
+  kill "$lpid"; wait "$lpid" 2>/dev/null || true
+  rm -rf "$lstate"
+fi
