@@ -84,6 +84,25 @@ describe("kill", function()
     assert.is_truthy(c)
   end))
 
+  it("escalates TERM to KILL after the grace period for a command that ignores TERM", T.async(function()
+    local p = sb:spawn("trap '' TERM; sleep 5000 & wait")
+    for _ = 1, 100 do -- the wrapper, its bash -c and the sleep itself
+      if count("sleep 5000") >= 3 then break end
+      task.sleep(0.05)
+    end
+    assert.are.equal("signalled", p:kill("TERM", { grace = 0.5 }))
+    local r = p:wait()
+    assert.is_true(r.code ~= 0)
+    -- the sleep ignores TERM: only the KILL after the grace period ends it
+    local left = count("sleep 5000")
+    for _ = 1, 60 do
+      if left == 0 then break end
+      task.sleep(0.05)
+      left = count("sleep 5000")
+    end
+    assert.are.equal(0, left)
+  end))
+
   it("kills the process group when the waiting task is cancelled", T.async(function()
     local waiter = task.spawn(function() return sb:exec("sleep 2000") end)
     for _ = 1, 100 do
@@ -108,6 +127,30 @@ describe("kill", function()
     assert.are.equal(0, sb:exec("sleep 4000 > /dev/null 2>&1 & echo started"):check().code)
     assert.are.equal(0, count("sleep 4000"))
   end))
+end)
+
+describe("secrets", function()
+  it("never show a planted env secret in a failing recipe's output or error", function()
+    local secret = "planted-" .. tostring(math.random(1e9))
+    local recipe = os.tmpname()
+    local f = assert(io.open(recipe, "w"))
+    f:write(string.format([[
+local render = require "moonbox.render"
+render.connect { backend = %q, api_key = %q, workspace = %q }
+local sb <close> = render.sandboxes.create {}
+sb:exec("echo working; exit 9", { env = { API_TOKEN = %q } }):check()
+]], B.url, B.key, B.workspace, secret))
+    f:close()
+    local out = os.tmpname()
+    local ok = os.execute(L.BIN .. " run " .. recipe .. " > " .. out .. " 2>&1")
+    local text = assert(io.open(out)):read("a")
+    assert.is_falsy(ok)
+    assert.matches("exit_status", text)
+    assert.is_nil(text:find(secret, 1, true))
+    assert.is_nil(text:find(B.key, 1, true))
+    os.remove(recipe)
+    os.remove(out)
+  end)
 end)
 
 describe("output", function()

@@ -9,7 +9,8 @@
 -- SPEC is a JSON array of rules, or the compact form `RULE;RULE;...` with
 --   RULE  = MATCH "=" FAULT ["@" RATE] ["#" COUNT]
 --   MATCH = "*" | METHOD " " PATH     (METHOD may be "*"; in PATH a "*" matches one segment)
---   FAULT = STATUS[":" RETRY_AFTER] | "drop" | "cut" | "latency:" MS
+--   FAULT = STATUS[":" RETRY_AFTER] | "drop" | "cut" | "edge" | "latency:" MS
+-- ("edge": a 403 HTML page without Render's headers, as Render's firewall answers).
 -- e.g. `POST /v1/sandboxes=503@0.05;POST /v1/sandboxes=drop@0.05;*=latency:20`.
 -- RATE is a probability (default 1); COUNT caps how many times the rule fires.
 local json = require "moonbox.json"
@@ -17,7 +18,7 @@ local json = require "moonbox.json"
 local M = {}
 M.__index = M
 
-local KINDS = { status = true, drop = true, cut = true, latency = true }
+local KINDS = { status = true, drop = true, cut = true, latency = true, edge = true }
 
 local function glob_to_pattern(glob)
   local p = glob:gsub("[%^%$%(%)%%%.%[%]%+%-%?]", "%%%0"):gsub("%*", "[^/]*")
@@ -37,7 +38,7 @@ local function normalize(rule, i)
   end
   local kind = rule.fault
   if not KINDS[kind] then
-    error(where .. ": 'fault' must be status, drop, cut or latency, got " .. tostring(kind), 0)
+    error(where .. ": 'fault' must be status, drop, cut, edge or latency, got " .. tostring(kind), 0)
   end
   -- JSON numbers arrive as floats; the integral ones are integers here.
   local function int(v) return type(v) == "number" and math.tointeger(v) or v end
@@ -76,7 +77,7 @@ local function parse_compact(spec)
       local st, ra = fault:match("^(%d%d%d):?(%d*)$")
       if st then
         rule.fault, rule.status, rule.retry_after = "status", math.tointeger(tonumber(st)), tonumber(ra)
-      elseif fault == "drop" or fault == "cut" then
+      elseif fault == "drop" or fault == "cut" or fault == "edge" then
         rule.fault = fault
       elseif fault:match("^latency:%d+$") then
         rule.fault, rule.latency_ms = "latency", tonumber(fault:match("%d+"))
@@ -144,7 +145,7 @@ end
 -- matching latency rule that fires, and returns the first other matching rule (of the kinds
 -- in the set `kinds`, default status/drop) that fires.
 function M:decide(method, path, kinds)
-  kinds = kinds or { status = true, drop = true }
+  kinds = kinds or { status = true, drop = true, edge = true }
   local latency, chosen = 0, nil
   for _, rule in ipairs(self.rules) do
     if matches(rule, method, path) then

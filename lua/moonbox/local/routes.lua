@@ -143,6 +143,12 @@ local function route(b, fn, o)
       local msg = fault.status == 429 and "rate limit exceeded" or "injected fault"
       return respond(res, fault.status, { message = msg }, h)
     end
+    if fault and fault.fault == "edge" then
+      -- Render's edge firewall: an HTML page, none of Render's own headers.
+      entry.status, entry.fault = 403, "edge"
+      return res:send(403, "<!DOCTYPE html><html><head><title>Attention Required! | Cloudflare</title>" ..
+        "</head><body>Sorry, you have been blocked</body></html>", { ["Content-Type"] = "text/html" })
+    end
     local ctx = { rid = rid, entry = entry }
     local ok, status, body, headers = xpcall(function()
       if o.auth ~= "none" and not same_secret(bearer(req), b.api_key) then

@@ -113,10 +113,12 @@ Process.__tostring = function(p) return "Process " .. p.id .. " in " .. p.sb.id 
 
 --- Sends sig to the command's process group from a second exec; if the command has not
 -- started yet, leaves a kill marker so it exits 143 without running. [yields]
-local function send_kill(sb, id, sig)
+local function send_kill(sb, id, sig, no_marker)
   local m = MARKERS .. "/" .. id
+  local after = sig == 9 and ("; rm -f " .. m .. ".pgid") or ""
+  local otherwise = no_marker and "echo gone" or ("touch " .. m .. ".kill; echo marked")
   local script = "mkdir -p " .. MARKERS .. "; if [ -s " .. m .. ".pgid ]; then kill -" .. sig ..
-    " -- -$(cat " .. m .. ".pgid) 2>/dev/null; echo signalled; else touch " .. m .. ".kill; echo marked; fi"
+    " -- -$(cat " .. m .. ".pgid) 2>/dev/null" .. after .. "; echo signalled; else " .. otherwise .. "; fi"
   local c = rawget(sb, "_conn")
   local tok = api.call(c, "sandbox:kill", "POST", "/sandboxes/" .. sb.id .. "/runs/sync/token",
     { body = { command = script }, idempotent = true, sandbox_id = sb.id })
@@ -133,12 +135,13 @@ end
 function Process:kill(sig, opts)
   local n = signal_number(sig)
   local how = send_kill(self.sb, self.id, n)
-  if n == 15 and not self.done then
+  if n == 15 and how == "signalled" then
+    -- The command may ignore TERM, and its children may outlive it even when the wrapper
+    -- itself died of the TERM: after the grace period the whole group gets KILL regardless.
     local grace = (opts and opts.grace) or 5
     task.spawn(function()
-      local t0 = core.now()
-      while not self.done and core.now() - t0 < grace do task.sleep(0.05) end
-      if not self.done then pcall(send_kill, self.sb, self.id, 9) end
+      task.sleep(grace)
+      pcall(send_kill, self.sb, self.id, 9, true)
     end)
   end
   return how
@@ -238,7 +241,7 @@ function Process:wait()
     pcall(send_kill, self.sb, self.id, 15)
     local t0 = core.now()
     while not self.done and core.now() - t0 < 2 do pcall(task.sleep, 0.05) end
-    if not self.done then pcall(send_kill, self.sb, self.id, 9) end
+    if not self.done then pcall(send_kill, self.sb, self.id, 9, true) end
     task.cancel(self.reader)
     error(err, 0)
   end
