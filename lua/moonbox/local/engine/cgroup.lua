@@ -80,6 +80,7 @@ function Cgroup:freeze(id, seconds)
   local ok, err = host.write(self:path(id) .. "/" .. file, value)
   if not ok then return nil, "cannot write " .. self:path(id) .. "/" .. file .. ": " .. tostring(err) end
   local deadline = task.now() + (seconds or 10)
+  local polls = 0
   while not self:freeze_done(id) do
     if task.now() > deadline then
       self:thaw(id)
@@ -87,6 +88,16 @@ function Cgroup:freeze(id, seconds)
         (seconds or 10) .. " s (one may be stuck in the kernel)"
     end
     task.sleep(0.001)
+    polls = polls + 1
+    -- The v1 freezer can stay FREEZING when a task was busy in the kernel (forking, entering
+    -- namespaces) at the moment of the request; asking again makes it retry those tasks, and
+    -- a brief thaw now and then unblocks one caught between two others (runc does the same).
+    if polls % 10 == 0 then host.write(self:path(id) .. "/" .. file, value) end
+    if polls % 200 == 0 then
+      self:thaw(id)
+      task.sleep(0.001)
+      host.write(self:path(id) .. "/" .. file, value)
+    end
   end
   return true
 end
