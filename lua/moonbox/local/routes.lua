@@ -884,9 +884,15 @@ local function create_snapshot(b, req)
   b.st.snapshots[snap.id] = snap
   b.st:save("snapshot", snap)
   b:activity(rec.id, 1)
+  local r = b:rt(rec.id)
+  r.capture_lock = r.capture_lock or task.semaphore(1)
   task.spawn(function()
     local layer = b.state_dir .. "/layers/" .. snap.id
-    local ok, result = pcall(b.engine.capture, b.engine, rec.id, layer, { kind = kind })
+    -- Captures of one sandbox take turns: each freezes it, and a thaw by one must not land in
+    -- the middle of another's copy.
+    local ok, result = pcall(r.capture_lock.with, r.capture_lock, b.engine.capture, b.engine, rec.id,
+      layer, { kind = kind })
+    if not ok then b.log("snapshot " .. snap.id .. " of " .. rec.id .. " failed: " .. tostring(result)) end
     b:activity(rec.id, -1)
     if ok then
       snap.status, snap.capturedAt = "available", ids.iso(now())
