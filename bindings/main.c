@@ -22,6 +22,12 @@
 #ifndef MOONBOX_INSTALL_LUA_REL
 #define MOONBOX_INSTALL_LUA_REL "../share/moonbox/lua"
 #endif
+#ifndef MOONBOX_BUILD_CMOD_DIR
+#define MOONBOX_BUILD_CMOD_DIR ""
+#endif
+#ifndef MOONBOX_INSTALL_CMOD_REL
+#define MOONBOX_INSTALL_CMOD_REL "../lib/moonbox/exe"
+#endif
 
 static int has_library(const char *dir)
 {
@@ -99,6 +105,19 @@ int main(int argc, char **argv)
     lua_getfield(L, -2, "path");
     lua_concat(L, 2);
     lua_setfield(L, -2, "path");
+    /* The binary's own C modules that are loaded on first require (moonbox.archive): next to
+     * an installed binary, else in the build tree it came from. */
+    char cmod[PATH_MAX + 64];
+    char cmod_real[PATH_MAX];
+    snprintf(cmod, sizeof cmod, "%s", exe);
+    char *slash = strrchr(cmod, '/');
+    if (slash) *slash = '\0';
+    strncat(cmod, "/" MOONBOX_INSTALL_CMOD_REL, sizeof cmod - strlen(cmod) - 1);
+    const char *cmod_dir = realpath(cmod, cmod_real) ? cmod_real : MOONBOX_BUILD_CMOD_DIR;
+    lua_pushfstring(L, "%s/?.so;", cmod_dir);
+    lua_getfield(L, -2, "cpath");
+    lua_concat(L, 2);
+    lua_setfield(L, -2, "cpath");
     lua_pop(L, 1);
 
     /* moonbox.build: facts about this binary, for the CLI and the tests. */
