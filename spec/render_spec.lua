@@ -191,6 +191,33 @@ io.write(sb:exec({ "echo", "embedded ok" }):check().stdout)
   end)
 end)
 
+describe("a running moonbox local in the default state dir", function()
+  it("is reused by a recipe instead of starting another", T.async(function()
+    local proc = require "moonbox.proc"
+    local home = proc.run({ "mktemp", "-d" }).stdout:gsub("%s+$", "")
+    local state = home .. "/.local/state/moonbox/local"
+    local p = proc.spawn { L.BIN, "local", "--quiet", "--port", "0", "--state", state, stderr = "inherit" }
+    local lines = p:lines("stdout")
+    local url
+    for _ = 1, 3 do
+      local line = lines()
+      url = url or line:match("^RENDER_LOCAL_DEV_URL=(.*)$")
+    end
+    local recipe = home .. "/r.lua"
+    local f = assert(io.open(recipe, "w"))
+    f:write('local render = require "moonbox.render"\nio.write(render.connection().base, "\\n")\n')
+    f:close()
+    local r = proc.run { "env", "-u", "RENDER_API_KEY", "-u", "RENDER_LOCAL_DEV_URL", "HOME=" .. home,
+      "XDG_STATE_HOME=", L.BIN, "run", recipe }
+    assert.are.equal(0, r.code, r.stderr)
+    assert.are.equal(url .. "/v1\n", r.stdout)
+    assert.is_nil(r.stderr:find("embedded", 1, true)) -- reused: nothing was started
+    p:kill("TERM")
+    p:wait()
+    proc.run { "rm", "-rf", "--one-file-system", home }
+  end))
+end)
+
 describe("moonbox run --backend", function()
   it("points moonbox.render at the given backend", function()
     local recipe = os.tmpname()
