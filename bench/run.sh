@@ -19,7 +19,7 @@ REPS=${REPS:-3}
 OUT=$ROOT/bench/out
 mkdir -p "$OUT"
 
-cmake --build "$BUILD" --target moonbox bench_server bench_curl_loop >/dev/null
+cmake --build "$BUILD" --target moonbox bench_server bench_curl_loop bench_exec_loop >/dev/null
 MOONBOX=$BUILD/moonbox
 
 portfile=$(mktemp)
@@ -129,6 +129,19 @@ if [ "$(id -u)" -eq 0 ]; then
   row "GET /v1/sandboxes/{id}" "moonbox render.sandboxes.get" "$RN" "$m" "$cfl" "$ncpu"
   row "GET /v1/sandboxes/{id}" "bare C libcurl" "$RN" "$c" "$cfl" "$ncpu"
   [ $have_node = 1 ] && row "GET /v1/sandboxes/{id}" "Node fetch" "$RN" "$nd" "$cfl" "$ncpu"
+  } | tee -a "$OUT/http.md"
+  # A no-op exec: mint + SSE run, end to end.
+  EN=${EXEC_N:-300}
+  c=$(measure "$BUILD/bench_exec_loop" "$EN" "$LURL" "$SID" rnd_bench)
+  m=$(measure "$MOONBOX" run "$ROOT/bench/render_exec.lua" "$EN" "$LURL" rnd_bench tea-cph1rs3idesc73a2b2mg "$SID")
+  nd="0 0 0"
+  [ $have_node = 1 ] && nd=$(measure node "$ROOT/bench/exec.mjs" "$EN" "$LURL" "$SID" rnd_bench)
+  cfl=$(echo "$c" | cut -d' ' -f2)
+  ncpu=$(echo "$nd" | cut -d' ' -f2)
+  {
+  row "no-op exec (mint + SSE run)" "moonbox sb:exec" "$EN" "$m" "$cfl" "$ncpu"
+  row "no-op exec (mint + SSE run)" "bare C libcurl" "$EN" "$c" "$cfl" "$ncpu"
+  [ $have_node = 1 ] && row "no-op exec (mint + SSE run)" "Node fetch" "$EN" "$nd" "$cfl" "$ncpu"
   } | tee -a "$OUT/http.md"
   curl -s -o /dev/null -H 'Authorization: Bearer rnd_bench' -X POST "$LURL/v1/sandboxes/$SID/terminate"
   kill "$lpid"; wait "$lpid" 2>/dev/null || true
