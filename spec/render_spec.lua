@@ -87,12 +87,16 @@ describe("render.sandboxes", function()
     local mark = journal_mark()
     local t0 = task.now()
     assert.are.equal("running", render.sandboxes.get(sb.id).status)
-    local gets = 0
+    local times = {}
     for _, e in ipairs(journal_since(mark)) do
-      if e.method == "GET" and e.path == "/v1/sandboxes/" .. sb.id then gets = gets + 1 end
+      if e.method == "GET" and e.path == "/v1/sandboxes/" .. sb.id then times[#times + 1] = e.t end
     end
-    assert.are.equal(4, gets)
+    assert.are.equal(4, #times) -- two 503s, one 429, then the answer
     assert.is_true(task.now() - t0 >= 1, "Retry-After: 1 was not honoured")
+    -- spacing: the backoff after the 429 is its Retry-After (1 s); the 503 ones are shorter and
+    -- jittered (at most 0.2 s, then 0.4 s)
+    assert.is_true(times[4] - times[3] >= 0.95, "the retry after the 429 came " .. (times[4] - times[3]) .. " s later")
+    assert.is_true(times[2] - times[1] <= 0.3 and times[3] - times[2] <= 0.5, "503 backoff too long")
     B:req("DELETE", "/_moonbox/faults")
   end))
 
@@ -250,6 +254,36 @@ describe("wait_running", function()
     assert.is_false(ok)
     assert.are.equal("sandbox_not_running", err.code)
     assert.are.equal(sb.id, err.sandbox_id)
+  end))
+end)
+
+describe("snapshot errors through the client", function()
+  it("raises snapshot_failed when the capture fails", T.async(function()
+    local sb <close> = render.sandboxes.create {}
+    faults("POST /v1/sandboxes/*/snapshots=capture#1")
+    local ok, err = pcall(sb.snapshot, sb, { name = "doomed" })
+    faults("")
+    assert.is_false(ok)
+    assert.are.equal("snapshot_failed", err.code)
+    assert.matches("disk full", err.message)
+    assert.is_string(err.snapshot_id)
+    B:req("DELETE", "/_moonbox/faults")
+  end))
+
+  it("raises snapshot_creating when deleting a snapshot still being captured", T.async(function()
+    local sb <close> = render.sandboxes.create {}
+    sb:exec("head -c 300000000 /dev/zero > /root/big"):check()
+    local snap = sb:snapshot { wait = false }
+    local ok, err = pcall(render.snapshots.delete, snap)
+    -- A 300 MB capture takes far longer than one request, so the delete meets it running; if
+    -- the machine were fast enough to finish first, the delete simply succeeds.
+    if not ok then
+      assert.are.equal("snapshot_creating", err.code)
+      assert.are.equal(409, err.status)
+      assert.are.equal(snap.id, err.snapshot_id)
+      snap:wait_available()
+      snap:delete()
+    end
   end))
 end)
 

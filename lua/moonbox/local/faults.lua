@@ -10,7 +10,8 @@
 --   RULE  = MATCH "=" FAULT ["@" RATE] ["#" COUNT]
 --   MATCH = "*" | METHOD " " PATH     (METHOD may be "*"; in PATH a "*" matches one segment)
 --   FAULT = STATUS[":" RETRY_AFTER] | "drop" | "cut" | "edge" | "latency:" MS
--- ("edge": a 403 HTML page without Render's headers, as Render's firewall answers).
+-- ("edge": a 403 HTML page without Render's headers, as Render's firewall answers;
+-- "capture": on POST .../snapshots, the capture then fails, as a full disk would make it).
 -- e.g. `POST /v1/sandboxes=503@0.05;POST /v1/sandboxes=drop@0.05;*=latency:20`.
 -- RATE is a probability (default 1); COUNT caps how many times the rule fires.
 local json = require "moonbox.json"
@@ -18,7 +19,8 @@ local json = require "moonbox.json"
 local M = {}
 M.__index = M
 
-local KINDS = { status = true, drop = true, cut = true, latency = true, edge = true }
+local KINDS = { status = true, drop = true, cut = true, latency = true, edge = true,
+  capture = true }
 
 local function glob_to_pattern(glob)
   local p = glob:gsub("[%^%$%(%)%%%.%[%]%+%-%?]", "%%%0"):gsub("%*", "[^/]*")
@@ -38,7 +40,7 @@ local function normalize(rule, i)
   end
   local kind = rule.fault
   if not KINDS[kind] then
-    error(where .. ": 'fault' must be status, drop, cut, edge or latency, got " .. tostring(kind), 0)
+    error(where .. ": 'fault' must be status, drop, cut, edge, capture or latency, got " .. tostring(kind), 0)
   end
   -- JSON numbers arrive as floats; the integral ones are integers here.
   local function int(v) return type(v) == "number" and math.tointeger(v) or v end
@@ -77,7 +79,7 @@ local function parse_compact(spec)
       local st, ra = fault:match("^(%d%d%d):?(%d*)$")
       if st then
         rule.fault, rule.status, rule.retry_after = "status", math.tointeger(tonumber(st)), tonumber(ra)
-      elseif fault == "drop" or fault == "cut" or fault == "edge" then
+      elseif fault == "drop" or fault == "cut" or fault == "edge" or fault == "capture" then
         rule.fault = fault
       elseif fault:match("^latency:%d+$") then
         rule.fault, rule.latency_ms = "latency", tonumber(fault:match("%d+"))

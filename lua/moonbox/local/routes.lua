@@ -47,7 +47,7 @@ local function journal(b, req)
     headers.authorization = req.headers["authorization"]:match("^(%S+)") .. " " .. REDACTED
   end
   local entry = {
-    seq = b.journal_seq, at = ids.iso(now()), method = req.method, path = req.path,
+    seq = b.journal_seq, at = ids.iso(now()), t = now(), method = req.method, path = req.path,
     query = req.query, headers = headers,
   }
   if req.body_file then
@@ -886,8 +886,16 @@ local function create_snapshot(b, req)
   b:activity(rec.id, 1)
   local r = b:rt(rec.id)
   r.capture_lock = r.capture_lock or task.semaphore(1)
+  local _, capture_fault = b.faults:decide(req.method, req.path, { capture = true })
   task.spawn(function()
     local layer = b.state_dir .. "/layers/" .. snap.id
+    if capture_fault then
+      task.sleep(0.05)
+      b:activity(rec.id, -1)
+      snap.status, snap.error = "failed", "injected capture failure (disk full)"
+      b.st:save("snapshot", snap)
+      return
+    end
     -- Captures of one sandbox take turns: each freezes it, and a thaw by one must not land in
     -- the middle of another's copy.
     local ok, result = pcall(r.capture_lock.with, r.capture_lock, b.engine.capture, b.engine, rec.id,
