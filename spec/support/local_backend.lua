@@ -53,23 +53,7 @@ function Backend:destroy()
   proc.run { "rm", "-rf", "--one-file-system", self.state }
 end
 
-local function encode_query(q)
-  if not q then return "" end
-  local parts = {}
-  local keys = {}
-  for k in pairs(q) do keys[#keys + 1] = k end
-  table.sort(keys)
-  for _, k in ipairs(keys) do
-    local v = q[k]
-    local vals = type(v) == "table" and v or { v }
-    for _, one in ipairs(vals) do
-      parts[#parts + 1] = k .. "=" .. tostring(one):gsub("[^%w%-_%.~]", function(c)
-        return string.format("%%%02X", c:byte())
-      end)
-    end
-  end
-  return #parts > 0 and ("?" .. table.concat(parts, "&")) or ""
-end
+local encode_query = require("moonbox.render.api").encode_query
 M.encode_query = encode_query
 
 --- backend:req(method, path, opts) -> status, decoded JSON (or raw body), headers. opts: query

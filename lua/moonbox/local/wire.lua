@@ -122,25 +122,7 @@ end
 -- ---- paths ------------------------------------------------------------------------------------
 
 --- wire.clean_path(p) -> p cleaned exactly as Go's path.Clean does.
-function M.clean_path(p)
-  if p == "" then return "." end
-  local rooted = p:sub(1, 1) == "/"
-  local out = {}
-  for seg in p:gmatch("[^/]+") do
-    if seg == ".." then
-      if #out > 0 and out[#out] ~= ".." then
-        out[#out] = nil
-      elseif not rooted then
-        out[#out + 1] = ".."
-      end
-    elseif seg ~= "." then
-      out[#out + 1] = seg
-    end
-  end
-  local s = table.concat(out, "/")
-  if rooted then return "/" .. s end
-  return s == "" and "." or s
-end
+M.clean_path = require("moonbox.path").clean
 
 --- wire.sandbox_path(p, fail) -> the absolute path inside the sandbox: relative paths are under
 -- the home directory /root. Raises 400 for a missing or unclean path.

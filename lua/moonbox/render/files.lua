@@ -35,22 +35,7 @@ local function normalize_path(p)
     error(api.error { op = "render.normalize_path", code = "invalid_path",
       message = "remote path contains a NUL byte" }, 2)
   end
-  local rooted = p:sub(1, 1) == "/"
-  local out = {}
-  for seg in p:gmatch("[^/]+") do
-    if seg == ".." then
-      if #out > 0 and out[#out] ~= ".." then
-        out[#out] = nil
-      elseif not rooted then
-        out[#out + 1] = ".."
-      end
-    elseif seg ~= "." then
-      out[#out + 1] = seg
-    end
-  end
-  local s = table.concat(out, "/")
-  if rooted then return "/" .. s end
-  return s == "" and "." or s
+  return require("moonbox.path").clean(p)
 end
 render.normalize_path = normalize_path
 

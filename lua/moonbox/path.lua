@@ -1,0 +1,26 @@
+--- moonbox.path — path arithmetic shared by the Render client and the local backend.
+local M = {}
+
+--- path.clean(p) -> p cleaned exactly as Go's path.Clean does (render-api.md §6.1: Render
+-- refuses any path that this would change). "" cleans to ".".
+function M.clean(p)
+  if p == "" then return "." end
+  local rooted = p:sub(1, 1) == "/"
+  local out = {}
+  for seg in p:gmatch("[^/]+") do
+    if seg == ".." then
+      if #out > 0 and out[#out] ~= ".." then
+        out[#out] = nil
+      elseif not rooted then
+        out[#out + 1] = ".."
+      end
+    elseif seg ~= "." then
+      out[#out + 1] = seg
+    end
+  end
+  local s = table.concat(out, "/")
+  if rooted then return "/" .. s end
+  return s == "" and "." or s
+end
+
+return M
