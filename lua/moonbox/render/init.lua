@@ -368,4 +368,5 @@ package.loaded["moonbox.render"] = M
 require "moonbox.render.exec"
 require "moonbox.render.snapshots"
 require "moonbox.render.files"
+require "moonbox.render.fleet"
 return M

@@ -1,0 +1,209 @@
+--- moonbox.render.fleet — render.restore: many sandboxes from one snapshot, and nothing left
+-- running whatever happens (DESIGN.md §4 "Safety rules").
+--
+--   local fleet <close> = render.restore(snap, { count = 8, concurrency = 4, network = "deny-all",
+--                                                 policy = "all_or_nothing" })
+--   local out = task.map(fleet, function(sb, i) return sb:exec(...):check().stdout end)
+--
+-- Every create settles before any cleanup starts (no "first rejection wins" that leaks the
+-- others). A fleet is an array of Sandboxes (so task.map and ipairs work on it) and a `<close>`
+-- guard over all of them: closing it terminates every member concurrently unless fleet:keep().
+local render = require "moonbox.render"
+local task = require "moonbox.task"
+local core = require "moonbox.core"
+
+local M = {}
+local Fleet = {}
+local fleet_methods = {}
+Fleet.__index = function(_, k) return fleet_methods[k] end
+Fleet.__name = "moonbox.render.Fleet"
+
+local function terminate_all(sandboxes, concurrency)
+  local failures = {}
+  if #sandboxes == 0 then return failures end
+  task.map(sandboxes, function(sb)
+    local ok, err = pcall(sb.terminate, sb)
+    if not ok then failures[#failures + 1] = { id = sb.id, error = err } end
+  end, { concurrency = concurrency or 16 })
+  return failures
+end
+
+local function describe_failures(failures)
+  local parts = {}
+  for _, f in ipairs(failures) do parts[#parts + 1] = f.id .. ": " .. tostring(f.error) end
+  return table.concat(parts, "; ")
+end
+
+Fleet.__close = function(fleet, err)
+  if rawget(fleet, "_kept") then return end
+  local failures = terminate_all(fleet, rawget(fleet, "_concurrency"))
+  rawset(fleet, "_terminated", true)
+  if #failures == 0 then return end
+  if err ~= nil then
+    if type(err) == "table" then rawset(err, "cleanup_errors", failures) end
+    io.stderr:write("moonbox: while unwinding ", tostring(err), ", terminating the fleet failed for ",
+      describe_failures(failures), "\n")
+    return
+  end
+  error(core.Error.new { op = "fleet:close", code = "cleanup_failed", failures = failures,
+    message = "could not terminate every sandbox of the fleet: " .. describe_failures(failures) }, 0)
+end
+
+--- fleet:keep() -> fleet: closing it will no longer terminate its sandboxes.
+function fleet_methods.keep(fleet)
+  rawset(fleet, "_kept", true)
+  for _, sb in ipairs(fleet) do sb:keep() end
+  return fleet
+end
+
+--- fleet:terminate(): terminates every member now (concurrently); raises cleanup_failed
+-- listing the ids that could not be terminated. [yields]
+function fleet_methods.terminate(fleet)
+  local failures = terminate_all(fleet, rawget(fleet, "_concurrency"))
+  if #failures > 0 then
+    error(core.Error.new { op = "fleet:terminate", code = "cleanup_failed", failures = failures,
+      message = "could not terminate: " .. describe_failures(failures) }, 2)
+  end
+end
+
+--- fleet:ids() -> array of the members' sandbox ids.
+function fleet_methods.ids(fleet)
+  local out = {}
+  for i, sb in ipairs(fleet) do out[i] = sb.id end
+  return out
+end
+
+local POLICIES = { all_or_nothing = true, best_effort = true }
+
+--- render.restore(snapshot, opts) -> Fleet. Creates opts.count (default 1) sandboxes from
+-- snapshot (a Snapshot, an id or a name), at most opts.concurrency (default 4) at a time, each
+-- with the create options in opts (network, plan, env, timeout, ...), waiting until each runs.
+-- opts.policy decides what a failure means, once every create has settled:
+--   "all_or_nothing" (default): any failure terminates every sibling and raises one error
+--     (code "restore_failed") whose `outcomes` lists each create ({index, id} or {index, error});
+--   "best_effort": returns the sandboxes that run; fleet.failures lists the others;
+--   { quorum = k }: like best_effort when at least k run, else like all_or_nothing.
+-- A create whose answer was lost (unknown_outcome) counts as a failure; its sandbox may exist
+-- and has no id here — the error says so. Cleanup failures never replace the error; they are
+-- attached as err.cleanup_errors. [yields]
+function M.restore(snapshot, opts)
+  opts = opts or {}
+  local count = opts.count or 1
+  local concurrency = opts.concurrency or 4
+  local policy = opts.policy or "all_or_nothing"
+  local quorum
+  if type(policy) == "table" then
+    quorum = policy.quorum
+    if math.type(quorum) ~= "integer" or quorum < 1 or quorum > count then
+      error("render.restore: policy.quorum must be an integer between 1 and count (" .. count .. ")", 2)
+    end
+  elseif not POLICIES[policy] then
+    error("render.restore: policy must be \"all_or_nothing\", \"best_effort\" or {quorum = k}", 2)
+  end
+  if math.type(count) ~= "integer" or count < 1 then
+    error("render.restore: count must be a positive integer", 2)
+  end
+  local create_opts = {}
+  for k, v in pairs(opts) do
+    if k ~= "count" and k ~= "concurrency" and k ~= "policy" then create_opts[k] = v end
+  end
+  create_opts.snapshot = snapshot
+
+  create_opts.wait = false
+  local wait_timeout = opts.wait_timeout or 120
+
+  -- Every create settles: each worker catches its own failure, so none cancels the others. A
+  -- sandbox is recorded the moment its create answers, before waiting for it to run, so a
+  -- cancellation at any point still knows every id to terminate.
+  local outcomes = {}
+  local next_i, stop_err = 1, nil
+  local ok_scope, scope_err = pcall(task.scope, function(s)
+    for _ = 1, math.min(concurrency, count) do
+      s:spawn(function()
+        while next_i <= count and not stop_err do
+          local i = next_i
+          next_i = next_i + 1
+          local o = { index = i }
+          outcomes[i] = o
+          local ok, res = pcall(render.sandboxes.create, create_opts)
+          if ok then
+            o.sandbox, o.id = res, res.id
+            local ok2, werr = pcall(res.wait_running, res, { timeout = wait_timeout })
+            if not ok2 then o.error = werr end
+          else
+            o.error = res
+          end
+          if o.error and task.is_cancelled(o.error) then stop_err = stop_err or o.error end
+        end
+      end)
+    end
+  end)
+  if not ok_scope then stop_err = stop_err or scope_err end
+  if stop_err then
+    -- Cancelled (or the scope failed): nothing this call created may outlive it.
+    local made = {}
+    for i = 1, count do
+      local o = outcomes[i]
+      if o and o.sandbox then made[#made + 1] = o.sandbox end
+    end
+    local cleanup = terminate_all(made, concurrency)
+    if #cleanup > 0 and type(stop_err) == "table" then rawset(stop_err, "cleanup_errors", cleanup) end
+    error(stop_err, 0)
+  end
+
+  local fleet = setmetatable({ _concurrency = concurrency, failures = {} }, Fleet)
+  for i = 1, count do
+    local o = outcomes[i]
+    if o and o.sandbox and not o.error then
+      fleet[#fleet + 1] = o.sandbox
+    else
+      fleet.failures[#fleet.failures + 1] = o or { index = i, error = "did not settle" }
+    end
+  end
+  local nfail = #fleet.failures
+  -- Sandboxes that exist but never ran are terminated whatever the policy.
+  local broken = {}
+  for _, f in ipairs(fleet.failures) do
+    if f.sandbox then broken[#broken + 1] = f.sandbox end
+  end
+  local acceptable = nfail == 0 or policy == "best_effort" or (quorum and #fleet >= quorum)
+  if acceptable then
+    local bad = terminate_all(broken, concurrency)
+    if #bad > 0 then fleet.cleanup_errors = bad end
+    return fleet
+  end
+
+  local all = {}
+  for _, sb in ipairs(fleet) do all[#all + 1] = sb end
+  for _, sb in ipairs(broken) do all[#all + 1] = sb end
+  local cleanup = terminate_all(all, concurrency)
+  local lines = {}
+  for i = 1, count do
+    local o = outcomes[i] or { index = i }
+    if o.sandbox and not o.error then
+      lines[#lines + 1] = string.format("#%d %s (terminated)", i, o.id)
+    else
+      local e = o.error
+      local what = tostring(e)
+      if type(e) == "table" and e.code == "unknown_outcome" then
+        what = what .. " — a sandbox may exist without an id here"
+      end
+      lines[#lines + 1] = string.format("#%d failed: %s", i, what)
+    end
+  end
+  local need = quorum and ("at least " .. quorum) or "all " .. count
+  local outcome_list = {}
+  for i = 1, count do
+    local o = outcomes[i] or { index = i }
+    outcome_list[i] = { index = i, id = o.id, error = o.error }
+  end
+  error(core.Error.new { op = "render.restore", code = "restore_failed",
+    message = string.format("%d of %d restores failed (needed %s to run): %s", nfail, count, need,
+      table.concat(lines, "; ")),
+    outcomes = outcome_list, cleanup_errors = #cleanup > 0 and cleanup or nil,
+    snapshot_id = type(snapshot) == "table" and snapshot.id or nil }, 2)
+end
+
+render.restore = M.restore
+M.Fleet = Fleet
+return M
