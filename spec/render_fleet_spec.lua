@@ -152,3 +152,29 @@ describe("moonbox.guard", function()
     assert.are.equal(0, live())
   end))
 end)
+
+describe("SIGINT during a recipe", function()
+  it("exits 130 after the recipe's guards terminated every sandbox", function()
+    local recipe = os.tmpname()
+    local f = assert(io.open(recipe, "w"))
+    f:write(string.format([[
+local render = require "moonbox.render"
+render.connect { backend = %q, api_key = %q, workspace = %q }
+local fleet <close> = render.restore(%q, { count = 3 })
+io.stdout:write("ready\n"); io.stdout:flush()
+require("moonbox.task").sleep(60)
+]], B.url, B.key, B.workspace, snap.id))
+    f:close()
+    local out = os.tmpname()
+    local script = string.format("%s run %s > %s 2>&1 & pid=$!; " ..
+      "for i in $(seq 200); do grep -q ready %s && break; sleep 0.05; done; kill -INT $pid; wait $pid; exit $?",
+      L.BIN, recipe, out, out)
+    local _, how, code = os.execute("sh -c '" .. script .. "'")
+    local text = assert(io.open(out)):read("a")
+    assert.are.equal("exit", how, text)
+    assert.are.equal(130, code, text)
+    T.run(function() assert.are.equal(0, live()) end)
+    os.remove(recipe)
+    os.remove(out)
+  end)
+end)
