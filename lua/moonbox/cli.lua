@@ -122,6 +122,7 @@ then RENDER_API_KEY, then the embedded local backend.]],
       return EXIT_FAIL
     end
     set_arg(file, rest)
+    build.ledger = true -- moonbox.render records this run's creates (moonbox ps / reap)
     local code, err = run_root(function(...)
       if backend then require("moonbox.render").connect { backend = backend } end
       local r = table.pack(xpcall(chunk, core.msgh, ...))
@@ -133,6 +134,11 @@ then RENDER_API_KEY, then the embedded local backend.]],
     end, table.unpack(rest))
     if err ~= nil then
       eprintf("moonbox: recipe %s failed: %s\n", file, M.format_error(err))
+    end
+    local render = package.loaded["moonbox.render"]
+    if render and render.ledger then
+      render.ledger:end_run(code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed")
+      render.ledger:close()
     end
     return code
   end)
@@ -257,6 +263,33 @@ Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
       return EXIT_FAIL
     end
     if code == 130 or code == 143 then return EXIT_OK end
+    return code
+  end)
+
+command("ps", "list the sandboxes moonbox runs hold", "moonbox ps",
+  [[Lists every run recorded in the ledger ($XDG_STATE_HOME/moonbox/moonbox.db) that is still
+alive or still holds sandboxes: its pid, whether it is alive, the recipe and the backend, and
+each sandbox it created and did not terminate (or a create whose answer was lost).]],
+  function()
+    require("moonbox.reap").ps(print)
+    return EXIT_OK
+  end)
+
+command("reap", "terminate what dead runs left behind", "moonbox reap [--dry-run]",
+  [[For every run that is no longer alive (killed, crashed) and still holds sandboxes, terminates
+them. A create whose answer was lost is reconciled by the label moonbox puts in every sandbox's
+name: a sandbox carrying it is terminated; one it cannot attribute is listed and never touched.
+--dry-run only says what it would do. The backend's API key comes from RENDER_API_KEY, or from
+the local backend's state dir for a local one.]],
+  function(args)
+    local opts = parse_flags(args, { ["dry-run"] = "flag" })
+    if not opts then return usage_error("reap: the only option is --dry-run") end
+    local code, err = run_root(function()
+      local r = require("moonbox.reap").reap({ dry_run = opts["dry-run"] }, print)
+      print(string.format("reap: %d terminated, %d would be, %d unattributed",
+        r.terminated, r.would, r.unattributed))
+    end)
+    if err ~= nil then eprintf("moonbox reap: %s\n", M.format_error(err)) end
     return code
   end)
 

@@ -132,8 +132,27 @@ function M.sandboxes_create(opts)
   opts = opts or {}
   local c = M.connection()
   local body = create_body(c, opts)
-  local data = api.call(c, "sandboxes.create", "POST", "/sandboxes",
+  -- The ledger (moonbox run) writes the intent before the request goes out; the label in the
+  -- sandbox's name lets `moonbox reap` attribute it even if the answer is lost.
+  if M.ledger == nil and require("moonbox.build").ledger then
+    M.ledger = require("moonbox.ledger").open()
+    M.ledger:begin_run { recipe = arg and arg[0], backend = c.base, workspace = c.workspace }
+  end
+  local ledger, intent = M.ledger or nil, nil
+  if ledger then
+    local label
+    intent, label = ledger:intent()
+    if body.name == nil then body.name = label end
+  end
+  local ok, data = pcall(api.call, c, "sandboxes.create", "POST", "/sandboxes",
     { body = body, idempotent = false, snapshot_id = body.snapshotId })
+  if not ok then
+    if ledger and not (type(data) == "table" and data.code == "unknown_outcome") then
+      ledger:fail(intent, type(data) == "table" and data.code or "error")
+    end
+    error(data, 0)
+  end
+  if ledger then ledger:bind(intent, data.id) end
   local sb = wrap(c, data)
   if opts.wait ~= false then sb:wait_running { timeout = opts.wait_timeout } end
   return sb
@@ -179,6 +198,7 @@ function M.sandboxes_terminate(id)
   local c = M.connection()
   api.call(c, "sandboxes.terminate", "POST", "/sandboxes/" .. id .. "/terminate",
     { idempotent = true, sandbox_id = id })
+  if M.ledger then M.ledger:release(id) end
 end
 
 M.sandboxes = {
@@ -199,6 +219,7 @@ function sandbox_methods.terminate(sb)
   api.call(c, "sandboxes.terminate", "POST", "/sandboxes/" .. sb.id .. "/terminate",
     { idempotent = true, sandbox_id = sb.id })
   rawget(sb, "_data").status = "terminated"
+  if M.ledger then M.ledger:release(sb.id) end
 end
 
 --- sb:suspend(): asks for an idle suspend now (it resumes on the next exec or file transfer).

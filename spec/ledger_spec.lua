@@ -1,0 +1,98 @@
+-- The ledger, `moonbox ps` and `moonbox reap` (issue 5): a run SIGKILLed in the middle of a
+-- 20-sandbox fan-out leaves its sandboxes recorded; ps shows them; reap terminates every one.
+local T = require "moonbox.testing"
+local render = require "moonbox.render"
+local proc = require "moonbox.proc"
+local L = require "spec.support.local_backend"
+
+local B, home
+
+local function run(fn) return function() T.run(fn) end end
+
+setup(run(function()
+  B = L.start()
+  render.connect { backend = B.url, api_key = B.key, workspace = B.workspace }
+  home = proc.run({ "mktemp", "-d" }).stdout:gsub("%s+$", "")
+end))
+teardown(run(function()
+  if B then B:destroy() end
+  proc.run { "rm", "-rf", home }
+end))
+
+local function live()
+  local n = 0
+  for _ in render.sandboxes.list {} do n = n + 1 end
+  return n
+end
+
+local function moonbox(args)
+  local argv = { "env", "HOME=" .. home, "XDG_STATE_HOME=", "RENDER_API_KEY=" .. B.key,
+    "RENDER_WORKSPACE_ID=" .. B.workspace, "RENDER_LOCAL_DEV_URL=" .. B.url, L.BIN }
+  for _, a in ipairs(args) do argv[#argv + 1] = a end
+  return proc.run(argv)
+end
+
+describe("a run killed in the middle of a fan-out", function()
+  it("is shown by moonbox ps and cleaned up by moonbox reap", T.async(function()
+    local recipe = home .. "/fanout.lua"
+    local f = assert(io.open(recipe, "w"))
+    f:write([[
+local render = require "moonbox.render"
+local fleet <close> = render.restore(nil, { count = 20, concurrency = 8, policy = "best_effort" })
+io.stdout:write("made ", #fleet, "\n"); io.stdout:flush()
+require("moonbox.task").sleep(120)
+]])
+    f:close()
+    local p = proc.spawn { "env", "HOME=" .. home, "XDG_STATE_HOME=", "RENDER_API_KEY=" .. B.key,
+      "RENDER_WORKSPACE_ID=" .. B.workspace, "RENDER_LOCAL_DEV_URL=" .. B.url, L.BIN, "run", recipe,
+      stderr = "inherit" }
+    local lines = p:lines("stdout")
+    local first = lines()
+    assert.matches("^made 20", first or "")
+    p:kill("KILL") -- no guard runs: the ledger is all that is left
+    p:wait()
+    assert.are.equal(20, live())
+    local ps = moonbox { "ps" }
+    assert.are.equal(0, ps.code, ps.stderr)
+    assert.matches("dead", ps.stdout)
+    local held = 0
+    for _ in ps.stdout:gmatch("holds sbx%-") do held = held + 1 end
+    assert.are.equal(20, held)
+    local dry = moonbox { "reap", "--dry-run" }
+    assert.are.equal(0, dry.code, dry.stderr)
+    assert.matches("0 terminated, 20 would be", dry.stdout)
+    assert.are.equal(20, live())
+    local reap = moonbox { "reap" }
+    assert.are.equal(0, reap.code, reap.stderr)
+    assert.matches("20 terminated", reap.stdout)
+    assert.are.equal(0, live())
+    local after = moonbox { "ps" }
+    assert.is_nil(after.stdout:find("holds", 1, true))
+  end))
+
+  it("reconciles a create whose answer was lost by its label", T.async(function()
+    B:req("PUT", "/_moonbox/faults", { body = "POST /v1/sandboxes=drop#1" })
+    local recipe = home .. "/lost.lua"
+    local f = assert(io.open(recipe, "w"))
+    f:write([[
+local render = require "moonbox.render"
+local ok = pcall(render.sandboxes.create, {})
+io.stdout:write(ok and "created\n" or "lost\n"); io.stdout:flush()
+require("moonbox.task").sleep(120)
+]])
+    f:close()
+    local p = proc.spawn { "env", "HOME=" .. home, "XDG_STATE_HOME=", "RENDER_API_KEY=" .. B.key,
+      "RENDER_WORKSPACE_ID=" .. B.workspace, "RENDER_LOCAL_DEV_URL=" .. B.url, L.BIN, "run", recipe,
+      stderr = "inherit" }
+    assert.are.equal("lost", p:lines("stdout")())
+    p:kill("KILL")
+    p:wait()
+    B:req("DELETE", "/_moonbox/faults")
+    assert.are.equal(1, live())
+    local ps = moonbox { "ps" }
+    assert.matches("unknown create mb%-", ps.stdout)
+    local reap = moonbox { "reap" }
+    assert.matches("1 terminated", reap.stdout)
+    assert.are.equal(0, live())
+  end))
+end)
