@@ -1,0 +1,52 @@
+-- bench/fanout.lua — 100 restores + exec + terminate against a `moonbox local`, at concurrency
+-- 1, 4 and 16 (issue 5's goal: 16 in at most 0.25x the wall time of 1). Client CPU and peak RSS
+-- of this process are printed with each row (its children, the backend, are not counted).
+-- Run: build/moonbox run bench/fanout.lua [COUNT]   (root, like moonbox local)
+local render = require "moonbox.render"
+local task = require "moonbox.task"
+local core = require "moonbox.core"
+local L = require "spec.support.local_backend"
+
+local count = tonumber(arg and arg[1]) or 100
+local B = L.start()
+render.connect { backend = B.url, api_key = B.key, workspace = B.workspace }
+local base <close> = render.sandboxes.create {}
+base:exec("echo ready > /root/marker"):check()
+local snap = base:snapshot { name = "fanout-bench" }
+
+local function rusage()
+  local f = io.open("/proc/self/stat")
+  local s = f:read("a")
+  f:close()
+  local rest = s:match("%) (.*)$")
+  local fields = {}
+  for x in rest:gmatch("%S+") do fields[#fields + 1] = x end
+  local ticks = 100 -- CLK_TCK on Linux
+  local cpu = (tonumber(fields[12]) + tonumber(fields[13])) / ticks -- utime + stime
+  local rss
+  for line in io.lines("/proc/self/status") do
+    rss = rss or tonumber(line:match("^VmHWM:%s+(%d+)"))
+  end
+  return cpu, rss
+end
+
+local rows, base_wall = {}, nil
+for _, c in ipairs({ 1, 4, 16 }) do
+  local cpu0 = rusage()
+  local t0 = core.now()
+  local fleet <close> = render.restore(snap, { count = count, concurrency = c })
+  task.map(fleet, function(sb) return sb:exec("cat /root/marker"):check().stdout end, { concurrency = c })
+  fleet:terminate()
+  local wall = core.now() - t0
+  local cpu1, rss = rusage()
+  base_wall = base_wall or wall
+  rows[#rows + 1] = string.format("| %d | %d | %.2f | %.2f× | %.0f | %.1f |", count, c, wall, wall / base_wall,
+    (cpu1 - cpu0) * 1e6 / count, rss / 1024)
+  io.stderr:write(rows[#rows], "\n")
+end
+snap:delete()
+print("| restores (+ exec + terminate) | concurrency | wall s | wall vs concurrency 1 | client CPU µs per sandbox | client peak RSS MB |")
+print("|---:|---:|---:|---:|---:|---:|")
+for _, r in ipairs(rows) do print(r) end
+base:terminate()
+B:destroy()
