@@ -1,7 +1,6 @@
 -- The ledger, `moonbox ps` and `moonbox reap` (issue 5): a run SIGKILLed in the middle of a
 -- 20-sandbox fan-out leaves its sandboxes recorded; ps shows them; reap terminates every one.
 local T = require "moonbox.testing"
-local render = require "moonbox.render"
 local proc = require "moonbox.proc"
 local L = require "spec.support.local_backend"
 
@@ -11,7 +10,7 @@ local function run(fn) return function() T.run(fn) end end
 
 setup(run(function()
   B = L.start()
-  render.connect { backend = B.url, api_key = B.key, workspace = B.workspace }
+  B:connect_render()
   home = proc.run({ "mktemp", "-d" }).stdout:gsub("%s+$", "")
 end))
 teardown(run(function()
@@ -19,11 +18,7 @@ teardown(run(function()
   proc.run { "rm", "-rf", home }
 end))
 
-local function live()
-  local n = 0
-  for _ in render.sandboxes.list {} do n = n + 1 end
-  return n
-end
+local function live() return B:live() end
 
 local function moonbox(args)
   local argv = { "env", "HOME=" .. home, "XDG_STATE_HOME=", "RENDER_API_KEY=" .. B.key,

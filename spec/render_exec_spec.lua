@@ -12,7 +12,7 @@ local function run(fn) return function() T.run(fn) end end
 
 setup(run(function()
   B = L.start()
-  render.connect { backend = B.url, api_key = B.key, workspace = B.workspace }
+  B:connect_render()
   sb = render.sandboxes.create {}:keep()
 end))
 teardown(run(function()

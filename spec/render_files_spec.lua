@@ -62,7 +62,7 @@ end)()
 
 setup(run(function()
   B = L.start()
-  render.connect { backend = B.url, api_key = B.key, workspace = B.workspace }
+  B:connect_render()
   sb = render.sandboxes.create {}:keep()
   work = proc.run({ "mktemp", "-d", "/tmp/moonbox-files-spec.XXXXXX" }).stdout:gsub("%s+$", "")
 end))

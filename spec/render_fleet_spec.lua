@@ -12,18 +12,14 @@ local function run(fn) return function() T.run(fn) end end
 
 setup(run(function()
   B = L.start()
-  render.connect { backend = B.url, api_key = B.key, workspace = B.workspace }
+  B:connect_render()
   local base <close> = render.sandboxes.create {}
   base:exec("echo from-snapshot > /root/marker"):check()
   snap = base:snapshot { name = "fleet-base" }
 end))
 teardown(run(function() if B then B:destroy() end end))
 
-local function live()
-  local n = 0
-  for _ in render.sandboxes.list {} do n = n + 1 end
-  return n
-end
+local function live() return B:live() end
 
 local function faults(spec) B:req("PUT", "/_moonbox/faults", { body = spec }) end
 

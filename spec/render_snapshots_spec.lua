@@ -11,7 +11,7 @@ local function run(fn) return function() T.run(fn) end end
 
 setup(run(function()
   B = L.start()
-  render.connect { backend = B.url, api_key = B.key, workspace = B.workspace }
+  B:connect_render()
 end))
 teardown(run(function() if B then B:destroy() end end))
 

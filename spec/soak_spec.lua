@@ -3,7 +3,6 @@
 -- `moonbox reap`, not one sandbox may be left running. Bounded: MOONBOX_SOAK_RUNS runs (default
 -- 200) or 240 s, whichever comes first; the counts are printed.
 local T = require "moonbox.testing"
-local render = require "moonbox.render"
 local proc = require "moonbox.proc"
 local core = require "moonbox.core"
 local L = require "spec.support.local_backend"
@@ -14,7 +13,7 @@ local function run(fn) return function() T.run(fn) end end
 
 setup(run(function()
   B = L.start { args = { "--seed", "42" } }
-  render.connect { backend = B.url, api_key = B.key, workspace = B.workspace }
+  B:connect_render()
   home = proc.run({ "mktemp", "-d" }).stdout:gsub("%s+$", "")
 end))
 teardown(run(function()
@@ -22,11 +21,7 @@ teardown(run(function()
   proc.run { "rm", "-rf", home }
 end))
 
-local function live()
-  local n = 0
-  for _ in render.sandboxes.list {} do n = n + 1 end
-  return n
-end
+local function live() return B:live() end
 
 describe("soak", function()
   it("leaves 0 sandboxes running after every faulty fan-out run plus reap", T.async(function()

@@ -198,12 +198,7 @@ local function parse_flags(args, spec)
 end
 M.parse_flags = parse_flags
 
---- The default state directory: $XDG_STATE_HOME/moonbox, else ~/.local/state/moonbox.
-function M.state_home()
-  local xdg = os.getenv("XDG_STATE_HOME")
-  if xdg and xdg ~= "" then return xdg .. "/moonbox" end
-  return (os.getenv("HOME") or "/root") .. "/.local/state/moonbox"
-end
+M.state_home = require("moonbox.path").state_home
 
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR] [--faults SPEC] [--api-key KEY]\n" ..

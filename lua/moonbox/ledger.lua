@@ -29,12 +29,7 @@ local MIGRATIONS = {
   ]],
 }
 
-local function state_home()
-  local xdg = os.getenv("XDG_STATE_HOME")
-  if xdg and xdg ~= "" then return xdg .. "/moonbox" end
-  return (os.getenv("HOME") or "/root") .. "/.local/state/moonbox"
-end
-M.state_home = state_home
+local state_home = require("moonbox.path").state_home
 
 --- The start time of process pid (field 22 of /proc/PID/stat), so a reused pid is not mistaken
 -- for the run that died.

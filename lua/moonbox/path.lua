@@ -1,4 +1,4 @@
---- moonbox.path — path arithmetic shared by the Render client and the local backend.
+--- moonbox.path — path arithmetic shared by the Render client, the ledger and the local backend.
 local M = {}
 
 --- path.clean(p) -> p cleaned exactly as Go's path.Clean does (render-api.md §6.1: Render
@@ -21,6 +21,14 @@ function M.clean(p)
   local s = table.concat(out, "/")
   if rooted then return "/" .. s end
   return s == "" and "." or s
+end
+
+--- path.state_home() -> moonbox's state directory: $XDG_STATE_HOME/moonbox, else
+-- ~/.local/state/moonbox (DESIGN.md §6).
+function M.state_home()
+  local xdg = os.getenv("XDG_STATE_HOME")
+  if xdg and xdg ~= "" then return xdg .. "/moonbox" end
+  return (os.getenv("HOME") or "/root") .. "/.local/state/moonbox"
 end
 
 return M

@@ -39,6 +39,23 @@ function M.start(opts)
   return self
 end
 
+--- backend:connect_render(): points moonbox.render at this backend. [yields]
+function Backend:connect_render()
+  require("moonbox.render").connect { backend = self.url, api_key = self.key, workspace = self.workspace }
+end
+
+--- backend:live() -> how many sandboxes are not terminated (Render's default list). [yields]
+function Backend:live()
+  local n, cursor = 0, nil
+  repeat
+    local status, page = self:req("GET", "/v1/sandboxes", { query = { limit = 100, cursor = cursor } })
+    assert(status == 200, "listing sandboxes failed: " .. tostring(status))
+    n = n + #page
+    cursor = page[#page] and page[#page].cursor
+  until #page < 100
+  return n
+end
+
 --- backend:stop(): SIGTERM and wait (its sandboxes stop with it). [yields]
 function Backend:stop()
   if self.stopped then return end

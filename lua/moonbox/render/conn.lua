@@ -28,12 +28,7 @@ local function read_file(path)
   return s
 end
 
-local function state_home()
-  local xdg = os.getenv("XDG_STATE_HOME")
-  if xdg and xdg ~= "" then return xdg .. "/moonbox" end
-  return (os.getenv("HOME") or "/root") .. "/.local/state/moonbox"
-end
-M.state_home = state_home
+local state_home = require("moonbox.path").state_home
 
 --- Records the calls made, for traces and tests: conn.calls is a bounded list.
 function Conn:note(op, method, path, status, attempt)

@@ -56,19 +56,6 @@ local function env_file(env)
   return table.concat(lines, "\n") .. "\n"
 end
 
---- Uploads text as a root-only file (Render's uploads land 0600 root) at path. [yields]
-local function upload(sb, path, text)
-  local c = rawget(sb, "_conn")
-  local tok = api.call(c, "sandbox:exec", "POST", "/sandboxes/" .. sb.id .. "/files/upload/token",
-    { query = { path = path }, idempotent = true, sandbox_id = sb.id })
-  local r = http.request { method = "PUT", url = tok.uri, body = text, timeout = 60,
-    headers = { Authorization = "Bearer " .. tok.token, ["Content-Type"] = "application/octet-stream" } }
-  if r.status < 200 or r.status >= 300 then
-    error(api.error { op = "sandbox:exec", code = "upload_failed", status = r.status, sandbox_id = sb.id,
-      message = "could not place the per-call env file (HTTP " .. r.status .. ")" }, 0)
-  end
-end
-
 --- The wrapper around a command (see the file's header). id names its marker files.
 local function wrapper(id, command, cwd, has_env)
   local m = MARKERS .. "/" .. id
@@ -202,7 +189,8 @@ local function start(sb, cmd, opts)
   local command = command_of(cmd)
   local id = ids.new("exe"):sub(5) -- a private marker name, not an API id
   local has_env = opts.env ~= nil and next(opts.env) ~= nil
-  if has_env then upload(sb, MARKERS .. "/" .. id .. ".env", env_file(opts.env)) end
+  -- sb:upload (moonbox.render.files): uploads land root-owned 0600, in the in-memory /dev area
+  if has_env then sb:upload(MARKERS .. "/" .. id .. ".env", env_file(opts.env)) end
   local script = wrapper(id, command, opts.cwd, has_env)
   local c = rawget(sb, "_conn")
   local tok = api.call(c, "sandbox:exec", "POST", "/sandboxes/" .. sb.id .. "/runs/stream/token",
