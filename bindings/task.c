@@ -728,7 +728,12 @@ static int l_spawn(lua_State *L)
         lua_pushfstring(L, "task %I spawned at %s by\n  %s", (lua_Integer)t->id, where,
                         lua_tostring(L, -1) ? lua_tostring(L, -1) : "?");
         lua_setfield(L, data, "chain");
-        lua_pop(L, 3);
+        lua_pop(L, 1);
+        /* The task context (task.set_context) is inherited: the child shares the parent's
+         * table, which set_context never changes in place (it copies on write). */
+        lua_getfield(L, -1, "ctx");
+        lua_setfield(L, data, "ctx");
+        lua_pop(L, 2);
     } else {
         lua_pushfstring(L, "task %I spawned at %s", (lua_Integer)t->id, where);
         lua_setfield(L, data, "chain");
@@ -1393,6 +1398,13 @@ static int l_leakcheck(lua_State *L)
     return 0;
 }
 
+/* core.isatty(fd) -> whether file descriptor fd (0, 1, 2, ...) is a terminal. */
+static int l_isatty(lua_State *L)
+{
+    lua_pushboolean(L, isatty((int)luaL_checkinteger(L, 1)) == 1);
+    return 1;
+}
+
 /* core.libev_version() -> "4.33". */
 static int l_libev_version(lua_State *L)
 {
@@ -1441,6 +1453,7 @@ static const luaL_Reg core_funcs[] = {
     {"shutdown", l_shutdown},
     {"leakcheck", l_leakcheck},
     {"libev_version", l_libev_version},
+    {"isatty", l_isatty},
     {"traceback", l_task_traceback},
     {NULL, NULL},
 };

@@ -389,3 +389,32 @@ describe("registry references", function()
     assert.are.equal(before, T.refs())
   end))
 end)
+
+describe("task context", function()
+  it("is inherited at spawn, copied on write, and outlives the parent", T.async(function()
+    assert.is_nil(task.context("k"))
+    local grandchild_saw
+    local parent = task.spawn(function()
+      task.set_context("k", "run-1")
+      local child = task.spawn(function()
+        task.sleep(0.01)
+        -- spawned after its parent set the key; the parent's later change does not reach it
+        assert.are.equal("run-1", task.context("k"))
+        task.set_context("k2", "child-only")
+        return task.spawn(function()
+          task.sleep(0.02) -- runs after its parent (and grandparent) finished
+          grandchild_saw = { task.context("k"), task.context("k2") }
+        end)
+      end)
+      task.set_context("k", "run-2")
+      assert.is_nil(task.context("k2"))
+      return child
+    end)
+    local child = task.join(parent)
+    local grandchild = task.join(child)
+    task.join(grandchild)
+    assert.are.same({ "run-1", "child-only" }, grandchild_saw)
+    assert.are.equal("run-2", task.context("k", parent))
+    assert.is_nil(task.context("k")) -- the test's own task never had it
+  end))
+end)

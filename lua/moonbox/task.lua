@@ -30,6 +30,24 @@ Task.__close = function(t) core.cancel(t) end
 
 local pack, unpack = table.pack, table.unpack
 
+-- Every task moonbox.task starts goes through here, so a trace (moonbox.trace) gets one span
+-- per task, named after the function it runs (`label`, else `fn`).
+local function spawn(label, fn, ...)
+  local tr = package.loaded["moonbox.trace"]
+  if not (tr and tr.on) then return core.spawn(fn, ...) end
+  local info = debug.getinfo(label or fn, "S")
+  local name = "task " .. info.short_src .. ":" .. info.linedefined
+  return core.spawn(function(...)
+    local t0, id = tr.now_us(), core.id(core.current())
+    local _span <close> = setmetatable({}, { __close = function(_, err)
+      local cancelled = type(err) == "table" and core.Error.is(err) and err.code == "cancelled"
+      local status = err == nil and "ok" or cancelled and "cancelled" or "failed"
+      tr.task_span(id, name, t0, status)
+    end })
+    return fn(...)
+  end, ...)
+end
+
 --- Re-raises a finished task's error in the caller, keeping the child's traceback.
 local function reraise(t, err)
   local data = core.data(t)
@@ -57,11 +75,33 @@ function M.spawn(fn, ...)
   if type(fn) ~= "function" then
     error("task.spawn: expected a function, got " .. type(fn), 2)
   end
-  return core.spawn(fn, ...)
+  return spawn(nil, fn, ...)
 end
 
 --- task.current() -> Task|nil: the running task.
 M.current = core.current
+
+--- task.set_context(key, value [, t]): sets a context value on task t (default: the running
+-- one). Tasks t spawns from then on inherit its whole context; setting a key later changes
+-- neither its parent's nor the children already spawned (copy on write). Does not yield.
+function M.set_context(key, value, t)
+  t = t or core.current()
+  if not t then error("task.set_context: not inside a task", 2) end
+  local d = core.data(t)
+  local ctx = {}
+  for k, v in pairs(d.ctx or {}) do ctx[k] = v end
+  ctx[key] = value
+  d.ctx = ctx
+end
+
+--- task.context(key [, t]) -> the value of key in task t's context (default: the running
+-- task's), inherited from the task that spawned it; nil outside a task. Does not yield.
+function M.context(key, t)
+  t = t or core.current()
+  if not t then return nil end
+  local ctx = core.data(t).ctx
+  return ctx and ctx[key]
+end
 
 --- task.join(t) -> results of t's function. Waits for t to finish; re-raises its error with
 -- its original traceback. [yields]
@@ -126,7 +166,7 @@ function Scope:spawn(fn, ...)
   if type(fn) ~= "function" then error("scope:spawn: expected a function", 2) end
   if self.closed then error("scope:spawn: the scope has already finished", 2) end
   local scope = self
-  local t = core.spawn(function(...)
+  local t = spawn(fn, function(...)
     local r = pack(xpcall(fn, core.msgh, ...))
     if not r[1] then scope:_fail(r[2], core.current()) end
     if r[1] then return unpack(r, 2, r.n) end
@@ -226,7 +266,7 @@ function M.all_settled(list)
   local tasks = {}
   for i, item in ipairs(list) do
     local th = as_thunk(item, i, "task.all_settled")
-    tasks[i] = core.spawn(th)
+    tasks[i] = spawn(nil, th)
   end
   local out = {}
   local cancelled
@@ -256,7 +296,7 @@ function M.race(list)
   local tasks = {}
   for i, item in ipairs(list) do
     local th = as_thunk(item, i, "task.race")
-    tasks[i] = core.spawn(function()
+    tasks[i] = spawn(th, function()
       local r = pack(xpcall(th, core.msgh))
       if not winner then
         winner = i
@@ -283,17 +323,23 @@ function M.race(list)
   return r[2], winner
 end
 
---- task.map(items, fn, opts|concurrency) -> results. Calls fn(item, i) for every item with at
--- most `concurrency` (default 8) calls in flight; results[i] is the first value of call i. The
--- first failure cancels the rest and is re-raised. items may be an array or anything with
--- __len/__index (a fleet). [yields]
+--- task.map(items, fn, opts|concurrency) -> results, stats. Calls fn(item, i) for every item
+-- with at most `concurrency` (default 8) calls in flight; results[i] is the first value of call
+-- i. The first failure cancels the rest and is re-raised. items may be an array or anything
+-- with __len/__index (a fleet). The limit is an adaptive window (task.window) unless
+-- opts.adaptive is false: when the work reports congestion (a 429 from Render's API does, via
+-- task.congested) the window halves and pauses for Retry-After, then grows by one per finished
+-- item back up to `concurrency`. stats: peak (most calls in flight), min_window. [yields]
 function M.map(items, fn, opts)
   if type(fn) ~= "function" then error("task.map: expected a function as argument 2", 2) end
   local limit = 8
   if type(opts) == "number" then
     limit = opts
-  elseif type(opts) == "table" and opts.concurrency then
-    limit = opts.concurrency
+    opts = {}
+  elseif type(opts) == "table" then
+    limit = opts.concurrency or limit
+  else
+    opts = {}
   end
   if type(limit) ~= "number" or limit < 1 or limit % 1 ~= 0 then
     error("task.map: concurrency must be a positive integer, got " .. tostring(limit), 2)
@@ -302,23 +348,128 @@ function M.map(items, fn, opts)
   local out = {}
   local next_i = 1
   local in_flight, peak = 0, 0
+  local win, own = opts.window, nil
+  if win == nil and opts.adaptive ~= false and limit > 1 then
+    win = M.window(limit, opts.name or "task.map")
+    own = win
+  end
+  local _close <close> = own
   M.scope(function(s)
     for _ = 1, math.min(limit, n) do
       s:spawn(function()
         while next_i <= n do
+          if win then
+            win:acquire()
+            if next_i > n then
+              win:release(false)
+              break
+            end
+          end
           local i = next_i
           next_i = next_i + 1
           in_flight = in_flight + 1
           if in_flight > peak then peak = in_flight end
           local ok, v = xpcall(fn, core.msgh, items[i], i)
           in_flight = in_flight - 1
+          if win then win:release(ok) end
           if not ok then error(v, 0) end
           out[i] = v
         end
       end)
     end
   end)
-  return out, { peak = peak }
+  return out, { peak = peak, min_window = win and win.min_size or limit }
+end
+
+-- ---- adaptive windows (AIMD) -----------------------------------------------------------------
+
+local Window = {}
+Window.__index = Window
+local windows = setmetatable({}, { __mode = "k" }) -- the open windows, told of congestion
+
+--- task.window(limit, name) -> Window: an adaptive concurrency limit (AIMD, as TCP's congestion
+-- window). w:acquire() waits for a slot [yields]; w:release(ok) frees it, growing the window by
+-- one (up to `limit`) when ok. Congestion anywhere in the process (task.congested) halves every
+-- open window — once per window of requests, not once per throttled request — and holds new
+-- acquisitions until Retry-After has passed. w:set_limit(n) lowers or raises the upper bound;
+-- w:close() (also `<close>`) detaches it. Sizes are reported to moonbox.trace as the counter
+-- "concurrency <name>".
+function M.window(limit, name)
+  if type(limit) ~= "number" or limit < 1 or limit % 1 ~= 0 then
+    error("task.window: limit must be a positive integer, got " .. tostring(limit), 2)
+  end
+  local w = setmetatable({ limit = limit, size = limit, min_size = limit, in_flight = 0,
+    cond = core.cond(), hold_until = 0, last_cut = -math.huge, name = name or "window",
+    halvings = 0 }, Window)
+  windows[w] = true
+  w:_report()
+  return w
+end
+
+function Window:_report()
+  local tr = package.loaded["moonbox.trace"]
+  if tr and tr.on then tr.counter("concurrency " .. self.name, { window = self.size }) end
+end
+
+function Window:acquire()
+  while true do
+    local now = core.now()
+    if now < self.hold_until then
+      core.sleep(self.hold_until - now)
+    elseif self.in_flight < self.size then
+      self.in_flight = self.in_flight + 1
+      return
+    else
+      self.cond:wait()
+    end
+  end
+end
+
+function Window:release(ok)
+  self.in_flight = self.in_flight - 1
+  if ok and self.size < self.limit then
+    self.size = self.size + 1
+    self:_report()
+  end
+  self.cond:broadcast()
+end
+
+function Window:set_limit(n)
+  self.limit = math.max(1, n)
+  if self.size > self.limit then
+    self.size = self.limit
+    self:_report()
+  end
+  if self.size < self.min_size then self.min_size = self.size end
+end
+
+--- Halves the window (not below 1) unless it was cut less than `epoch` seconds ago, and holds
+-- acquisitions for retry_after seconds.
+function Window:congested(retry_after, epoch)
+  local now = core.now()
+  if retry_after and retry_after > 0 then
+    self.hold_until = math.max(self.hold_until, now + retry_after)
+  end
+  if now - self.last_cut < (epoch or 0) then return end
+  self.last_cut = now
+  local size = math.max(1, self.size // 2)
+  if size ~= self.size then
+    self.size = size
+    self.halvings = self.halvings + 1
+    if size < self.min_size then self.min_size = size end
+    self:_report()
+  end
+end
+
+function Window:close() windows[self] = nil end
+Window.__close = Window.close
+
+--- task.congested(retry_after): tells every open window that the shared resource is overloaded
+-- (moonbox.render calls it on each 429). A burst of throttled answers within `retry_after` (or
+-- 0.2 s) of a cut counts once.
+function M.congested(retry_after)
+  local epoch = math.max(tonumber(retry_after) or 0, 0.2)
+  for w in pairs(windows) do w:congested(tonumber(retry_after), epoch) end
 end
 
 -- ---- semaphores ------------------------------------------------------------------------------
