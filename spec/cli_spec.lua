@@ -123,7 +123,7 @@ describe("moonbox help and version", function()
   it("explains one command", function()
     local code, out = sh(q(BIN) .. " help run")
     assert.are.equal(0, code)
-    assert.matches("usage: moonbox run %[%-%-backend URL|local|render%] FILE", out)
+    assert.matches("usage: moonbox run %[%-%-backend URL|local|render%] %[%-%-trace FILE%]", out)
     assert.matches("130", out)
   end)
 

@@ -142,6 +142,31 @@ describe("render.snapshots", function()
     assert.are.equal("snapshot_not_found", err.code)
   end))
 
+  it("raises snapshot_creating deleting one still being captured, then deletes it once available",
+    T.async(function()
+      local sb <close> = render.sandboxes.create {}
+      -- 128 MiB of incompressible data: the capture takes far longer than one API round trip.
+      sb:exec("head -c 134217728 /dev/urandom > /root/big"):check()
+      local snap = sb:snapshot { wait = false }
+      local err = raised(snap.delete, snap)
+      assert.are.same({ "snapshot_creating", 409, snap.id }, { err.code, err.status, err.snapshot_id })
+      snap:wait_available { timeout = 120 }
+      snap:delete()
+    end))
+
+  it("raises snapshot_failed when the capture fails, naming the snapshot", T.async(function()
+    local status = B:req("PUT", "/_moonbox/faults",
+      { body = '[{"match":"POST /v1/sandboxes/*/snapshots","fault":"capture","count":1}]' })
+    assert.are.equal(200, status)
+    local sb <close> = render.sandboxes.create {}
+    local snap = sb:snapshot { wait = false }
+    local err = raised(snap.wait_available, snap, { timeout = 30 })
+    B:req("DELETE", "/_moonbox/faults")
+    assert.are.same({ "snapshot_failed", snap.id }, { err.code, err.snapshot_id })
+    -- the fault fired once: the next capture succeeds
+    assert.are.equal("available", sb:snapshot({ name = "ok-after" }).status)
+  end))
+
   it("raises snapshot_plan_mismatch restoring a runtime snapshot onto another plan", T.async(function()
     local sb <close> = render.sandboxes.create { plan = "1c-2g" }
     local snap = sb:snapshot { kind = "runtime" }

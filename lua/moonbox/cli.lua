@@ -83,32 +83,49 @@ function M.run_root_opts(opts, fn, ...)
   return EXIT_OK
 end
 
-command("run", "run a recipe as a task", "moonbox run [--backend URL|local|render] FILE [ARGS...]",
+command("run", "run a recipe as a task",
+  "moonbox run [--backend URL|local|render] [--trace FILE] [--json] [--progress] FILE [ARGS...]",
   [[Loads FILE as a Lua chunk and runs it as the root task on the event loop, so its top
 level can call any moonbox function that waits. ARGS are in the global `arg` table (arg[0] is
 FILE), as with `lua`. When the chunk returns, tasks it left running are cancelled and unwound.
 
 Exit status: 0 on success; 1 when the recipe raised (message and traceback on stderr) or a task
 failed with nobody joining it; 2 on usage errors; 130 after SIGINT and 143 after SIGTERM, once
-the recipe's task was cancelled and its guards unwound.
+the recipe's task was cancelled and its guards unwound. A second SIGINT while unwinding exits
+at once (130) and leaves what is still running to `moonbox reap`.
 
 --backend chooses where moonbox.render calls go: a URL (a `moonbox local` or another
 compatible server), `local` (the embedded local backend, started for the recipe when none is
 running), or `render` (Render's cloud; needs RENDER_API_KEY). Without it: RENDER_LOCAL_DEV_URL,
-then RENDER_API_KEY, then the embedded local backend.]],
+then RENDER_API_KEY, then the embedded local backend.
+
+--trace FILE writes Chrome trace event JSON (open it in Perfetto): one span per API call, per
+task and per sandbox's life, and the adaptive concurrency windows. Never a secret.
+--json prints a machine-readable summary as the last line of stdout: outcome, exit status,
+duration, the sandbox ids created, terminated, kept and leaked, API calls, errors.
+--progress shows the progress line (created/running/failed/terminated, elapsed) on stderr even
+when stderr is not a terminal; on a terminal it is always shown.]],
   function(args)
-    local backend
-    while args[1] and args[1]:match("^%-%-backend") do
-      local v = args[1]:match("^%-%-backend=(.+)$")
-      if v then
-        table.remove(args, 1)
+    local backend, trace_file, want_json, want_progress
+    while args[1] and args[1]:match("^%-%-") do
+      local a = table.remove(args, 1)
+      local name, v = a:match("^%-%-([%w%-]+)=(.*)$")
+      name = name or a:sub(3)
+      if name == "backend" or name == "trace" then
+        if not v then
+          v = table.remove(args, 1)
+          if not v then return usage_error("run: --%s needs a value", name) end
+        end
+        if name == "backend" then backend = v else trace_file = v end
+      elseif name == "json" and not v then
+        want_json = true
+      elseif name == "progress" and not v then
+        want_progress = true
+      elseif a == "--" then
+        break
       else
-        v = args[2]
-        if not v then return usage_error("run: --backend needs a value (URL, local or render)") end
-        table.remove(args, 1)
-        table.remove(args, 1)
+        return usage_error("run: unknown option '%s'", a)
       end
-      backend = v
     end
     if backend and backend ~= "local" and backend ~= "render" and not backend:match("^https?://") then
       return usage_error("run: --backend must be a URL, local or render, got '%s'", backend)
@@ -123,9 +140,24 @@ then RENDER_API_KEY, then the embedded local backend.]],
     end
     set_arg(file, rest)
     build.ledger = true -- moonbox.render records this run's creates (moonbox ps / reap)
+    local trace = require "moonbox.trace"
+    if trace_file then
+      local ok, terr = pcall(trace.start, trace_file, { name = "moonbox run " .. file })
+      if not ok then
+        eprintf("moonbox: %s\n", M.format_error(terr))
+        return EXIT_FAIL
+      end
+    end
+    local summary = want_json and require("moonbox.run_summary").start() or nil
+    local t_start = core.now()
     local code, err = run_root(function(...)
+      local progress
+      if want_progress or core.isatty(2) then
+        progress = require("moonbox.progress").start { tty = core.isatty(2) }
+      end
       if backend then require("moonbox.render").connect { backend = backend } end
       local r = table.pack(xpcall(chunk, core.msgh, ...))
+      if progress then progress:stop() end
       -- An embedded local backend started for this recipe stops with it, whatever happened.
       local render = package.loaded["moonbox.render"]
       if render then pcall(render.close) end
@@ -139,6 +171,12 @@ then RENDER_API_KEY, then the embedded local backend.]],
     if render and render.ledger then
       render.ledger:end_run(code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed")
       render.ledger:close()
+    end
+    if trace_file then trace.stop() end
+    if summary then
+      io.stdout:write(summary:finish { recipe = file, exit_code = code, error = err,
+        duration_s = core.now() - t_start }, "\n")
+      io.stdout:flush()
     end
     return code
   end)
@@ -288,6 +326,19 @@ the local backend's state dir for a local one.]],
     return code
   end)
 
+-- Commands that live in their own module: `mod.command` holds {usage, detail} and
+-- `mod.main(args, cli)` runs it. The module loads only when the command (or its help) is used.
+local function external(name, summary, modname)
+  commands[name] = setmetatable({ summary = summary, fn = function(args)
+    return require(modname).main(args, M)
+  end }, { __index = function(_, k) return require(modname).command[k] end })
+  order[#order + 1] = name
+end
+
+external("schedule", "run a recipe's schedules (cron) as a long-lived process", "moonbox.schedule.cli")
+external("runs", "print the history of scheduled runs", "moonbox.schedule.runs")
+external("repl", "an interactive Lua session on the live event loop", "moonbox.repl")
+
 command("version", "print the version", "moonbox version",
   "Prints moonbox's version, and the versions of Lua and of the libraries it runs on.",
   function()
@@ -340,4 +391,6 @@ function M.main(argv)
 end
 
 M.commands = commands
+M.usage_error, M.eprintf, M.run_root, M.set_arg = usage_error, eprintf, run_root, set_arg
+M.EXIT_OK, M.EXIT_FAIL, M.EXIT_USAGE = EXIT_OK, EXIT_FAIL, EXIT_USAGE
 return M

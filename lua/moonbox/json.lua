@@ -104,7 +104,9 @@ encode = function(v, out, depth)
     elseif v == math.floor(v) and math.abs(v) < 2 ^ 53 then
       out[#out + 1] = string.format("%d", math.floor(v))
     else
-      out[#out + 1] = string.format("%.17g", v)
+      -- the shortest of 15 or 17 significant digits that reads back as the same double
+      local short = string.format("%.15g", v)
+      out[#out + 1] = tonumber(short) == v and short or string.format("%.17g", v)
     end
   elseif ty == "string" then
     out[#out + 1] = encode_string(v)

@@ -10,6 +10,7 @@ local http = require "moonbox.http"
 local json = require "moonbox.json"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
+local trace = require "moonbox.trace"
 
 local M = {}
 
@@ -83,13 +84,8 @@ local function status_error(op, r, ctx)
   }
 end
 
---- api.call(conn, op, method, path, opts) -> decoded body (or true for an empty 2xx), status,
--- headers. opts: query, body (table → JSON), idempotent (default: GET/DELETE and explicit
--- true), sandbox_id / snapshot_id (for errors), timeout (per attempt, default 60 s),
--- deadline (overall seconds, default 120), retries (default 5). Raises structured errors.
--- [yields]
-function M.call(conn, op, method, path, opts)
-  opts = opts or {}
+-- One API call with its retries; `info` receives the last status, attempts and request id.
+local function call(conn, op, method, path, opts, info)
   local idempotent = opts.idempotent
   if idempotent == nil then idempotent = method == "GET" or method == "DELETE" end
   local url = conn.base .. path .. encode_query(opts.query)
@@ -108,6 +104,7 @@ function M.call(conn, op, method, path, opts)
       timeout = opts.timeout or 60, connect_timeout = 10, fresh_connect = not idempotent })
     local err
     if ok then
+      info.status, info.attempts, info.request_id = r.status, attempt, r.headers["render-request-id"]
       if r.status >= 200 and r.status < 300 then
         conn:note(op, method, path, r.status, attempt)
         if r.body == "" then return true, r.status, r.headers end
@@ -120,6 +117,11 @@ function M.call(conn, op, method, path, opts)
       end
       err = status_error(op, r, ctx)
       conn:note(op, method, path, r.status, attempt)
+      if r.status == 429 then
+        -- Tell the adaptive windows (task.map, render.restore) to back off.
+        task.congested(err.retry_after)
+        trace.instant("throttled", "api", { op = op, retry_after = err.retry_after, attempt = attempt })
+      end
     else
       if task.is_cancelled(r) or task.is_timeout(r) or (type(r) == "table" and r.code == "deadline") then
         error(r, 0)
@@ -137,14 +139,65 @@ function M.call(conn, op, method, path, opts)
       err = api_error { op = op, code = r.code, message = r.message, retryable = r.retryable,
         sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id }
       conn:note(op, method, path, r.code, attempt)
+      info.status, info.attempts = r.code, attempt
     end
     local wait = backoff(attempt, err.retry_after)
-    if not (idempotent and err.retryable) or attempt > attempts or core.now() + wait > deadline then
+    -- A 429 is a definite refusal (nothing was done), so even a create may be sent again.
+    local again = (idempotent and err.retryable) or err.status == 429
+    if not again or attempt > attempts or core.now() + wait > deadline then
       err.attempts = attempt
       error(err, 0)
     end
+    trace.instant("retry", "api", { op = op, attempt = attempt, wait_s = wait, code = err.code })
     task.sleep(wait)
   end
+end
+
+--- api.call(conn, op, method, path, opts) -> decoded body (or true for an empty 2xx), status,
+-- headers. opts: query, body (table → JSON), idempotent (default: GET/DELETE and explicit
+-- true), sandbox_id / snapshot_id (for errors), timeout (per attempt, default 60 s),
+-- deadline (overall seconds, default 120), retries (default 5). Raises structured errors.
+-- A 429 tells task.congested (adaptive windows back off) and is retried even for a create.
+-- With a trace on, the call is one span (cat "api"). [yields]
+M.calls_made = 0
+
+function M.call(conn, op, method, path, opts)
+  opts = opts or {}
+  M.calls_made = M.calls_made + 1
+  local info = {}
+  if not trace.on then return call(conn, op, method, path, opts, info) end
+  local _span <close> = M.span(op, method, path, opts, info)
+  return call(conn, op, method, path, opts, info)
+end
+
+--- api.span(op, method, path, ids, info) -> a to-be-closed value that writes the call's trace
+-- span when it closes; `info` (status, attempts, request_id, ...) is read at that moment.
+-- Used by api.call and by the data-plane requests (exec streams, file transfers).
+function M.span(op, method, path, ids, info)
+  local t0 = trace.now_us()
+  return setmetatable({}, { __close = function(_, err)
+    if not trace.on then return end
+    local code = err ~= nil and (type(err) == "table" and err.code or "error") or nil
+    trace.complete(op, "api", t0, { method = method, path = path, status = info.status,
+      attempts = info.attempts, request_id = info.request_id, sandbox_id = ids and ids.sandbox_id,
+      snapshot_id = ids and ids.snapshot_id, exec_id = info.exec_id, error = code })
+  end })
+end
+
+--- api.traced(op, method, path, ids, fn, ...) -> fn(...): runs a data-plane request (fn) as one
+-- trace span; `path` names the operation (never the token URL). The span's status is that of
+-- the first result when it has one.
+function M.traced(op, method, path, ids, fn, ...)
+  M.calls_made = M.calls_made + 1
+  if not trace.on then return fn(...) end
+  local info = {}
+  local _span <close> = M.span(op, method, path, ids, info)
+  local r = table.pack(fn(...))
+  if type(r[1]) == "table" or type(r[1]) == "userdata" then
+    local ok, st = pcall(function() return r[1].status end)
+    if ok then info.status = st end
+  end
+  return table.unpack(r, 1, r.n)
 end
 
 return M

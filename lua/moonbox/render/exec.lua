@@ -51,6 +51,7 @@ local function env_file(env)
     if type(v) ~= "string" and type(v) ~= "number" then
       error("sb:exec: env value of " .. k .. " must be a string", 4)
     end
+    require("moonbox.trace").secret(tostring(v))
     lines[#lines + 1] = "export " .. k .. "='" .. tostring(v):gsub("'", "'\\''") .. "'"
   end
   return table.concat(lines, "\n") .. "\n"
@@ -109,9 +110,11 @@ local function send_kill(sb, id, sig, no_marker)
   local c = rawget(sb, "_conn")
   local tok = api.call(c, "sandbox:kill", "POST", "/sandboxes/" .. sb.id .. "/runs/sync/token",
     { body = { command = script }, idempotent = true, sandbox_id = sb.id })
-  local r = http.request { method = "POST", url = tok.uri, body = json.encode({ command = script }),
+  local r = api.traced("sandbox:kill.run", "POST", "/sandboxes/" .. sb.id .. "/runs/sync",
+    { sandbox_id = sb.id }, http.request,
+    { method = "POST", url = tok.uri, body = json.encode({ command = script }),
     timeout = 30,
-    headers = { Authorization = "Bearer " .. tok.token, ["Content-Type"] = "application/json" } }
+    headers = { Authorization = "Bearer " .. tok.token, ["Content-Type"] = "application/json" } })
   local d = json.decode(r.body)
   return type(d) == "table" and tostring(d.stdout or ""):match("%a+") or nil
 end
@@ -208,7 +211,8 @@ local function start(sb, cmd, opts)
       exec_id = tok.executionId, message = "the run was refused: " .. text:sub(1, 300) }, 0)
   end
   p.reader = task.spawn(function()
-    local ok, err = pcall(pump, p, resp, opts)
+    local ok, err = pcall(api.traced, "sandbox:exec.stream", "POST", "/sandboxes/" .. sb.id .. "/runs/stream",
+      { sandbox_id = sb.id }, pump, p, resp, opts)
     resp:close()
     if not ok and not p.failure then p.failure = err end
     p.done = true
@@ -300,8 +304,10 @@ function methods.run_sync(sb, cmd)
   local c = rawget(sb, "_conn")
   local tok = api.call(c, "sandbox:run_sync", "POST", "/sandboxes/" .. sb.id .. "/runs/sync/token",
     { body = { command = command }, idempotent = true, sandbox_id = sb.id })
-  local r = http.request { method = "POST", url = tok.uri, body = json.encode({ command = command }),
-    headers = { Authorization = "Bearer " .. tok.token, ["Content-Type"] = "application/json" } }
+  local r = api.traced("sandbox:run_sync.run", "POST", "/sandboxes/" .. sb.id .. "/runs/sync",
+    { sandbox_id = sb.id }, http.request,
+    { method = "POST", url = tok.uri, body = json.encode({ command = command }),
+    headers = { Authorization = "Bearer " .. tok.token, ["Content-Type"] = "application/json" } })
   local d = json.decode(r.body)
   if r.status ~= 200 or type(d) ~= "table" then
     error(api.error { op = "sandbox:run_sync", code = "exec_refused", status = r.status, sandbox_id = sb.id,

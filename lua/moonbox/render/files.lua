@@ -121,7 +121,7 @@ local function transfer(tok, req, opts)
   req.timeout = opts and opts.timeout
   req.connect_timeout = 10
   req.idle_timeout = opts and opts.idle_timeout or 60
-  return http.request(req)
+  return api.traced("files." .. req.method, req.method, "(file transfer)", nil, http.request, req)
 end
 
 local GZIP_OK = { gzip = true, ["x-gzip"] = true, identity = true }

@@ -115,12 +115,29 @@ function M.restore(snapshot, opts)
   -- Every create settles: each worker catches its own failure, so none cancels the others. A
   -- sandbox is recorded the moment its create answers, before waiting for it to run, so a
   -- cancellation at any point still knows every id to terminate.
+  -- The window adapts (AIMD) to 429s; the group's concurrencyLimit (the most non-terminated
+  -- sandboxes it allows) bounds it.
+  local limit = math.min(concurrency, count)
+  local gid = opts.sandbox_group_id or (type(snapshot) == "table" and snapshot.sandbox_group_id)
+  if gid and limit > 1 then
+    local okg, list = pcall(render.groups.list)
+    for _, g in ipairs(okg and list or {}) do
+      local cap = g.id == gid and tonumber(g.concurrency_limit)
+      if cap and cap >= 1 and cap < limit then limit = math.floor(cap) end
+    end
+  end
+  local win <close> = task.window(limit, "render.restore")
   local outcomes = {}
   local next_i, stop_err = 1, nil
   local ok_scope, scope_err = pcall(task.scope, function(s)
-    for _ = 1, math.min(concurrency, count) do
+    for _ = 1, limit do
       s:spawn(function()
         while next_i <= count and not stop_err do
+          win:acquire()
+          if next_i > count or stop_err then
+            win:release(false)
+            break
+          end
           local i = next_i
           next_i = next_i + 1
           local o = { index = i }
@@ -133,6 +150,7 @@ function M.restore(snapshot, opts)
           else
             o.error = res
           end
+          win:release(o.error == nil)
           if o.error and task.is_cancelled(o.error) then stop_err = stop_err or o.error end
         end
       end)
@@ -151,7 +169,7 @@ function M.restore(snapshot, opts)
     error(stop_err, 0)
   end
 
-  local fleet = setmetatable({ _concurrency = concurrency, failures = {} }, Fleet)
+  local fleet = setmetatable({ _concurrency = concurrency, failures = {}, min_window = win.min_size }, Fleet)
   for i = 1, count do
     local o = outcomes[i]
     if o and o.sandbox and not o.error then

@@ -13,9 +13,37 @@ local json = require "moonbox.json"
 local http = require "moonbox.http"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
+local trace = require "moonbox.trace"
 
 local M = {}
 local default_conn
+
+-- ---- observers ---------------------------------------------------------------------------------
+
+local observers = {}
+
+--- render.observe(fn) -> unsubscribe(): fn(event, subject, info) is called synchronously (it
+-- must not yield) for each sandbox life event of this process: "creating" (subject nil,
+-- info.name), "created" (the Sandbox), "running" (the Sandbox), "create_failed" (subject nil,
+-- info.error), "terminated" (the sandbox id), "kept" (the Sandbox). The trace, the progress line
+-- and the REPL use it. An observer that raises is dropped with a message on stderr.
+function M.observe(fn)
+  local key = {}
+  observers[key] = fn
+  return function() observers[key] = nil end
+end
+
+local function emit(event, subject, info)
+  if next(observers) == nil then return end
+  for key, fn in pairs(observers) do
+    local ok, err = pcall(fn, event, subject, info or {})
+    if not ok then
+      observers[key] = nil
+      io.stderr:write("moonbox.render: an observer failed and was removed: " .. tostring(err) .. "\n")
+    end
+  end
+end
+M._emit = emit
 
 --- render.connect(opts) -> Conn: chooses the backend (see moonbox.render.conn) and makes it
 -- the default for the module's functions. Called implicitly by the first API call. [yields]
@@ -26,11 +54,16 @@ end
 
 --- render.close(): stops the embedded local backend this process started, if any (moonbox run
 -- calls it when the recipe ends, also after a failure or SIGINT). [yields]
+local last_conn
 function M.close()
   local c = default_conn
+  last_conn = c or last_conn
   default_conn = nil
   if c then c:close() end
 end
+
+--- The Conn in use (or the last one, after render.close), without connecting.
+function M._current_conn() return default_conn or last_conn end
 
 --- render.connection() -> the current Conn (connecting with the defaults first). [yields]
 function M.connection()
@@ -92,6 +125,9 @@ local function create_body(c, opts)
   set("idleTimeoutSeconds", opts.idle_timeout_seconds)
   set("sandboxGroupId", opts.sandbox_group_id)
   set("env", opts.env)
+  if type(opts.env) == "table" then
+    for _, v in pairs(opts.env) do trace.secret(tostring(v)) end
+  end
   local np = opts.network_policy
   if opts.network ~= nil then
     if not NETWORK[opts.network] then
@@ -132,28 +168,29 @@ function M.sandboxes_create(opts)
   opts = opts or {}
   local c = M.connection()
   local body = create_body(c, opts)
-  -- The ledger (moonbox run) writes the intent before the request goes out; the label in the
-  -- sandbox's name lets `moonbox reap` attribute it even if the answer is lost.
-  if M.ledger == nil and require("moonbox.build").ledger then
-    M.ledger = require("moonbox.ledger").open()
-    M.ledger:begin_run { recipe = arg and arg[0], backend = c.base, workspace = c.workspace }
-  end
-  local ledger, intent = M.ledger or nil, nil
+  -- The ledger writes the intent before the request goes out, in the run of this task (a
+  -- scheduled run) or of this process (moonbox run); the label in the sandbox's name lets
+  -- `moonbox reap` attribute it even if the answer is lost.
+  local ledger, run_id = require("moonbox.ledger").for_create(M, c)
+  local intent
   if ledger then
     local label
-    intent, label = ledger:intent()
+    intent, label = ledger:intent(run_id)
     if body.name == nil then body.name = label end
   end
+  emit("creating", nil, { name = body.name, snapshot_id = body.snapshotId })
   local ok, data = pcall(api.call, c, "sandboxes.create", "POST", "/sandboxes",
     { body = body, idempotent = false, snapshot_id = body.snapshotId })
   if not ok then
     if ledger and not (type(data) == "table" and data.code == "unknown_outcome") then
       ledger:fail(intent, type(data) == "table" and data.code or "error")
     end
+    emit("create_failed", nil, { name = body.name, error = data })
     error(data, 0)
   end
   if ledger then ledger:bind(intent, data.id) end
   local sb = wrap(c, data)
+  emit("created", sb)
   if opts.wait ~= false then sb:wait_running { timeout = opts.wait_timeout } end
   return sb
 end
@@ -199,6 +236,7 @@ function M.sandboxes_terminate(id)
   api.call(c, "sandboxes.terminate", "POST", "/sandboxes/" .. id .. "/terminate",
     { idempotent = true, sandbox_id = id })
   if M.ledger then M.ledger:release(id) end
+  emit("terminated", id)
 end
 
 M.sandboxes = {
@@ -220,6 +258,7 @@ function sandbox_methods.terminate(sb)
     { idempotent = true, sandbox_id = sb.id })
   rawget(sb, "_data").status = "terminated"
   if M.ledger then M.ledger:release(sb.id) end
+  emit("terminated", sb.id)
 end
 
 --- sb:suspend(): asks for an idle suspend now (it resumes on the next exec or file transfer).
@@ -234,6 +273,7 @@ end
 --- sb:keep() -> sb: leaving its scope will no longer terminate it.
 function sandbox_methods.keep(sb)
   rawset(sb, "_kept", true)
+  emit("kept", sb)
   return sb
 end
 
@@ -252,7 +292,13 @@ function sandbox_methods.wait_running(sb, opts)
   local interval = opts.interval or 0.05
   while true do
     local s = rawget(sb, "_data").status
-    if s == "running" then return sb end
+    if s == "running" then
+      if not rawget(sb, "_seen_running") then
+        rawset(sb, "_seen_running", true)
+        emit("running", sb)
+      end
+      return sb
+    end
     if s == "errored" or s == "terminated" then
       error(api.error { op = "sandboxes.wait_running", code = "sandbox_not_running", sandbox_id = sb.id,
         message = "sandbox " .. sb.id .. " became " .. s .. " instead of running" }, 2)
@@ -323,10 +369,14 @@ function sandbox_methods.exec(sb, cmd, opts)
   local function run()
     local tok = api.call(c, "sandbox:exec", "POST", "/sandboxes/" .. sb.id .. "/runs/stream/token",
       { body = { command = command }, idempotent = true, sandbox_id = sb.id })
+    local span_info = { exec_id = tok.executionId }
+    local _span <close> = trace.on and api.span("sandbox:exec.stream", "POST",
+      "/sandboxes/" .. sb.id .. "/runs/stream", { sandbox_id = sb.id }, span_info) or nil
     local resp <close> = http.stream { method = "POST", url = tok.uri,
       body = json.encode({ command = command }),
       headers = { Authorization = "Bearer " .. tok.token, Accept = "text/event-stream",
         ["Content-Type"] = "application/json" }, idle_timeout = 60 }
+    span_info.status = resp.status
     if resp.status ~= 200 then
       local text = resp:read() or ""
       error(api.error { op = "sandbox:exec", code = "exec_refused", status = resp.status, sandbox_id = sb.id,

@@ -1,0 +1,93 @@
+--- moonbox.run_summary — what `moonbox run --json` prints: one JSON object on the last line of
+-- stdout.
+--
+--   {"recipe":"r.lua","outcome":"ok"|"failed"|"interrupted","exit_code":0,"duration_s":1.23,
+--    "backend":"http://127.0.0.1:8120/v1","api_calls":12,
+--    "sandboxes":{"created":[ids],"terminated":[ids],"kept":[ids],"leaked":[ids],"failed_creates":n},
+--    "errors":[{"message":..., "code":..., "op":..., "sandbox_id":..., "request_id":...}]}
+--
+-- "leaked" lists sandboxes this run created and neither terminated nor kept (with
+-- render.sandboxes.create's `<close>` guards that only happens when a cleanup failed or the
+-- process was forced out); `moonbox reap` terminates them. Messages pass through the trace's
+-- secret filter, so no API key or env value appears.
+local json = require "moonbox.json"
+
+local M = {}
+local Summary = {}
+Summary.__index = Summary
+
+--- run_summary.start() -> Summary collecting render's sandbox events from now on.
+function M.start()
+  local s = setmetatable({ created = {}, order = {}, terminated = {}, kept = {}, failed_creates = 0 },
+    Summary)
+  s.unobserve = require("moonbox.render").observe(function(event, subject)
+    if event == "created" then
+      if not s.created[subject.id] then s.order[#s.order + 1] = subject.id end
+      s.created[subject.id] = true
+    elseif event == "terminated" then
+      s.terminated[subject] = true
+    elseif event == "kept" then
+      s.kept[subject.id] = true
+    elseif event == "create_failed" then
+      s.failed_creates = s.failed_creates + 1
+    end
+  end)
+  return s
+end
+
+local function error_entry(e)
+  if type(e) == "table" then
+    local msg = e.message
+    if msg == nil then
+      local ok, str = pcall(tostring, e)
+      msg = ok and str or "(error object)"
+    end
+    return { message = msg, code = e.code, op = e.op, status = e.status, sandbox_id = e.sandbox_id,
+      snapshot_id = e.snapshot_id, request_id = e.request_id }
+  end
+  return { message = tostring(e) }
+end
+
+--- s:finish{recipe, exit_code, error, duration_s} -> the JSON line (without newline).
+function Summary:finish(info)
+  if self.unobserve then self.unobserve() end
+  self.unobserve = nil
+  local created, terminated, kept, leaked = {}, {}, {}, {}
+  for _, id in ipairs(self.order) do
+    created[#created + 1] = id
+    if self.terminated[id] then
+      terminated[#terminated + 1] = id
+    elseif self.kept[id] then
+      kept[#kept + 1] = id
+    else
+      leaked[#leaked + 1] = id
+    end
+  end
+  local errors = {}
+  if info.error ~= nil then
+    errors[1] = error_entry(info.error)
+    for _, c in ipairs(type(info.error) == "table" and info.error.cleanup_errors or {}) do
+      local e = error_entry(c.error)
+      e.sandbox_id = e.sandbox_id or c.id
+      errors[#errors + 1] = e
+    end
+  end
+  local code = info.exit_code
+  local api = package.loaded["moonbox.render.api"]
+  local render = package.loaded["moonbox.render"]
+  local conn = render and render._current_conn and render._current_conn()
+  local line = json.encode {
+    recipe = info.recipe,
+    outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",
+    exit_code = code,
+    duration_s = math.floor(info.duration_s * 1000 + 0.5) / 1000,
+    backend = conn and conn.base or nil,
+    api_calls = api and api.calls_made or 0,
+    sandboxes = { created = json.array(created), terminated = json.array(terminated),
+      kept = json.array(kept), leaked = json.array(leaked), failed_creates = self.failed_creates },
+    errors = json.array(errors),
+  }
+  return require("moonbox.trace")._scrub(line)
+end
+
+return M
