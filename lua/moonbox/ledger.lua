@@ -7,8 +7,18 @@
 -- therefore leaves exactly what it held behind in the ledger, and `moonbox reap` can finish
 -- its cleanup; a create whose answer was lost is an intent without an id, which reap
 -- reconciles by the name label every create carries ("mb-<intent id>").
+--
+-- One process may hold several runs at once: `moonbox schedule` gives every scheduled run its
+-- own record. A run is attached to the task that performs it (ledger.attach), and every task
+-- that task spawns, directly or not, inherits it; creates made outside any attached task go
+-- to the process's own run (`moonbox run`), begun at the first create.
+--
+-- The same database holds the schedule state and history of `moonbox schedule`
+-- (lua/moonbox/schedule/store.lua); its tables are migration 2 below, because SQLite keeps one
+-- schema version per file.
 local store = require "moonbox.store"
 local core = require "moonbox.core"
+local task = require "moonbox.task"
 
 local M = {}
 local Ledger = {}
@@ -26,6 +36,21 @@ local MIGRATIONS = {
   );
   CREATE INDEX intents_by_run ON intents (run_id);
   CREATE INDEX intents_by_sandbox ON intents (sandbox_id);
+  ]],
+  [[
+  CREATE TABLE schedules (
+    name TEXT PRIMARY KEY, recipe TEXT, spec TEXT, last_slot REAL, next_fire REAL,
+    failures INTEGER NOT NULL DEFAULT 0, paused INTEGER NOT NULL DEFAULT 0, paused_reason TEXT,
+    paused_at REAL, owner_pid INTEGER, owner_pid_start TEXT, updated_at REAL
+  );
+  CREATE TABLE schedule_runs (
+    id INTEGER PRIMARY KEY, schedule TEXT NOT NULL, slot REAL NOT NULL, trigger TEXT NOT NULL,
+    due_at REAL, fired_at REAL, started_at REAL, ended_at REAL, outcome TEXT NOT NULL, error TEXT,
+    ledger_run INTEGER, pid INTEGER, pid_start TEXT
+  );
+  CREATE INDEX schedule_runs_by_schedule ON schedule_runs (schedule, id);
+  CREATE UNIQUE INDEX schedule_runs_one_per_slot ON schedule_runs (schedule, slot)
+    WHERE trigger <> 'manual';
   ]],
 }
 
@@ -60,28 +85,39 @@ function M.open(path)
   return setmetatable({ db = db, path = path }, Ledger)
 end
 
---- ledger:begin_run{recipe, backend, workspace} -> run id: a run record for this process.
-function Ledger:begin_run(info)
+--- ledger:open_run{recipe, backend, workspace} -> run id: a new run record owned by this
+-- process (not made the process's own run; see begin_run).
+function Ledger:open_run(info)
   local pid = M.self_pid()
   local _, id = self.db:run([[INSERT INTO runs (pid, pid_start, recipe, backend, workspace, started_at)
     VALUES (?, ?, ?, ?, ?, ?)]], pid, pid_start(pid), info.recipe, info.backend, info.workspace, core.time())
-  self.run_id = id
   return id
 end
 
---- ledger:end_run(outcome): marks this process's run finished ("ok", "failed", "interrupted").
-function Ledger:end_run(outcome)
-  if not self.run_id then return end
-  self.db:run("UPDATE runs SET ended_at = ?, outcome = ? WHERE id = ?", core.time(), outcome, self.run_id)
+--- ledger:begin_run{recipe, backend, workspace} -> run id: the run record of this process
+-- (`moonbox run`), kept in ledger.run_id.
+function Ledger:begin_run(info)
+  self.run_id = self:open_run(info)
+  return self.run_id
 end
 
---- ledger:intent() -> intent id, label: written before a create is sent; label goes into the
--- sandbox's name so a lost answer can still be attributed.
-function Ledger:intent()
+--- ledger:end_run(outcome [, run_id]): marks a run finished ("ok", "failed", "interrupted",
+-- ...); without run_id, this process's own run (nothing happens if it never began).
+function Ledger:end_run(outcome, run_id)
+  run_id = run_id or self.run_id
+  if not run_id then return end
+  self.db:run("UPDATE runs SET ended_at = ?, outcome = ? WHERE id = ?", core.time(), outcome, run_id)
+end
+
+--- ledger:intent([run_id]) -> intent id, label: written before a create is sent; label goes
+-- into the sandbox's name so a lost answer can still be attributed. run_id defaults to this
+-- process's own run.
+function Ledger:intent(run_id)
+  run_id = run_id or self.run_id
   local t = core.time()
   local _, id = self.db:run("INSERT INTO intents (run_id, created_at, label) VALUES (?, ?, '')",
-    self.run_id, t)
-  local label = "mb-" .. id .. "-" .. (self.run_id or 0)
+    run_id, t)
+  local label = "mb-" .. id .. "-" .. (run_id or 0)
   self.db:run("UPDATE intents SET label = ? WHERE id = ?", label, id)
   return id, label
 end
@@ -102,13 +138,34 @@ function Ledger:release(sandbox_id)
     WHERE sandbox_id = ? AND released_at IS NULL]], core.time(), sandbox_id)
 end
 
+local function fill_run(db, r)
+  r.alive = r.ended_at == nil and pid_start(r.pid) ~= nil and pid_start(r.pid) == r.pid_start
+  r.held = db:rows("SELECT * FROM intents WHERE run_id = ? AND released_at IS NULL ORDER BY id", r.id)
+  return r
+end
+
 --- ledger:runs() -> array of runs with `alive` and `held` (unreleased intents) filled in.
 function Ledger:runs()
   local out = {}
   for _, r in ipairs(self.db:rows("SELECT * FROM runs ORDER BY id")) do
-    r.alive = r.ended_at == nil and pid_start(r.pid) ~= nil and pid_start(r.pid) == r.pid_start
-    r.held = self.db:rows("SELECT * FROM intents WHERE run_id = ? AND released_at IS NULL ORDER BY id", r.id)
-    out[#out + 1] = r
+    out[#out + 1] = fill_run(self.db, r)
+  end
+  return out
+end
+
+--- ledger:run(id) -> that run with `alive` and `held` filled in, or nil.
+function Ledger:run(id)
+  local r = self.db:row("SELECT * FROM runs WHERE id = ?", id)
+  return r and fill_run(self.db, r)
+end
+
+--- ledger:sandboxes(run_id) -> array of the sandbox ids that run's creates answered with.
+function Ledger:sandboxes(run_id)
+  local out = {}
+  for r in self.db:each(
+    "SELECT sandbox_id FROM intents WHERE run_id = ? AND sandbox_id IS NOT NULL ORDER BY id",
+    run_id) do
+    out[#out + 1] = r.sandbox_id
   end
   return out
 end
@@ -124,6 +181,54 @@ function M.self_pid()
   local s = target:read("a")
   target:close()
   return tonumber(s:match("^(%d+)"))
+end
+
+-- ---- the run of the current task ----------------------------------------------------------
+
+-- The run a task's creates belong to lives in its task context (task.set_context, inherited
+-- by every task it spawns, also after it finished): {ledger = Ledger, recipe = ..., run_id =
+-- nil|id, on_begin = fn(id)}.
+
+--- ledger.attach(task, ctx): creates made by task, and by every task it spawns, are recorded in
+-- their own run of ctx.ledger, begun at the first create (so a run that creates nothing leaves
+-- no ledger row): ctx = {ledger, recipe, on_begin = fn(run_id) (optional)}; ctx.run_id is set
+-- then. Does not yield.
+function M.attach(t, ctx)
+  task.set_context("ledger_run", ctx, t)
+end
+
+--- ledger.detach(task): ends the attachment for tasks task spawns from now on (the run record
+-- itself is ended by the caller).
+function M.detach(t)
+  task.set_context("ledger_run", nil, t)
+end
+
+--- ledger.context([task]) -> the ctx attached to task (default: the running one) or inherited
+-- from the task that spawned it, or nil.
+function M.context(t)
+  return task.context("ledger_run", t)
+end
+
+--- ledger.for_create(render, conn) -> Ledger, run id | nil: where moonbox.render records a
+-- create made now: the run attached to the current task (begun now if needed), else the
+-- process's own run in render.ledger when the command keeps a ledger (build.ledger; opened
+-- and begun at the first create). Does not yield.
+function M.for_create(render, c)
+  local ctx = M.context()
+  if ctx then
+    if not ctx.run_id then
+      ctx.run_id = ctx.ledger:open_run { recipe = ctx.recipe, backend = c.base, workspace = c.workspace }
+      if ctx.on_begin then ctx.on_begin(ctx.run_id) end
+    end
+    return ctx.ledger, ctx.run_id
+  end
+  if render.ledger == nil and require("moonbox.build").ledger then render.ledger = M.open() end
+  local L = render.ledger
+  if not L then return nil end
+  if not L.run_id then
+    L:begin_run { recipe = arg and arg[0], backend = c.base, workspace = c.workspace }
+  end
+  return L, L.run_id
 end
 
 M.Ledger = Ledger

@@ -1,0 +1,210 @@
+--- moonbox.schedule — recipes declare schedules; `moonbox schedule FILE` fires them.
+--
+--   local schedule = require "moonbox.schedule"
+--   schedule.cron("nightly-base", "0 3 * * *", function(run) rebuild() end,
+--     { overlap = "skip", catchup = "6h", jitter = "5m", timeout = "45m", pause_after_failures = 3 })
+--   schedule.every("heartbeat", "15m", function(run) check() end)
+--   if not schedule.running() then rebuild() end   -- `moonbox run`: once, now
+--
+-- Registering only records the schedule (validated at once, errors name the recipe line and the
+-- schedule); nothing fires unless the process is `moonbox schedule` (lua/moonbox/schedule/
+-- daemon.lua), which loads the recipe, reads and writes the state and history in the state
+-- dir's moonbox.db, and runs each fire as a task. See docs/schedule.md.
+local M = {}
+
+-- Registered schedules, in registration order, and by name.
+local registry = { list = {}, by_name = {} }
+local running = false
+
+local OVERLAP = { skip = true, buffer_one = true, cancel_other = true }
+local OPTIONS = { overlap = true, catchup = true, jitter = true, timeout = true,
+  pause_after_failures = true, tz = true }
+local UNIT = { s = 1, m = 60, h = 3600, d = 86400, w = 604800 }
+
+--- schedule.duration(v) -> seconds, or nil and a message. v: a number of seconds (>= 0) or a
+-- string of number+unit parts, units s, m, h, d, w ("90s", "15m", "1h30m", "2d", "1.5h").
+function M.duration(v)
+  if type(v) == "number" then
+    if v ~= v or v < 0 or v == math.huge then return nil, "expected seconds >= 0, got " .. tostring(v) end
+    return v
+  end
+  if type(v) ~= "string" then return nil, "expected seconds or a string like \"15m\", got a " .. type(v) end
+  local s = v:gsub("%s+", "")
+  if s == "" then return nil, "expected a duration like \"15m\", got an empty string" end
+  local total, pos = 0, 1
+  while pos <= #s do
+    local num, unit, nxt = s:match("^(%d+%.?%d*)(%a+)()", pos)
+    if not num or not UNIT[unit] then
+      return nil,
+          "expected a duration like \"90s\", \"15m\", \"1h30m\" or \"2d\" (units s m h d w), got \"" ..
+          v .. "\""
+    end
+    total = total + tonumber(num) * UNIT[unit]
+    pos = nxt
+  end
+  return total
+end
+
+--- schedule.format_duration(seconds) -> "1h30m", "15m", "2d", "1.5s".
+function M.format_duration(secs)
+  if secs == 0 then return "0s" end
+  local out = {}
+  for _, u in ipairs { { "d", 86400 }, { "h", 3600 }, { "m", 60 } } do
+    if secs >= u[2] then
+      local n = secs // u[2]
+      out[#out + 1] = string.format("%d%s", n, u[1])
+      secs = secs - n * u[2]
+    end
+  end
+  if secs > 0 then out[#out + 1] = string.format("%gs", secs) end
+  return table.concat(out)
+end
+
+local function where_of(level)
+  local info = debug.getinfo(level + 1, "Sl")
+  if not info then return "?" end
+  return info.short_src .. ":" .. (info.currentline or 0)
+end
+
+-- Validates the options shared by cron and every; returns the schedule's fields. Raises a plain
+-- error "FILE:LINE: schedule.KIND: schedule 'NAME': ..." at the recipe's call.
+local function check_opts(kind, name, where, opts)
+  local function bad(fmt, ...)
+    error(string.format("%s: schedule.%s: schedule '%s': " .. fmt, where, kind, tostring(name), ...), 0)
+  end
+  if type(name) ~= "string" or not name:match("^[%w][%w%._%-]*$") then
+    error(string.format("%s: schedule.%s: the name must be a string of letters, digits, '.', '_' and '-' " ..
+      "(starting with a letter or digit), got %s", where, kind,
+          type(name) == "string" and ("'" .. name .. "'")
+      or type(name)), 0)
+  end
+  if registry.by_name[name] then
+    bad("a schedule with this name is already registered (at %s); names must be unique",
+        registry.by_name[name].where)
+  end
+  if opts == nil then opts = {} end
+  if type(opts) ~= "table" then bad("options must be a table, got a %s", type(opts)) end
+  for k in pairs(opts) do
+    if not OPTIONS[k] then bad("unknown option '%s' (known: overlap, catchup, jitter, timeout, " ..
+      "pause_after_failures, tz)", tostring(k)) end
+  end
+  local s = { name = name, where = where, overlap = opts.overlap or "skip" }
+  if not OVERLAP[s.overlap] then
+    bad("overlap must be \"skip\", \"buffer_one\" or \"cancel_other\", got %s",
+      type(opts.overlap) == "string" and ("\"" .. opts.overlap .. "\"") or tostring(opts.overlap))
+  end
+  local function dur(key, default)
+    local v = opts[key]
+    if v == nil then return default end
+    local d, msg = M.duration(v)
+    if not d then bad("%s: %s", key, msg) end
+    return d
+  end
+  if opts.catchup == false then
+    s.catchup = false
+  else
+    s.catchup = dur("catchup", 86400)
+  end
+  s.jitter = dur("jitter", 0)
+  s.timeout = dur("timeout", nil)
+  if s.timeout == 0 then bad("timeout must be more than 0 (leave it out for none)") end
+  local n = opts.pause_after_failures
+  if n ~= nil and (math.type(n) ~= "integer" or n < 1) then
+    bad("pause_after_failures must be an integer >= 1, got %s", tostring(n))
+  end
+  s.pause_after_failures = n
+  return s, bad
+end
+
+local function register(s, fn, bad)
+  if type(fn) ~= "function" then bad("expected a function to run, got a %s", type(fn)) end
+  s.fn = fn
+  registry.list[#registry.list + 1] = s
+  registry.by_name[s.name] = s
+  return s
+end
+
+--- schedule.cron(name, expr, fn, opts) -> the schedule (a table; fields are read-only facts).
+-- Fires fn(run) at every minute that the five-field cron expression `expr` matches in time
+-- zone opts.tz (default "UTC"; see docs/reference/cron.md). opts: overlap ("skip" default,
+-- "buffer_one", "cancel_other"), catchup (DURATION or false; default "1d"), jitter (DURATION,
+-- default 0), timeout (DURATION, none by default), pause_after_failures (integer), tz. Raises
+-- a plain error with the recipe's file:line and the schedule's name for any bad argument, a
+-- bad expression (naming the field) or an unknown zone. Does not yield.
+function M.cron(name, expr, fn, opts)
+  local where = where_of(2)
+  local tz = type(opts) == "table" and opts.tz or nil
+  local s, bad = check_opts("cron", name, where, opts)
+  if type(expr) ~= "string" then bad("expected a cron expression string, got a %s", type(expr)) end
+  local ok, cron = pcall(require, "moonbox.cron")
+  if not ok then bad("this build has no cron engine (moonbox.cron): %s", tostring(cron)) end
+  local pok, c = pcall(cron.parse, expr)
+  if not pok then bad("%s", type(c) == "table" and tostring(c.message) or tostring(c)) end
+  if tz ~= nil then
+    if type(tz) ~= "string" then bad("tz must be a zone name like \"Europe/Berlin\", got a %s", type(tz)) end
+    local zok, zerr = pcall(cron.zone, tz)
+    if not zok then bad("tz: %s", type(zerr) == "table" and tostring(zerr.message) or tostring(zerr)) end
+  end
+  s.kind, s.expr, s.tz, s.cron = "cron", expr, tz or "UTC", c
+  s.spec = "cron " .. tostring(c) .. (tz and tz ~= "UTC" and (" " .. tz) or "")
+  return register(s, fn, bad)
+end
+
+--- schedule.every(name, interval, fn, opts) -> the schedule. Fires fn(run) every `interval`
+-- (a DURATION > 0), at the multiples of it since 1970-01-01T00:00:00Z ("15m" fires at :00,
+-- :15, :30, :45 UTC), so the slots are the same across restarts. opts as for schedule.cron,
+-- without tz. Raises like schedule.cron. Does not yield.
+function M.every(name, interval, fn, opts)
+  local where = where_of(2)
+  local s, bad = check_opts("every", name, where, opts)
+  if type(opts) == "table" and opts.tz ~= nil then bad("tz applies to schedule.cron only") end
+  local iv, msg = M.duration(interval)
+  if not iv then bad("interval: %s", msg) end
+  if iv <= 0 then bad("the interval must be more than 0") end
+  if s.jitter >= iv then
+    bad("jitter (%s) must be shorter than the interval (%s)", M.format_duration(s.jitter),
+        M.format_duration(iv))
+  end
+  s.kind, s.interval = "every", iv
+  s.spec = "every " .. M.format_duration(iv)
+  return register(s, fn, bad)
+end
+
+--- schedule.running() -> true inside `moonbox schedule` (any of its modes), false otherwise
+-- (`moonbox run`, the REPL, specs). A recipe does its one-off work only when it is false.
+function M.running() return running end
+
+--- schedule.list() -> array of the registered schedules, in registration order.
+function M.list()
+  return table.move(registry.list, 1, #registry.list, 1, {})
+end
+
+--- schedule.get(name) -> the registered schedule of that name, or nil.
+function M.get(name) return registry.by_name[name] end
+
+--- schedule.next_after(s, t) -> the first slot of schedule s strictly after time t (seconds
+-- since the epoch), or nil when there is none (a cron expression that never matches again).
+function M.next_after(s, t)
+  if s.kind == "every" then
+    local n = math.floor(t / s.interval) + 1
+    local slot = n * s.interval
+    if slot <= t then slot = slot + s.interval end -- float rounding
+    return slot
+  end
+  return s.cron:next(math.floor(t), s.tz)
+end
+
+--- schedule.format_slot(s, t) -> t as RFC 3339 text (in the schedule's zone for a cron one).
+function M.format_slot(s, t)
+  if s.kind == "cron" and s.tz ~= "UTC" then
+    local ok, txt = pcall(require("moonbox.cron").format, t, s.tz)
+    if ok then return txt end
+  end
+  return require("moonbox.schedule.clock").format(t)
+end
+
+-- For `moonbox schedule` (and specs): marks the process as the scheduler; clears the registry.
+function M._set_running(v) running = v and true or false end
+function M._reset() registry = { list = {}, by_name = {} } end
+
+return M

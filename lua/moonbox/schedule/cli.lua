@@ -1,0 +1,197 @@
+--- moonbox.schedule.cli — the `moonbox schedule FILE [...]` command.
+--
+-- Every mode loads FILE the same way (as a task, with schedule.running() true, so a recipe's
+-- "run once now" branch stays quiet), which registers its schedules; then either runs the
+-- daemon (no mode flag) or answers one question and exits: --list, --next, --trigger, --pause,
+-- --resume. State lives in the state dir's moonbox.db (moonbox.schedule.store).
+local core = require "moonbox.core"
+local schedule = require "moonbox.schedule"
+local clock_mod = require "moonbox.schedule.clock"
+
+local M = {}
+
+M.command = {
+  usage = "moonbox schedule FILE [--drain] [--backend URL|local|render]\n" ..
+    "       moonbox schedule FILE --list | --next NAME [N] | --trigger NAME | --pause NAME | --resume NAME",
+  detail = [[Loads FILE, a recipe that registers schedules with schedule.cron / schedule.every
+(moonbox.schedule), and fires them until SIGTERM or SIGINT: each fire runs as a task with its
+own ledger run; state and history persist in $XDG_STATE_HOME/moonbox/moonbox.db, so a restart
+neither repeats nor loses a run (missed slots inside a schedule's catch-up window run once;
+older ones are recorded skipped). Runs left running by a killed daemon are recorded
+interrupted on start, and the sandboxes they hold are terminated.
+
+On SIGTERM/SIGINT it stops firing, cancels running runs (with --drain: waits for them; a
+second signal cancels them), records their outcome and exits 0. The event log goes to stdout.
+
+  --list           the schedules, their next fire, state and last outcome
+  --next NAME [N]  the next N (default 5) slots of schedule NAME
+  --trigger NAME   run NAME once now in this process (recorded, trigger "manual"); exit 0
+                   when it succeeded, 1 when not
+  --pause NAME     pause NAME (persisted; a running daemon skips its fires from the next one)
+  --resume NAME    resume NAME and clear its failure count
+  --drain          on SIGTERM/SIGINT let running runs finish instead of cancelling them
+  --backend B      as for `moonbox run`
+
+`moonbox runs` prints the history. For tests only, MOONBOX_TEST_CLOCK=
+"start=2026-03-01T00:00:00Z,scale=600" runs schedule time from that start 600x faster
+(docs/schedule.md, "The test clock").]],
+}
+
+local function line_out(s)
+  io.stdout:write(s, "\n")
+  io.stdout:flush()
+end
+
+local function state_text(st, now)
+  if not st then return "new" end
+  local parts = {}
+  if st.paused == 1 then
+    parts[#parts + 1] = "paused" .. (st.paused_reason and (" (" .. st.paused_reason .. ")") or "")
+  else
+    parts[#parts + 1] = "active"
+  end
+  if (st.failures or 0) > 0 then parts[#parts + 1] = st.failures .. " consecutive failure(s)" end
+  local store_mod = require "moonbox.schedule.store"
+  if st.owner_pid and store_mod.alive(st.owner_pid, st.owner_pid_start) then
+    parts[#parts + 1] = "daemon pid " .. st.owner_pid
+  else
+    parts[#parts + 1] = "no daemon"
+  end
+  local _ = now
+  return table.concat(parts, ", ")
+end
+
+local function list(store, clock)
+  local now = clock:now()
+  line_out(string.format("%-20s %-26s %-25s %-8s %s", "NAME", "SPEC", "NEXT FIRE", "LAST", "STATE"))
+  for _, s in ipairs(schedule.list()) do
+    local st = store:state(s.name)
+    local nxt
+    if st and st.paused == 1 then
+      nxt = "- (paused)"
+    elseif st and st.next_fire and st.owner_pid and require("moonbox.schedule.store").alive(st.owner_pid,
+      st.owner_pid_start) then
+      nxt = clock_mod.format(st.next_fire)
+    else
+      local t = schedule.next_after(s, math.max(now, st and st.last_slot or now))
+      nxt = t and schedule.format_slot(s, t) or "never"
+    end
+    local last = store:last_run(s.name)
+    line_out(string.format("%-20s %-26s %-25s %-8s %s", s.name, s.spec, nxt,
+      last and last.outcome or "-", state_text(st, now)))
+  end
+end
+
+--- main(args, cli) -> exit status.
+function M.main(args, cli)
+  local opts, rest = cli.parse_flags(args, { list = "flag", next = "value", trigger = "value",
+      pause = "value",
+    resume = "value", drain = "flag", backend = "value" })
+  if not opts then return cli.usage_error("schedule: %s", rest) end
+  local file = rest[1]
+  if not file then return cli.usage_error("schedule: missing the recipe FILE") end
+  local modes = {}
+  for _, k in ipairs { "list", "next", "trigger", "pause", "resume" } do
+    if opts[k] then modes[#modes + 1] = "--" .. k end
+  end
+  if #modes > 1 then return cli.usage_error("schedule: %s cannot be combined", table.concat(modes,
+      " and ")) end
+  local n_next = 5
+  if opts.next then
+    n_next = tonumber(rest[2] or "5")
+    if not n_next or n_next < 1 or n_next % 1 ~= 0 then
+      return cli.usage_error("schedule: --next NAME N: N must be a positive integer, got '%s'",
+          tostring(rest[2]))
+    end
+    if rest[3] then return cli.usage_error("schedule: unexpected argument '%s'", rest[3]) end
+  elseif rest[2] then
+    return cli.usage_error("schedule: unexpected argument '%s'", rest[2])
+  end
+  local b = opts.backend
+  if b and b ~= "local" and b ~= "render" and not b:match("^https?://") then
+    return cli.usage_error("schedule: --backend must be a URL, local or render, got '%s'", opts.backend)
+  end
+  local cok, clock = pcall(clock_mod.from_env)
+  if not cok then return cli.usage_error("schedule: %s", tostring(clock)) end
+  local chunk, lerr = loadfile(file)
+  if not chunk then
+    cli.eprintf("moonbox schedule: cannot load recipe: %s\n", lerr)
+    return cli.EXIT_FAIL
+  end
+  cli.set_arg(file, {})
+  schedule._set_running(true)
+  local build = require "moonbox.build"
+  build.ledger = true
+  local ledger = require("moonbox.ledger").open()
+  local store = require("moonbox.schedule.store").open(ledger)
+  local status = cli.EXIT_OK
+  local code, err = cli.run_root_opts({ quiet_signals = true }, function()
+    local render = require "moonbox.render"
+    render.ledger = ledger -- creates outside any run go to this process's own ledger run
+    if opts.backend then render.connect { backend = opts.backend } end
+    local ok, e = xpcall(chunk, core.msgh)
+    if not ok then error(e, 0) end
+    local all = schedule.list()
+    if #all == 0 then
+      error(string.format("moonbox schedule: %s registered no schedules " ..
+        "(call schedule.cron or schedule.every)", file), 0)
+    end
+    local name = opts.next or opts.trigger or opts.pause or opts.resume
+    local s = name and schedule.get(name)
+    if name and not s then
+      local names = {}
+      for i, x in ipairs(all) do names[i] = x.name end
+      error(string.format("moonbox schedule: %s has no schedule named '%s' (it has: %s)", file, name,
+        table.concat(names, ", ")), 0)
+    end
+    local now = clock:now()
+    if opts.list then
+      for _, x in ipairs(all) do store:ensure(x, file, now) end
+      list(store, clock)
+    elseif opts.next then
+      local t = now
+      for _ = 1, n_next do
+        t = schedule.next_after(s, t)
+        if not t then break end
+        line_out(schedule.format_slot(s, t))
+      end
+    elseif opts.pause or opts.resume then
+      store:ensure(s, file, now)
+      if opts.pause then
+        store:set_paused(name, true, "paused by --pause at " .. clock_mod.format(now), now)
+        line_out(string.format("%s: paused (a running daemon skips its fires from the next one)", name))
+      else
+        store:set_paused(name, false, nil, now)
+        line_out(string.format("%s: resumed (failure count cleared)", name))
+      end
+    else
+      local d = require("moonbox.schedule.daemon").new { recipe = file, schedules = all, clock = clock,
+        store = store, out = line_out, drain = opts.drain, format_error = cli.format_error,
+        errout = function(text) io.stderr:write(text) end }
+      if opts.trigger then
+        local run = d:trigger(s)
+        if run.outcome ~= "ok" then status = cli.EXIT_FAIL end
+      else
+        d:run()
+      end
+    end
+    if render.ledger and render.ledger.run_id then render.ledger:end_run("ok") end
+    pcall(render.close)
+  end)
+  local render = package.loaded["moonbox.render"]
+  if render and render.ledger == ledger then render.ledger = nil end
+  ledger:close()
+  if err ~= nil then
+    local msg = cli.format_error(err)
+    if not msg:match("^moonbox schedule: ") then
+      msg = "moonbox schedule: recipe " .. file .. " failed: " .. msg
+    end
+    cli.eprintf("%s\n", msg)
+    return cli.EXIT_FAIL
+  end
+  if code == 130 or code == 143 then return status end
+  if code ~= cli.EXIT_OK then return code end
+  return status
+end
+
+return M

@@ -1,0 +1,456 @@
+--- moonbox.schedule.daemon — fires a recipe's schedules: timers, runs, overlap, catch-up.
+--
+-- One timer task per schedule computes the next slot from the last one handled, waits for it
+-- (plus jitter) on moonbox.timer.sleep_until — an ev_periodic on the wall clock, armed for
+-- exactly that time: nothing wakes in between — and fires. Each fire that runs is a task of its
+-- own, attached to its own ledger run (ledger.attach), with an optional watchdog that cancels
+-- it at its timeout. The root task starts the runs a finished run leaves queued (buffer_one),
+-- so run tasks never spawn runs (spawn chains stay short), and it is the task SIGINT/SIGTERM
+-- cancel: it then stops the timers and cancels (or, with drain, waits for) the runs.
+--
+-- Every decision is written to the store before it takes effect (the slot's record first), so
+-- a daemon killed at any point leaves history that a restart can finish: runs left queued or
+-- running become "interrupted" and what their ledger runs hold is terminated; slots missed
+-- while no daemon ran are caught up once (inside the catch-up window) or recorded skipped.
+local task = require "moonbox.task"
+local core = require "moonbox.core"
+local schedule = require "moonbox.schedule"
+local clock_mod = require "moonbox.schedule.clock"
+local ledger_mod = require "moonbox.ledger"
+
+local M = {}
+local Daemon = {}
+Daemon.__index = Daemon
+
+-- Missed slots recorded one by one after an outage; older ones share one summary record.
+local MAX_LISTED = 100
+
+local fmt = clock_mod.format
+
+local function one_line(err)
+  local s
+  if type(err) == "table" and core.Error.is(err) then
+    s = tostring(err)
+  else
+    local ok, v = pcall(tostring, err)
+    s = ok and v or "(an error object)"
+  end
+  if #s > 2000 then s = s:sub(1, 2000) .. " [...]" end
+  return s
+end
+
+--- daemon.new{recipe, schedules, clock, store, out, errout, drain} -> Daemon. out(line) gets
+-- the event log; errout(text) failures with their tracebacks.
+function M.new(o)
+  local d = setmetatable({ recipe = o.recipe, schedules = o.schedules, clock = o.clock, store = o.store,
+    out = o.out, errout = o.errout or o.out, drain = o.drain, format_error = o.format_error or one_line,
+    wake = core.cond(), pending = {}, names = {}, rt = {}, last = {}, timers = {} }, Daemon)
+  for _, s in ipairs(d.schedules) do
+    d.names[#d.names + 1] = s.name
+    d.rt[s.name] = {}
+  end
+  return d
+end
+
+function Daemon:log(fmt_, ...)
+  self.out(fmt(self.clock:now()) .. " " .. string.format(fmt_, ...))
+end
+
+-- The slot is handled: remember it (in memory; the store was updated with the record).
+function Daemon:handled(s, slot)
+  if self.last[s.name] == nil or slot > self.last[s.name] then self.last[s.name] = slot end
+end
+
+function Daemon:record_skipped(s, slot, trigger, why, due)
+  local now = self.clock:now()
+  local id = self.store:record({ schedule = s.name, slot = slot, trigger = trigger, due_at = due,
+      fired_at = now,
+    ended_at = now,
+    outcome = "skipped", error = why, last_slot = true }, now)
+  self:handled(s, slot)
+  if id then self:log("%s: slot %s skipped (record %d): %s", s.name, fmt(slot), id, why) end
+end
+
+-- ---- runs -----------------------------------------------------------------------------------
+
+--- Starts a run for q = {slot, trigger, fired_at, id (a queued record)}; returns it, or nil when
+-- the slot already has a record.
+function Daemon:start(s, q)
+  local now = self.clock:now()
+  local id = q.id
+  if id then
+    self.store:started(id, now)
+  else
+    id = self.store:record({ schedule = s.name, slot = q.slot, trigger = q.trigger, due_at = q.due_at,
+      fired_at = q.fired_at or now,
+      started_at = now, outcome = "running", last_slot = q.trigger ~= "manual" }, now)
+    if not id then
+      self:log("%s: slot %s already has a record; not running it again", s.name, fmt(q.slot))
+      return nil
+    end
+  end
+  if q.trigger ~= "manual" then self:handled(s, q.slot) end
+  local run = { id = id, slot = q.slot, trigger = q.trigger, started_at = now }
+  self.rt[s.name].active = run
+  self:log("%s: run %d started (slot %s, %s)", s.name, id, fmt(q.slot), q.trigger)
+  run.task = task.spawn(self.run_body, self, s, run)
+  return run
+end
+
+function Daemon:run_body(s, run)
+  local me = task.current()
+  ledger_mod.attach(me, { ledger = self.store.ledger,
+    recipe = string.format("%s (schedule %s, run %d)", self.recipe, s.name, run.id),
+    on_begin = function(lid)
+      run.ledger_run = lid
+      self.store:set_ledger_run(run.id, lid)
+    end })
+  local watchdog
+  if s.timeout then
+    watchdog = task.spawn(function()
+      self.clock:sleep_until(run.started_at + s.timeout)
+      if not run.finished then
+        run.stop_reason = "timeout"
+        run.stop_message = string.format("the run exceeded its timeout of %s and was cancelled",
+          schedule.format_duration(s.timeout))
+        task.cancel(me)
+      end
+    end)
+  end
+  local info = { id = run.id, schedule = s.name, slot = run.slot, slot_text = schedule.format_slot(s,
+      run.slot),
+    trigger = run.trigger, started_at = run.started_at }
+  local ok, err = xpcall(s.fn, core.msgh, info)
+  run.finished = true
+  if watchdog then
+    task.cancel(watchdog)
+    pcall(task.join, watchdog)
+  end
+  local outcome, message
+  if run.stop_reason then
+    outcome = run.stop_reason == "timeout" and "timeout" or "cancelled"
+    message = run.stop_message
+    if not ok and not task.is_cancelled(err) then
+      message = message .. "; while unwinding: " .. one_line(err)
+    end
+  elseif ok then
+    outcome = "ok"
+  elseif task.is_cancelled(err) then
+    outcome, message = "cancelled", "the run's task was cancelled"
+  else
+    outcome, message = "failed", one_line(err)
+    self.errout(string.format("moonbox schedule: %s: run %d failed: %s\n", s.name, run.id,
+        self.format_error(err)))
+  end
+  self:finish(s, run, outcome, message)
+end
+
+function Daemon:finish(s, run, outcome, message)
+  local now = self.clock:now()
+  ledger_mod.detach(task.current())
+  if run.ledger_run then self.store.ledger:end_run(outcome, run.ledger_run) end
+  self.store:finish(run.id, outcome, message, now)
+  run.outcome, run.message = outcome, message
+  local failures = self.store:count_outcome(s.name, outcome)
+  local sandboxes = run.ledger_run and self.store.ledger:sandboxes(run.ledger_run) or {}
+  self:log("%s: run %d %s%s%s", s.name, run.id, outcome,
+    #sandboxes > 0 and (" (sandboxes " .. table.concat(sandboxes, ", ") .. ")") or "",
+    message and (": " .. message) or "")
+  if (outcome == "failed" or outcome == "timeout") and s.pause_after_failures
+    and failures >= s.pause_after_failures then
+    local st = self.store:state(s.name)
+    if st and st.paused ~= 1 then
+      local reason = string.format("paused after %d consecutive failures (last: run %d, %s)", failures,
+          run.id,
+        outcome)
+      self.store:set_paused(s.name, true, reason, now)
+      self:log("%s: %s; `moonbox schedule %s --resume %s` resumes it", s.name, reason, self.recipe, s.name)
+    end
+  end
+  local rt = self.rt[s.name]
+  if rt.active == run then rt.active = nil end
+  if rt.queued and not self.stopping then
+    self.pending[#self.pending + 1] = { s = s, q = rt.queued }
+    rt.queued = nil
+    self.wake:signal()
+  end
+end
+
+-- ---- fires ----------------------------------------------------------------------------------
+
+--- Fires slot of s: applies pause and overlap, then starts a run. [yields] for cancel_other.
+function Daemon:fire(s, slot, trigger, due)
+  local now = self.clock:now()
+  local st = self.store:state(s.name)
+  if st and st.paused == 1 then
+    self.store:set_last_slot(s.name, slot, now)
+    self:handled(s, slot)
+    self:log("%s: slot %s passed while paused (%s)", s.name, fmt(slot), st.paused_reason or "paused")
+    return
+  end
+  local rt = self.rt[s.name]
+  local active = rt.active
+  if active then
+    if s.overlap == "skip" then
+      return self:record_skipped(s, slot, trigger,
+        string.format("run %d (slot %s) was still running (overlap = skip)", active.id, fmt(active.slot)),
+            due)
+    elseif s.overlap == "buffer_one" then
+      if rt.queued then
+        return self:record_skipped(s, slot, trigger, string.format(
+          "run %d was running and slot %s was already queued (overlap = buffer_one)", active.id,
+              fmt(rt.queued.slot)),
+          due)
+      end
+      local id = self.store:record({ schedule = s.name, slot = slot, trigger = trigger, due_at = due,
+        fired_at = now, outcome = "queued", last_slot = true }, now)
+      self:handled(s, slot)
+      if id then
+        rt.queued = { id = id, slot = slot, trigger = trigger, fired_at = now, due_at = due }
+        self:log("%s: slot %s queued (record %d) behind run %d (overlap = buffer_one)", s.name, fmt(slot), id,
+          active.id)
+      end
+      return
+    end
+    active.stop_reason = "cancel_other"
+    active.stop_message = string.format("cancelled by the fire of slot %s (overlap = cancel_other)",
+        fmt(slot))
+    task.cancel(active.task)
+    pcall(task.join, active.task)
+  end
+  self:start(s, { slot = slot, trigger = trigger, fired_at = now, due_at = due })
+end
+
+--- Slots of s strictly after `after` and not after `now`: the latest MAX_LISTED (ascending),
+-- how many there are in all, and the first.
+local function missed_slots(s, after, now)
+  local first = schedule.next_after(s, after)
+  if not first or first > now then return {}, 0 end
+  if s.kind == "every" then
+    local n = math.floor((now - first) / s.interval) + 1
+    local list = {}
+    for i = math.max(1, n - MAX_LISTED + 1), n do list[#list + 1] = first + (i - 1) * s.interval end
+    return list, n, first
+  end
+  local ring, count, t = {}, 0, after
+  while true do
+    local slot = schedule.next_after(s, t)
+    if not slot or slot > now then break end
+    count = count + 1
+    ring[(count - 1) % MAX_LISTED + 1] = slot
+    t = slot
+  end
+  local list = {}
+  local start = count > MAX_LISTED and (count % MAX_LISTED) or 0
+  for i = 1, math.min(count, MAX_LISTED) do list[i] = ring[(start + i - 1) % MAX_LISTED + 1] end
+  return list, count, first
+end
+
+--- Handles the slots of s after `after` that already passed (an outage, or a late wake):
+-- at most one of them runs — the latest, if it is inside the catch-up window — and every other
+-- one is recorded skipped, saying why. [yields] when it fires.
+function Daemon:catch_up(s, after, why, trigger)
+  local now = self.clock:now()
+  local list, count, first = missed_slots(s, after, now)
+  if count == 0 then return end
+  local st = self.store:state(s.name)
+  if st and st.paused == 1 then
+    self.store:set_last_slot(s.name, list[#list], now)
+    self:handled(s, list[#list])
+    self:log("%s: %d slot(s) passed while paused", s.name, count)
+    return
+  end
+  local latest = list[#list]
+  local window = s.catchup
+  local run_slot = window and (now - latest <= window) and latest or nil
+  local outside = string.format("%s, outside the catch-up window (%s)", why,
+    window and schedule.format_duration(window) or "catchup = false")
+  if count > #list then
+    self:record_skipped(s, first, trigger,
+        string.format("%s; this record stands for %d missed slots from %s " ..
+      "up to (not including) %s", outside, count - #list, fmt(first), fmt(list[1])))
+  end
+  for _, slot in ipairs(list) do
+    if slot ~= run_slot then
+      if window and now - slot <= window then
+        self:record_skipped(s, slot, trigger, string.format("%s; coalesced into the catch-up run of slot %s",
+            why,
+          fmt(run_slot)))
+      else
+        self:record_skipped(s, slot, trigger, outside)
+      end
+    end
+  end
+  if run_slot then
+    self:log("%s: catching up slot %s (%d missed)", s.name, fmt(run_slot), count)
+    self:fire(s, run_slot, trigger == "cron" and "catchup" or trigger)
+  end
+end
+
+function Daemon:timer_loop(s)
+  while true do
+    local last = self.last[s.name]
+    local slot = schedule.next_after(s, last)
+    if not slot then
+      self:log("%s: the expression matches no later time; this schedule is done", s.name)
+      return
+    end
+    if slot <= self.clock:now() then
+      self:catch_up(s, last, "the daemon was late (stalled, stopped or the machine slept)", "cron")
+    else
+      local at = slot
+      if s.jitter > 0 then at = slot + math.random() * s.jitter end
+      self.store:set_next_fire(s.name, at)
+      self.clock:sleep_until(at)
+      self:fire(s, slot, "cron", at)
+    end
+  end
+end
+
+-- ---- start and stop -------------------------------------------------------------------------
+
+--- Marks the runs of dead daemons interrupted and terminates what their ledger runs hold.
+-- [yields]
+function Daemon:recover()
+  local now = self.clock:now()
+  local ledger = self.store.ledger
+  for _, r in ipairs(self.store:orphans()) do
+    local msg = r.outcome == "queued" and "its daemon (pid %d) stopped before this queued run started"
+      or "its daemon (pid %d) stopped during the run"
+    self.store:finish(r.id, "interrupted", string.format(msg, r.pid), now)
+    self:log("%s: run %d (slot %s) recorded interrupted: " .. msg, r.schedule, r.id, fmt(r.slot), r.pid)
+    local lr = r.ledger_run and ledger:run(r.ledger_run)
+    if lr and not lr.alive then
+      local result = { terminated = 0, unattributed = 0, would = 0 }
+      local ok, err = pcall(require("moonbox.reap").reap_run, ledger, lr, {}, function(line)
+        self:log("%s: run %d: reap: %s", r.schedule, r.id, line)
+      end, result)
+      if not ok then
+        self:log("%s: run %d: could not terminate what it holds (`moonbox reap` retries): %s", r.schedule,
+            r.id,
+          one_line(err))
+      end
+      if lr.ended_at == nil then ledger:end_run("interrupted", lr.id) end
+    end
+  end
+end
+
+--- daemon:run(): claims the schedules, recovers, catches up, fires until cancelled, then stops.
+-- Raises when another live daemon owns one of the schedules. [yields]
+function Daemon:run()
+  local now = self.clock:now()
+  for _, s in ipairs(self.schedules) do self.store:ensure(s, self.recipe, now) end
+  local ok, owned = self.store:claim(self.names, now)
+  if not ok then
+    error(string.format("moonbox schedule: schedule '%s' is already run by another moonbox schedule " ..
+      "(pid %d, recipe %s); stop it first", owned.name, owned.owner_pid, tostring(owned.recipe)), 0)
+  end
+  self:log("started: %d schedule(s) from %s (%s)", #self.schedules, self.recipe, self.clock:describe())
+  self:recover()
+  for _, s in ipairs(self.schedules) do
+    local st = self.store:state(s.name)
+    if st.last_slot == nil then
+      self.store:set_last_slot(s.name, now, now) -- first start: nothing before now is owed
+      self.last[s.name] = now
+    else
+      self.last[s.name] = st.last_slot
+      self:catch_up(s, st.last_slot, "missed while no daemon was running", "cron")
+    end
+  end
+  local me = task.current()
+  for _, s in ipairs(self.schedules) do
+    self.timers[#self.timers + 1] = task.spawn(function()
+      local tok, terr = xpcall(self.timer_loop, core.msgh, self, s)
+      if not tok and not task.is_cancelled(terr) then
+        self.fatal = self.fatal or terr
+        task.cancel(me)
+      end
+    end)
+  end
+  local lok, lerr = pcall(function()
+    while true do
+      while #self.pending > 0 do
+        local p = table.remove(self.pending, 1)
+        self:start(p.s, p.q)
+      end
+      self.wake:wait()
+    end
+  end)
+  self:shutdown()
+  if self.fatal then error(self.fatal, 0) end
+  if not lok and not task.is_cancelled(lerr) then error(lerr, 0) end
+end
+
+local function wait_all(runs)
+  for _, run in ipairs(runs) do
+    while not pcall(task.join, run.task) do
+      task.cancel(run.task) -- interrupted again while waiting: cancel again, wait again
+    end
+  end
+end
+
+--- daemon:shutdown(): stops firing; cancels the active runs (or waits for them when draining;
+-- a second signal while draining cancels them); records everything; releases the schedules.
+-- [yields]
+function Daemon:shutdown()
+  self.stopping = true
+  local now = self.clock:now()
+  for _, t in ipairs(self.timers) do task.cancel(t) end
+  for _, t in ipairs(self.timers) do pcall(task.join, t) end
+  local sig = core.signal_received()
+  local why = sig and ("SIG" .. sig) or "the daemon stopped"
+  for _, p in ipairs(self.pending) do self.rt[p.s.name].queued = p.q end
+  self.pending = {}
+  local actives = {}
+  for _, s in ipairs(self.schedules) do
+    local rt = self.rt[s.name]
+    if rt.queued then
+      self.store:finish(rt.queued.id, "cancelled",
+          "the daemon stopped (" .. why .. ") before this queued run started",
+        now)
+      rt.queued = nil
+    end
+    if rt.active then actives[#actives + 1] = rt.active end
+  end
+  if #actives > 0 and self.drain then
+    self:log("stopping (%s): waiting for %d run(s) to finish (--drain; a second signal cancels them)", why,
+        #actives)
+    for _, run in ipairs(actives) do
+      if not pcall(task.join, run.task) then break end
+    end
+  end
+  local left = {}
+  for _, run in ipairs(actives) do
+    if not run.outcome then
+      run.stop_reason = "shutdown"
+      run.stop_message = "cancelled: the daemon stopped (" .. why .. ")"
+      task.cancel(run.task)
+      left[#left + 1] = run
+    end
+  end
+  if #left > 0 then self:log("stopping (%s): cancelling %d run(s)", why, #left) end
+  wait_all(left)
+  self.store:release(self.names)
+  self:log("stopped")
+end
+
+--- daemon:trigger(s) -> the finished run (run.outcome, run.message): runs s once now, recorded
+-- with trigger "manual"; SIGINT/SIGTERM cancel it. [yields]
+function Daemon:trigger(s)
+  local now = self.clock:now()
+  self.store:ensure(s, self.recipe, now)
+  local run = self:start(s, { slot = now, trigger = "manual", fired_at = now })
+  local ok = pcall(task.join, run.task)
+  if not ok then
+    run.stop_reason = "shutdown"
+    local sig = core.signal_received()
+    run.stop_message = "cancelled: interrupted by " .. (sig and ("SIG" .. sig)
+      or "a cancellation")
+    task.cancel(run.task)
+    wait_all({ run })
+  end
+  return run
+end
+
+M.Daemon = Daemon
+return M

@@ -1,0 +1,78 @@
+--- moonbox.schedule.runs — the `moonbox runs [NAME] [--json] [--limit N]` command: the history
+-- of scheduled runs from the state dir's moonbox.db, newest first.
+local json = require "moonbox.json"
+local clock_mod = require "moonbox.schedule.clock"
+
+local M = {}
+
+M.command = {
+  usage = "moonbox runs [NAME] [--json] [--limit N]",
+  detail = [[Prints the history `moonbox schedule` recorded in $XDG_STATE_HOME/moonbox/moonbox.db,
+newest first: every run and every skipped slot, of schedule NAME or of all schedules. Columns:
+record id, schedule, slot (the time the fire was due), trigger (cron, catchup or manual), start,
+duration, outcome (queued, running, ok, failed, timeout, cancelled, skipped, interrupted), the
+sandboxes the run created, and the error or the reason it was skipped.
+
+--limit N shows the newest N records (default 20; 0 shows all). --json prints one JSON array of
+objects with the same facts; times are RFC 3339 text (slot, fired_at, started_at, ended_at) and
+numbers of seconds since the epoch (slot_unix, due_unix — the slot plus its jitter —,
+fired_unix, started_unix, ended_unix). Times are
+the schedule clock's (the test clock's, when a spec set MOONBOX_TEST_CLOCK).]],
+}
+
+local function duration(r)
+  if not (r.started_at and r.ended_at) then return "-" end
+  return string.format("%.1fs", r.ended_at - r.started_at)
+end
+
+--- main(args, cli) -> exit status.
+function M.main(args, cli)
+  local opts, rest = cli.parse_flags(args, { json = "flag", limit = "value" })
+  if not opts then return cli.usage_error("runs: %s", rest) end
+  if #rest > 1 then return cli.usage_error("runs: unexpected argument '%s'", rest[2]) end
+  local limit = tonumber(opts.limit or "20")
+  if not limit or limit < 0 or limit % 1 ~= 0 then
+    return cli.usage_error("runs: --limit must be an integer >= 0, got '%s'", tostring(opts.limit))
+  end
+  if limit == 0 then limit = -1 end
+  local store = require("moonbox.schedule.store").open()
+  local rows = store:history { schedule = rest[1], limit = math.tointeger(limit) }
+  if opts.json then
+    local out = {}
+    for i, r in ipairs(rows) do
+      out[i] = {
+        id = r.id, schedule = r.schedule, trigger = r.trigger, outcome = r.outcome,
+            error = r.error or json.null,
+        slot = clock_mod.format(r.slot), slot_unix = r.slot, due_unix = r.due_at or json.null,
+        fired_at = r.fired_at and clock_mod.format(r.fired_at) or json.null,
+            fired_unix = r.fired_at or json.null,
+        started_at = r.started_at and clock_mod.format(r.started_at) or json.null,
+        started_unix = r.started_at or json.null,
+        ended_at = r.ended_at and clock_mod.format(r.ended_at) or json.null,
+            ended_unix = r.ended_at or json.null,
+        sandboxes = json.array(r.sandboxes), ledger_run = r.ledger_run or json.null, pid = r.pid,
+      }
+    end
+    io.stdout:write(json.encode(json.array(out)), "\n")
+  else
+    if #rows == 0 then
+      print(rest[1] and ("no runs recorded for schedule '" .. rest[1] .. "'") or "no runs recorded")
+    else
+      print(string.format("%-6s %-18s %-24s %-8s %-24s %-8s %-11s %s", "ID", "SCHEDULE", "SLOT", "TRIGGER",
+        "STARTED", "TOOK", "OUTCOME", "SANDBOXES / ERROR"))
+      for _, r in ipairs(rows) do
+        local extra = {}
+        if #r.sandboxes > 0 then extra[#extra + 1] = table.concat(r.sandboxes, ",") end
+        if r.error then extra[#extra + 1] = r.error end
+        print(string.format("%-6d %-18s %-24s %-8s %-24s %-8s %-11s %s", r.id, r.schedule,
+            clock_mod.format(r.slot),
+          r.trigger, r.started_at and clock_mod.format(r.started_at) or "-", duration(r), r.outcome,
+          table.concat(extra, "  ")))
+      end
+    end
+  end
+  store.ledger:close()
+  return cli.EXIT_OK
+end
+
+return M

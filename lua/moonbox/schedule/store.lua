@@ -1,0 +1,180 @@
+--- moonbox.schedule.store — schedule state and run history in the state dir's moonbox.db.
+--
+-- Two tables, created by the ledger's migrations (lua/moonbox/ledger.lua) because they share
+-- its file and schema version:
+--   schedules      one row per schedule name: last_slot (the latest slot handled: run, queued
+--                  or recorded skipped), next_fire, consecutive failures, paused (+ reason), and
+--                  the daemon that owns it (pid + process start time).
+--   schedule_runs  one row per slot handled and per manual trigger: slot, trigger (cron,
+--                  catchup, manual), due (slot + jitter), fired/started/ended times, outcome (queued,
+-- running, ok,
+--                  failed, timeout, cancelled, skipped, interrupted), error, and the ledger run
+--                  that holds the sandboxes it created.
+-- A unique index on (schedule, slot) for non-manual rows makes "never twice for the same slot"
+-- a property of the database, not of the daemon's care. Times are the schedule clock's
+-- (moonbox.schedule.clock), seconds since the epoch. No call yields.
+local ledger_mod = require "moonbox.ledger"
+
+local M = {}
+local Store = {}
+Store.__index = Store
+
+--- store.open(ledger) -> Store over the ledger's database (ledger.open() when nil).
+function M.open(ledger)
+  ledger = ledger or ledger_mod.open()
+  return setmetatable({ ledger = ledger, db = ledger.db }, Store)
+end
+
+--- store:state(name) -> the schedule's row, or nil.
+function Store:state(name)
+  return self.db:row("SELECT * FROM schedules WHERE name = ?", name)
+end
+
+--- store:ensure(s, recipe) -> the schedule's row, created when missing; spec/recipe refreshed.
+function Store:ensure(s, recipe, now)
+  self.db:run([[INSERT INTO schedules (name, recipe, spec, updated_at) VALUES (?, ?, ?, ?)
+    ON CONFLICT (name) DO UPDATE SET recipe = excluded.recipe, spec = excluded.spec]],
+    s.name, recipe, s.spec, now)
+  return self:state(s.name)
+end
+
+local function alive(pid, start)
+  return pid ~= nil and start ~= nil and ledger_mod.pid_start(pid) == start
+end
+M.alive = alive
+
+--- store:claim(names) -> true, or nil and the row of a schedule a live daemon already owns.
+-- Ownership is all or nothing (one transaction).
+function Store:claim(names, now)
+  local pid = ledger_mod.self_pid()
+  local start = ledger_mod.pid_start(pid)
+  local ok, err = pcall(self.db.tx, self.db, function()
+    for _, name in ipairs(names) do
+      local r = self:state(name)
+      if r and r.owner_pid and r.owner_pid ~= pid and alive(r.owner_pid, r.owner_pid_start) then
+        error({ owned = r }, 0)
+      end
+    end
+    for _, name in ipairs(names) do
+      self.db:run("UPDATE schedules SET owner_pid = ?, owner_pid_start = ?, updated_at = ? WHERE name = ?",
+        pid, start, now, name)
+    end
+  end)
+  if ok then return true end
+  if type(err) == "table" and err.owned then return nil, err.owned end
+  error(err, 0)
+end
+
+--- store:release(names): this process no longer owns them.
+function Store:release(names)
+  local pid = ledger_mod.self_pid()
+  for _, name in ipairs(names) do
+    self.db:run("UPDATE schedules SET owner_pid = NULL, owner_pid_start = NULL, next_fire = NULL " ..
+      "WHERE name = ? AND owner_pid = ?", name, pid)
+  end
+end
+
+--- store:set_last_slot(name, slot): the slot has been handled.
+function Store:set_last_slot(name, slot, now)
+  self.db:run("UPDATE schedules SET last_slot = ?, updated_at = ? WHERE name = ?", slot, now, name)
+end
+
+--- store:set_next_fire(name, t)
+function Store:set_next_fire(name, t)
+  self.db:run("UPDATE schedules SET next_fire = ? WHERE name = ?", t, name)
+end
+
+--- store:set_paused(name, paused, reason, now): paused = false also clears the failure count.
+function Store:set_paused(name, paused, reason, now)
+  if paused then
+    self.db:run([[UPDATE schedules SET paused = 1, paused_reason = ?, paused_at = ?, updated_at = ?
+      WHERE name = ?]],
+      reason, now, now, name)
+  else
+    self.db:run([[UPDATE schedules SET paused = 0, paused_reason = NULL, paused_at = NULL, failures = 0,
+      updated_at = ? WHERE name = ?]], now, name)
+  end
+end
+
+--- store:count_outcome(name, outcome) -> consecutive failures after a run ended with outcome.
+function Store:count_outcome(name, outcome)
+  if outcome == "ok" then
+    self.db:run("UPDATE schedules SET failures = 0 WHERE name = ?", name)
+  elseif outcome == "failed" or outcome == "timeout" then
+    self.db:run("UPDATE schedules SET failures = failures + 1 WHERE name = ?", name)
+  end
+  return self.db:value("SELECT failures FROM schedules WHERE name = ?", name) or 0
+end
+
+--- store:record(r) -> history id, or nil when that slot already has a record (never twice).
+-- r: schedule, slot, trigger, due_at (slot + jitter), fired_at, started_at, ended_at, outcome, error. When
+-- r.last_slot is true the schedule's last_slot moves to r.slot in the same transaction.
+function Store:record(r, now)
+  local pid = ledger_mod.self_pid()
+  return self.db:tx(function()
+    if r.trigger ~= "manual" and self.db:value(
+      "SELECT id FROM schedule_runs WHERE schedule = ? AND slot = ? AND trigger <> 'manual'", r.schedule,
+          r.slot) then
+      return nil
+    end
+    local _, id = self.db:run([[INSERT INTO schedule_runs (schedule, slot, trigger, due_at, fired_at,
+      started_at,
+      ended_at, outcome, error, pid, pid_start) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)]],
+      r.schedule, r.slot, r.trigger, r.due_at, r.fired_at, r.started_at, r.ended_at, r.outcome, r.error, pid,
+      ledger_mod.pid_start(pid))
+    if r.last_slot then
+      self.db:run([[UPDATE schedules SET last_slot = max(coalesce(last_slot, ?), ?), updated_at = ?
+        WHERE name = ?]],
+        r.slot, r.slot, now, r.schedule)
+    end
+    return id
+  end)
+end
+
+--- store:started(id, t): a queued run started.
+function Store:started(id, t)
+  self.db:run("UPDATE schedule_runs SET started_at = ?, outcome = 'running' WHERE id = ?", t, id)
+end
+
+--- store:finish(id, outcome, message, t)
+function Store:finish(id, outcome, message, t)
+  self.db:run("UPDATE schedule_runs SET ended_at = ?, outcome = ?, error = ? WHERE id = ?", t, outcome,
+      message, id)
+end
+
+--- store:set_ledger_run(id, run_id): the run's first create began ledger run run_id.
+function Store:set_ledger_run(id, run_id)
+  self.db:run("UPDATE schedule_runs SET ledger_run = ? WHERE id = ?", run_id, id)
+end
+
+--- store:orphans() -> rows left queued or running by a daemon that is gone.
+function Store:orphans()
+  local out = {}
+  for _, r in ipairs(self.db:rows(
+    "SELECT * FROM schedule_runs WHERE outcome IN ('queued', 'running') ORDER BY id")) do
+    if not alive(r.pid, r.pid_start) then out[#out + 1] = r end
+  end
+  return out
+end
+
+--- store:history{schedule, limit} -> rows, newest first, each with `sandboxes` (ids).
+function Store:history(opts)
+  local rows
+  if opts.schedule then
+    rows = self.db:rows("SELECT * FROM schedule_runs WHERE schedule = ? ORDER BY id DESC LIMIT ?",
+      opts.schedule, opts.limit or -1)
+  else
+    rows = self.db:rows("SELECT * FROM schedule_runs ORDER BY id DESC LIMIT ?", opts.limit or -1)
+  end
+  for _, r in ipairs(rows) do
+    r.sandboxes = r.ledger_run and self.ledger:sandboxes(r.ledger_run) or {}
+  end
+  return rows
+end
+
+--- store:last_run(name) -> the newest history row of the schedule, or nil.
+function Store:last_run(name)
+  return self.db:row("SELECT * FROM schedule_runs WHERE schedule = ? ORDER BY id DESC LIMIT 1", name)
+end
+
+return M

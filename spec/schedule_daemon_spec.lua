@@ -1,0 +1,350 @@
+-- `moonbox schedule` as a real subprocess on the test clock (MOONBOX_TEST_CLOCK, 600x: a
+-- 10-minute slot every real second): overlap, jitter bounds, timeout, pause after failures and
+-- --resume, catch-up after a 3-hour outage, the one-shot modes, `moonbox runs --json`, SIGTERM,
+-- and a kill -9 during a run that created a sandbox on a real `moonbox local`. Checks are on the
+-- recorded history, never on how long anything took.
+local T = require "moonbox.testing"
+local proc = require "moonbox.proc"
+local task = require "moonbox.task"
+local json = require "moonbox.json"
+local clock = require "moonbox.schedule.clock"
+local L = require "spec.support.local_backend"
+
+local START = "2026-03-01T00:00:00Z"
+
+
+local function run(fn) return function() T.run(fn) end end
+
+-- A fresh state dir and recipe per test.
+local Env = {}
+Env.__index = Env
+
+local function env_new(recipe, backend)
+  local dir = proc.run({ "mktemp", "-d", "/tmp/moonbox-schedule-spec.XXXXXX" }).stdout:gsub("%s+$", "")
+  local f = assert(io.open(dir .. "/recipe.lua", "w"))
+  f:write(recipe)
+  f:close()
+  return setmetatable({ dir = dir, recipe = dir .. "/recipe.lua", backend = backend }, Env)
+end
+
+function Env:vars(start)
+  local v = { "env", "HOME=" .. self.dir, "XDG_STATE_HOME=" .. self.dir .. "/state",
+    "MOONBOX_TEST_CLOCK=start=" .. (start or START) .. ",scale=600" }
+  if self.backend then
+    v[#v + 1] = "RENDER_API_KEY=" .. self.backend.key
+    v[#v + 1] = "RENDER_WORKSPACE_ID=" .. self.backend.workspace
+    v[#v + 1] = "RENDER_LOCAL_DEV_URL=" .. self.backend.url
+  else
+    v[#v + 1] = "RENDER_LOCAL_DEV_URL=http://127.0.0.1:9"
+    v[#v + 1] = "RENDER_API_KEY=unused"
+  end
+  return v
+end
+
+--- env:moonbox(args, start) -> proc.run result of a one-shot command. [yields]
+function Env:moonbox(args, start)
+  local argv = self:vars(start)
+  argv[#argv + 1] = L.BIN
+  for _, a in ipairs(args) do argv[#argv + 1] = a end
+  return proc.run(argv)
+end
+
+--- env:daemon(start, extra) -> a running daemon with :wait_for(pattern[, n]) and :stop(). [yields]
+function Env:daemon(start, extra)
+  local argv = self:vars(start)
+  for _, a in ipairs { L.BIN, "schedule", self.recipe } do argv[#argv + 1] = a end
+  for _, a in ipairs(extra or {}) do argv[#argv + 1] = a end
+  argv.stderr = "inherit"
+  local p = proc.spawn(argv)
+  local d = { p = p, lines = p:lines("stdout"), log = {} }
+  --- Reads the log until `pattern` has been seen n times (default 1); returns the last match.
+  function d.wait_for(_, pattern, n)
+    n = n or 1
+    return task.timeout(60, function()
+      local seen = 0
+      for _, l in ipairs(d.log) do if l:match(pattern) then seen = seen + 1 end end
+      while seen < n do
+        local line = d.lines()
+        if not line then error("the daemon exited before logging " .. pattern .. ":\n" .. table.concat(d.log, "\n")) end
+        d.log[#d.log + 1] = line
+        if line:match(pattern) then seen = seen + 1 end
+        if seen >= n then return line end
+      end
+    end)
+  end
+  function d.stop(_, sig)
+    p:kill(sig or "TERM")
+    local code = p:wait()
+    for line in d.lines do d.log[#d.log + 1] = line end
+    return code
+  end
+  return d
+end
+
+--- env:runs(name) -> history rows (oldest first) from `moonbox runs --json`. [yields]
+function Env:runs(name)
+  local args = { "runs", "--json", "--limit", "0" }
+  if name then args[#args + 1] = name end
+  local r = self:moonbox(args)
+  assert.are.equal(0, r.code, r.stderr)
+  local rows = json.decode(r.stdout)
+  local out = {}
+  for i = #rows, 1, -1 do
+    local row = {}
+    for k, v in pairs(rows[i]) do
+      if v ~= json.null then row[k] = v end
+    end
+    out[#out + 1] = row
+  end
+  return out
+end
+
+function Env:destroy() proc.run { "rm", "-rf", self.dir } end
+
+local function count(rows, field, value)
+  local n = 0
+  for _, r in ipairs(rows) do if r[field] == value then n = n + 1 end end
+  return n
+end
+
+local function one_per_slot(rows)
+  local seen = {}
+  for _, r in ipairs(rows) do
+    if r.trigger ~= "manual" then
+      assert.is_nil(seen[r.slot_unix], "slot " .. r.slot .. " has two records")
+      seen[r.slot_unix] = true
+    end
+  end
+end
+
+local PRELUDE = [[
+local schedule = require "moonbox.schedule"
+local task = require "moonbox.task"
+]]
+
+describe("moonbox schedule on the test clock", function()
+  local e
+  after_each(run(function() if e then e:destroy() end e = nil end))
+
+  it("skips a fire while a run is active (overlap = skip)", T.async(function()
+    e = env_new(PRELUDE .. [[schedule.every("s", "10m", function() task.sleep(1.6) end, { overlap = "skip" })]])
+    local d = e:daemon()
+    d:wait_for("s: run %d+ ok", 2)
+    assert.are.equal(0, d:stop())
+    local rows = e:runs("s")
+    one_per_slot(rows)
+    assert.is_true(count(rows, "outcome", "skipped") >= 1)
+    local last_end
+    for _, r in ipairs(rows) do
+      if r.outcome == "skipped" then assert.matches("overlap = skip", r.error) end
+      if r.started_unix then
+        if last_end then assert.is_true(r.started_unix >= last_end) end
+        last_end = r.ended_unix
+      end
+    end
+  end))
+
+  it("queues at most one fire and runs it when the active run ends (buffer_one)", T.async(function()
+    e = env_new(PRELUDE .. [[schedule.every("b", "10m", function() task.sleep(2.6) end, { overlap = "buffer_one" })]])
+    local d = e:daemon()
+    d:wait_for("b: slot .* skipped")
+    d:wait_for("b: run %d+ ok", 2)
+    assert.are.equal(0, d:stop())
+    local rows = e:runs("b")
+    one_per_slot(rows)
+    local runs = {}
+    for _, r in ipairs(rows) do
+      if r.started_unix then runs[#runs + 1] = r end
+      if r.outcome == "skipped" then assert.matches("already queued %(overlap = buffer_one%)", r.error) end
+    end
+    -- the second run was queued at its slot and started only when the first had ended
+    assert.is_true(runs[2].fired_unix < runs[1].ended_unix)
+    assert.is_true(runs[2].started_unix >= runs[1].ended_unix)
+  end))
+
+  it("cancels the active run for a new fire (cancel_other)", T.async(function()
+    e = env_new(PRELUDE .. [[schedule.every("c", "10m", function() task.sleep(100) end, { overlap = "cancel_other" })]])
+    local d = e:daemon()
+    d:wait_for("c: run %d+ started", 2)
+    assert.are.equal(0, d:stop())
+    local rows = e:runs("c")
+    assert.are.equal("cancelled", rows[1].outcome)
+    assert.are.equal("cancelled by the fire of slot " .. rows[2].slot .. " (overlap = cancel_other)", rows[1].error)
+    assert.are.equal("cancelled", rows[2].outcome) -- by the SIGTERM
+    assert.matches("SIGTERM", rows[2].error)
+  end))
+
+  it("fires within [slot, slot + jitter)", T.async(function()
+    e = env_new(PRELUDE .. [[schedule.every("j", "10m", function() end, { jitter = "5m" })]])
+    local d = e:daemon()
+    d:wait_for("j: run %d+ ok", 4)
+    assert.are.equal(0, d:stop())
+    local delays = {}
+    for _, r in ipairs(e:runs("j")) do
+      local delay = r.due_unix - r.slot_unix
+      assert.is_true(delay >= 0 and delay < 300, "jitter delay " .. delay)
+      assert.is_true(r.fired_unix >= r.due_unix)
+      delays[#delays + 1] = delay
+    end
+    assert.is_true(#delays >= 4)
+    assert.are_not.equal(delays[1], delays[2]) -- drawn per fire
+  end))
+
+  it("cancels a run at its timeout and records it", T.async(function()
+    e = env_new(PRELUDE .. [[
+local guarded = false
+schedule.every("t", "10m", function()
+  local _g <close> = setmetatable({}, { __close = function() print("guard unwound") io.stdout:flush() end })
+  task.sleep(100)
+end, { timeout = "5m" })]])
+    local d = e:daemon()
+    d:wait_for("t: run %d+ timeout")
+    d:wait_for("guard unwound")
+    assert.are.equal(0, d:stop())
+    local rows = e:runs("t")
+    assert.are.equal("timeout", rows[1].outcome)
+    assert.matches("exceeded its timeout of 5m", rows[1].error)
+  end))
+
+  it("pauses after N consecutive failures, and --pause/--resume reach the running daemon", T.async(function()
+    e = env_new(PRELUDE .. [[schedule.every("f", "10m", function() error("rebuild broke") end,
+  { pause_after_failures = 2 })]])
+    local d = e:daemon()
+    d:wait_for("f: paused after 2 consecutive failures")
+    d:wait_for("f: slot .* passed while paused")
+    local r = e:moonbox { "schedule", e.recipe, "--resume", "f" }
+    assert.are.equal(0, r.code, r.stderr)
+    d:wait_for("f: run %d+ failed", 3)
+    r = e:moonbox { "schedule", e.recipe, "--pause", "f" }
+    assert.are.equal(0, r.code, r.stderr)
+    d:wait_for("f: slot .* passed while paused %(paused by %-%-pause", 1)
+    assert.are.equal(0, d:stop())
+    local rows = e:runs("f")
+    assert.are.equal(3, count(rows, "outcome", "failed"))
+    assert.matches("recipe.lua:3: rebuild broke", rows[1].error)
+    local list = e:moonbox { "schedule", e.recipe, "--list" }
+    assert.matches("f%s+every 10m%s+%- %(paused%)%s+failed%s+paused", list.stdout)
+  end))
+
+  it("after a 3-hour outage runs one catch-up inside the window and records the rest skipped", T.async(function()
+    e = env_new(PRELUDE .. [[schedule.every("q", "15m", function() end, { catchup = "1h" })]])
+    local d = e:daemon()
+    d:wait_for("q: run %d+ ok", 2)
+    assert.are.equal(0, d:stop())
+    local before = e:runs("q")
+    local last = before[#before].slot_unix
+    local restart = last + 3 * 3600 + 1
+    d = e:daemon(clock.format(restart))
+    d:wait_for("q: run %d+ ok", 1)
+    assert.are.equal(0, d:stop())
+    local rows = e:runs("q")
+    one_per_slot(rows)
+    local catchups, skipped_in, skipped_out = {}, 0, 0
+    for _, r in ipairs(rows) do
+      if r.slot_unix > last and r.slot_unix <= last + 3 * 3600 then
+        if r.trigger == "catchup" then
+          catchups[#catchups + 1] = r
+        else
+          assert.are.equal("skipped", r.outcome)
+          if restart - r.slot_unix <= 3600 then
+            skipped_in = skipped_in + 1
+            assert.matches("coalesced into the catch%-up run", r.error)
+          else
+            skipped_out = skipped_out + 1
+            assert.matches("outside the catch%-up window %(1h%)", r.error)
+          end
+        end
+      end
+    end
+    assert.are.equal(1, #catchups)
+    assert.are.equal(last + 3 * 3600, catchups[1].slot_unix)
+    assert.are.equal("ok", catchups[1].outcome)
+    assert.are.equal(3, skipped_in)   -- +2h15 .. +2h45
+    assert.are.equal(8, skipped_out)  -- +15m .. +2h
+  end))
+
+  it("answers --list, --next, --trigger and --pause, and moonbox runs --json", T.async(function()
+    e = env_new(PRELUDE .. [[
+schedule.every("ok", "15m", function(run) print("ran " .. run.trigger) end)
+schedule.every("bad", "1h", function() error("no") end)
+if not schedule.running() then print("one-off") end]])
+    local r = e:moonbox { "schedule", e.recipe, "--next", "ok", "3" }
+    assert.are.equal(0, r.code, r.stderr)
+    assert.are.equal("2026-03-01T00:15:00Z\n2026-03-01T00:30:00Z\n2026-03-01T00:45:00Z\n", r.stdout)
+    r = e:moonbox { "schedule", e.recipe, "--trigger", "ok" }
+    assert.are.equal(0, r.code, r.stderr)
+    assert.matches("ran manual", r.stdout)
+    assert.is_nil(r.stdout:find("one-off", 1, true))
+    r = e:moonbox { "schedule", e.recipe, "--trigger", "bad" }
+    assert.are.equal(1, r.code)
+    r = e:moonbox { "schedule", e.recipe, "--pause", "ok" }
+    assert.are.equal(0, r.code, r.stderr)
+    r = e:moonbox { "schedule", e.recipe, "--list" }
+    assert.matches("ok%s+every 15m%s+%- %(paused%)%s+ok%s+paused", r.stdout)
+    assert.matches("bad%s+every 1h%s+2026%-03%-01T01:00:00Z%s+failed%s+active, 1 consecutive failure", r.stdout)
+    r = e:moonbox { "schedule", e.recipe, "--trigger", "nope" }
+    assert.are.equal(1, r.code)
+    assert.matches("has no schedule named 'nope' %(it has: ok, bad%)", r.stderr)
+    local rows = e:runs()
+    assert.are.equal(2, #rows)
+    assert.are.equal("manual", rows[1].trigger)
+    assert.are.equal("ok", rows[1].outcome)
+    assert.are.equal("failed", rows[2].outcome)
+    assert.matches("recipe.lua:4: no", rows[2].error)
+  end))
+
+  it("on SIGTERM cancels running runs, or with --drain lets them finish; exit 0 both ways", T.async(function()
+    e = env_new(PRELUDE .. [[schedule.every("d", "10m", function() print("working") io.stdout:flush() task.sleep(1) end)]])
+    local d = e:daemon()
+    d:wait_for("working")
+    assert.are.equal(0, d:stop("TERM"))
+    local rows = e:runs("d")
+    assert.are.equal("cancelled", rows[#rows].outcome)
+    d = e:daemon(clock.format(rows[#rows].slot_unix + 60), { "--drain" })
+    d:wait_for("working")
+    assert.are.equal(0, d:stop("TERM"))
+    rows = e:runs("d")
+    assert.are.equal("ok", rows[#rows].outcome)
+    assert.matches("waiting for 1 run", table.concat(d.log, "\n"))
+  end))
+end)
+
+describe("moonbox schedule killed with -9 during a run", function()
+  local B, e
+  setup(run(function() B = L.start() end))
+  teardown(run(function()
+    if e then e:destroy() end
+    if B then B:destroy() end
+  end))
+
+  it("records the run interrupted on restart, terminates its sandbox, and never repeats the slot", T.async(function()
+    e = env_new(PRELUDE .. [[
+local render = require "moonbox.render"
+schedule.every("k", "10m", function()
+  local sb <close> = render.sandboxes.create { network = "deny-all" }
+  print("created " .. sb.id) io.stdout:flush()
+  task.sleep(100)
+end)]], B)
+    local d = e:daemon()
+    local line = d:wait_for("^created sbx%-")
+    local id = line:match("(sbx%-%S+)")
+    d:stop("KILL")
+    local _, sb = B:req("GET", "/v1/sandboxes/" .. id)
+    assert.are.equal("running", sb.status)
+    local before = e:runs("k")
+    local slot = before[#before].slot_unix
+    assert.are.equal("running", before[#before].outcome)
+    -- restart inside the same 10 minutes: no slot is due, only the cleanup
+    d = e:daemon(clock.format(slot + 60))
+    d:wait_for("k: run %d+: reap: run %d+: terminated " .. id:gsub("%-", "%%-"))
+    assert.are.equal(0, d:stop())
+    _, sb = B:req("GET", "/v1/sandboxes/" .. id)
+    assert.are.equal("terminated", sb.status)
+    local rows = e:runs("k")
+    one_per_slot(rows)
+    assert.are.equal(1, #rows)
+    assert.are.equal("interrupted", rows[1].outcome)
+    assert.are.same({ id }, rows[1].sandboxes)
+    assert.are.equal(0, B:live())
+  end))
+end)
