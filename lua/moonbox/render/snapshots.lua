@@ -270,6 +270,13 @@ function sandbox_methods.snapshot(sb, opts)
   return snap
 end
 
+--- render.snapshots.rebuild(name, build_fn, opts) -> Snapshot, summary: builds, captures,
+-- verifies and rolls forward the snapshot named `name`; see moonbox.render.rebuild, loaded on
+-- first use. [yields]
+function snapshots.rebuild(name, build_fn, opts)
+  return require("moonbox.render.rebuild").rebuild(name, build_fn, opts)
+end
+
 render.Snapshot = Snapshot
 render.Group = Group
 render.snapshots = snapshots
