@@ -179,12 +179,15 @@ void mb_errors_open(lua_State *L);
 
 int luaopen_moonbox_archive(lua_State *L);
 int luaopen_moonbox_core(lua_State *L);
+int luaopen_moonbox_cron(lua_State *L);
 int luaopen_moonbox_http(lua_State *L);
 int luaopen_moonbox_httpd(lua_State *L);
+int luaopen_moonbox_lineedit(lua_State *L);
 int luaopen_moonbox_proc(lua_State *L);
 int luaopen_moonbox_sse(lua_State *L);
 int luaopen_moonbox_store(lua_State *L);
 int luaopen_moonbox_strings(lua_State *L);
+int luaopen_moonbox_timer(lua_State *L);
 
 /* Creates the moonbox binary's Lua state: LUA_EXTRASPACE is zeroed before any coroutine exists
  * (so task lookup is one load), standard libraries opened, C modules preloaded. */
