@@ -1,9 +1,14 @@
 #!/bin/sh
-# fuzz/run.sh SECONDS - builds fuzz_sse with clang in build-fuzz/ and fuzzes the SSE parser for
-# SECONDS seconds. It fuzzes a fresh scratch copy of fuzz/corpus/sse (build-fuzz/corpus-sse), so
-# the checked-in seeds are never written; crash inputs land in build-fuzz/artifacts-sse/.
-# Prints "fuzz_sse: N runs, C crashes" last and exits non-zero if anything crashed.
+# fuzz/run.sh SECONDS - builds every libFuzzer target (fuzz_sse, fuzz_cron, fuzz_tz) with clang in
+# build-fuzz/ and fuzzes each for SECONDS seconds, one after another. Each target fuzzes a fresh
+# scratch copy of its seeds, fuzz/corpus/NAME (build-fuzz/corpus-NAME), so the checked-in seeds
+# are never written; crash inputs land in build-fuzz/artifacts-NAME/ and the log in
+# build-fuzz/fuzz_NAME.log. Prints one "fuzz_NAME: N runs, C crashes" line per target and exits
+# non-zero if any target crashed (after running all of them).
 set -eu
+
+# The targets, in the order they run; each has fuzz/fuzz_NAME.c and fuzz/corpus/NAME/.
+targets="sse cron tz"
 
 usage() {
     echo "usage: fuzz/run.sh SECONDS" >&2
@@ -15,34 +20,47 @@ seconds=$1
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$root/build-fuzz
-corpus=$build/corpus-sse
-artifacts=$build/artifacts-sse
-log=$build/fuzz_sse.log
 
 cmake -S "$root/fuzz" -B "$build" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$build" --target fuzz_sse >/dev/null
+for name in $targets; do
+    cmake --build "$build" --target "fuzz_$name" >/dev/null
+done
 
-rm -rf "$corpus" "$artifacts"
-mkdir -p "$corpus" "$artifacts"
-cp "$root"/fuzz/corpus/sse/* "$corpus"/
+# fuzz_one NAME: fuzzes fuzz_NAME for $seconds, prints its summary line, returns 1 on a crash.
+fuzz_one() {
+    name=$1
+    corpus=$build/corpus-$name
+    artifacts=$build/artifacts-$name
+    log=$build/fuzz_$name.log
 
-status=0
-"$build/fuzz_sse" -max_total_time="$seconds" -timeout=10 -print_final_stats=1 \
-    -artifact_prefix="$artifacts/" "$corpus" >"$log" 2>&1 || status=$?
+    rm -rf "$corpus" "$artifacts"
+    mkdir -p "$corpus" "$artifacts"
+    cp "$root"/fuzz/corpus/"$name"/* "$corpus"/
 
-# libFuzzer ends a clean run with "Done N runs in S second(s)"; a crash skips that line, so fall
-# back to the final stats and then to the last "#N" progress line.
-runs=$(sed -n 's/^Done \([0-9][0-9]*\) runs.*/\1/p' "$log" | tail -n 1)
-[ -n "$runs" ] || runs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9][0-9]*\).*/\1/p' "$log" | tail -n 1)
-[ -n "$runs" ] || runs=$(sed -n 's/^#\([0-9][0-9]*\).*/\1/p' "$log" | tail -n 1)
-[ -n "$runs" ] || runs=0
-crashes=$(find "$artifacts" -type f | wc -l | tr -d ' ')
-if [ "$status" -ne 0 ] && [ "$crashes" -eq 0 ]; then
-    crashes=1 # died without writing an input, e.g. killed or a libFuzzer setup error
-fi
-if [ "$crashes" -ne 0 ]; then
-    tail -n 40 "$log" >&2
-    ls "$artifacts" >&2
-fi
-echo "fuzz_sse: $runs runs, $crashes crashes"
-[ "$crashes" -eq 0 ]
+    status=0
+    "$build/fuzz_$name" -max_total_time="$seconds" -timeout=10 -print_final_stats=1 \
+        -artifact_prefix="$artifacts/" "$corpus" >"$log" 2>&1 || status=$?
+
+    # libFuzzer ends a clean run with "Done N runs in S second(s)"; a crash skips that line, so
+    # fall back to the final stats and then to the last "#N" progress line.
+    runs=$(sed -n 's/^Done \([0-9][0-9]*\) runs.*/\1/p' "$log" | tail -n 1)
+    [ -n "$runs" ] || runs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9][0-9]*\).*/\1/p' "$log" | tail -n 1)
+    [ -n "$runs" ] || runs=$(sed -n 's/^#\([0-9][0-9]*\).*/\1/p' "$log" | tail -n 1)
+    [ -n "$runs" ] || runs=0
+    crashes=$(find "$artifacts" -type f | wc -l | tr -d ' ')
+    if [ "$status" -ne 0 ] && [ "$crashes" -eq 0 ]; then
+        crashes=1 # died without writing an input, e.g. killed or a libFuzzer setup error
+    fi
+    if [ "$crashes" -ne 0 ]; then
+        tail -n 40 "$log" >&2
+        ls "$artifacts" >&2
+    fi
+    echo "fuzz_$name: $runs runs, $crashes crashes"
+    [ "$crashes" -eq 0 ]
+}
+
+failed=0
+for name in $targets; do
+    fuzz_one "$name" || failed=1
+done
+exit "$failed"

@@ -288,11 +288,16 @@ typedef struct posix_event {
     int dst; /* state after the event */
 } posix_event;
 
-/* The footer's period containing t. Computes both changes of the five years around t, orders
+/* The footer's period containing t. Computes both changes of the seven years around t, orders
  * them (a change back to standard time first when two coincide, so a zone whose rules say "DST
  * all year", like EST5EDT,0/0,J365/25, stays in DST) and keeps the ones that change the state.
  * Constant work; a closed form per hemisphere was rejected because it gets the all-year case and
- * the boundaries near New Year wrong. */
+ * the boundaries near New Year wrong.
+ * The period is cut to [January 1st of y-1, January 1st of y+2) (UTC), where every change is
+ * among those computed (a change can stray 167 hours out of its year): when no kept change
+ * follows t, the state is unknown past the window, not constant to TZ_T_MAX. That happens when
+ * the two changes coincide in some years (M1.4.2 and M1.5.2 are one day when January has four
+ * Tuesdays), which all-but-cancels the rules. */
 static void posix_period(const tz_posix *p, int64_t t, tz_period *out)
 {
     if (!p->has_dst) {
@@ -306,9 +311,9 @@ static void posix_period(const tz_posix *p, int64_t t, tz_period *out)
     int64_t y, days = floor_div(t + p->std.utoff, 86400);
     int m, d;
     tz_civil_from_days(days, &y, &m, &d);
-    posix_event ev[10], kept[10];
+    posix_event ev[14], kept[14];
     int n = 0, nk = 0;
-    for (int64_t yy = y - 2; yy <= y + 2; yy++) {
+    for (int64_t yy = y - 3; yy <= y + 3; yy++) {
         ev[n].at = rule_day(&p->start, yy) * 86400 + p->start.secs - p->std.utoff;
         ev[n++].dst = 1;
         ev[n].at = rule_day(&p->end, yy) * 86400 + p->end.secs - p->dst.utoff;
@@ -336,8 +341,10 @@ static void posix_period(const tz_posix *p, int64_t t, tz_period *out)
     out->utoff = ty->utoff;
     out->isdst = ty->isdst;
     out->abbr = ty->abbr;
-    out->start = k >= 0 ? kept[k].at : TZ_T_MIN;
-    out->end = k + 1 < nk ? kept[k + 1].at : TZ_T_MAX;
+    int64_t lo = tz_days_from_civil(y - 1, 1, 1) * 86400,
+            hi = tz_days_from_civil(y + 2, 1, 1) * 86400;
+    out->start = k >= 0 && kept[k].at > lo ? kept[k].at : lo;
+    out->end = k + 1 < nk && kept[k + 1].at < hi ? kept[k + 1].at : hi;
 }
 
 /* ---- TZif -------------------------------------------------------------------------------- */
