@@ -9,7 +9,7 @@ local L = require "spec.support.local_backend"
 
 local B -- the backend shared by most specs
 
-local function run(fn) return function() T.run(fn) end end
+local run = T.async
 
 setup(run(function() B = L.start() end))
 teardown(run(function() if B then B:destroy() end end))

@@ -10,7 +10,7 @@ local L = require "spec.support.local_backend"
 
 local B, SB
 
-local function run(fn) return function() T.run(fn) end end
+local run = T.async
 
 setup(run(function()
   B = L.start()

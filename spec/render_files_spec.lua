@@ -9,7 +9,7 @@ local L = require "spec.support.local_backend"
 
 local B, sb, work
 
-local function run(fn) return function() T.run(fn) end end
+local run = T.async
 
 local function sh(script, ...)
   local r = proc.run { script, ..., shell = true }

@@ -11,7 +11,7 @@ local L = require "spec.support.local_backend"
 
 local B
 
-local function run(fn) return function() T.run(fn) end end
+local run = T.async
 
 setup(run(function()
   B = L.start()
@@ -19,11 +19,7 @@ setup(run(function()
 end))
 teardown(run(function() if B then B:destroy() end end))
 
-local function raised(fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, "expected an error")
-  return err
-end
+local raised = T.raises
 
 --- The ids of the snapshots with that name the backend still lists (any status), newest first.
 local function named(name)

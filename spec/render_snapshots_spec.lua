@@ -7,7 +7,7 @@ local L = require "spec.support.local_backend"
 
 local B
 
-local function run(fn) return function() T.run(fn) end end
+local run = T.async
 
 setup(run(function()
   B = L.start()
@@ -15,11 +15,7 @@ setup(run(function()
 end))
 teardown(run(function() if B then B:destroy() end end))
 
-local function raised(fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, "expected an error")
-  return err
-end
+local raised = T.raises
 
 local function last_body(path)
   local _, entries = B:req("GET", "/_moonbox/journal")

@@ -13,7 +13,7 @@ local L = require "spec.support.local_backend"
 local START = "2026-03-01T00:00:00Z"
 
 
-local function run(fn) return function() T.run(fn) end end
+local run = T.async
 
 -- A fresh state dir and recipe per test.
 local Env = {}

@@ -9,7 +9,7 @@ local L = require "spec.support.local_backend"
 
 local B, home
 
-local function run(fn) return function() T.run(fn) end end
+local run = T.async
 
 setup(run(function()
   B = L.start { args = { "--seed", "42" } }

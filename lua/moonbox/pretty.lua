@@ -31,32 +31,8 @@ end
 
 -- ---- times ------------------------------------------------------------------------------------
 
--- Days since 1970-01-01 of a proleptic Gregorian date (the usual era arithmetic).
-local function days_from_civil(y, m, d)
-  if m <= 2 then y = y - 1 end
-  local era = (y >= 0 and y or y - 399) // 400
-  local yoe = y - era * 400
-  local mp = (m + 9) % 12
-  local doy = (153 * mp + 2) // 5 + d - 1
-  local doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
-  return era * 146097 + doe - 719468
-end
-
---- pretty.parse_time("2026-04-01T18:30:00Z") -> seconds since the epoch, or nil. Accepts a
--- fraction and a numeric offset (+02:00) as well.
-function M.parse_time(s)
-  if type(s) ~= "string" then return nil end
-  local y, mo, d, h, mi, sec, rest = s:match("^(%d+)-(%d+)-(%d+)[T ](%d+):(%d+):(%d+%.?%d*)(.*)$")
-  if not y then return nil end
-  local t = days_from_civil(tonumber(y), tonumber(mo), tonumber(d)) * 86400 +
-    tonumber(h) * 3600 + tonumber(mi) * 60 + tonumber(sec)
-  local sign, oh, om = rest:match("^([+-])(%d%d):?(%d%d)$")
-  if sign then
-    local off = tonumber(oh) * 3600 + tonumber(om) * 60
-    t = sign == "+" and t - off or t + off
-  end
-  return t
-end
+--- pretty.parse_time("2026-04-01T18:30:00Z") -> seconds since the epoch, or nil.
+M.parse_time = require("moonbox.rfc3339").parse
 
 --- pretty.age(seconds) -> "12s", "5m", "3h", "2d".
 function M.age(secs)

@@ -17,6 +17,13 @@ end
 --- T.run(fn, ...) -> results of fn: runs fn as a task until it finishes.
 M.run = core.run
 
+--- T.raises(fn, ...) -> err: calls fn(...), asserts it raised, and returns what it raised.
+function M.raises(fn, ...)
+  local ok, err = pcall(fn, ...)
+  assert(not ok, "expected an error, but the call succeeded")
+  return err
+end
+
 --- T.errors_with(code, fn, ...) -> err: calls fn(...), asserts it raised a structured error
 -- with that code, and returns the error for further checks.
 function M.errors_with(code, fn, ...)
