@@ -187,6 +187,7 @@ int luaopen_moonbox_proc(lua_State *L);
 int luaopen_moonbox_sse(lua_State *L);
 int luaopen_moonbox_store(lua_State *L);
 int luaopen_moonbox_strings(lua_State *L);
+int luaopen_moonbox_sys(lua_State *L);
 int luaopen_moonbox_timer(lua_State *L);
 
 /* Creates the moonbox binary's Lua state: LUA_EXTRASPACE is zeroed before any coroutine exists

@@ -14,7 +14,10 @@
 -- Invariants: a sandbox in self.sandboxes with state "running" is mounted, its init pid is
 -- recorded and its cgroup exists (its processes may have died on their own: alive() and
 -- info().state say so); teardown (terminate, failed create, recover) runs in one
--- place and is idempotent. Every host command goes through moonbox.proc. File operations run
+-- place and is idempotent. Every host command goes through moonbox.proc; directories, mounts,
+-- kills, unmounts and removals are system calls through moonbox.sys (on this machine's kind of
+-- VM a fork/exec costs milliseconds). Execs and file operations enter the sandbox through
+-- moonbox-nsexec (tools/nsexec.c), or setpriv + nsenter when it is missing. File operations run
 -- inside the sandbox's mount namespace (moonbox.local.engine.files explains why).
 -- docs/local-isolation.md describes the isolation this gives and what it does not.
 -- Callers: the local API layer (moonbox.local) and spec/local_engine_spec.lua.
@@ -23,6 +26,7 @@ local proc = require "moonbox.proc"
 local core = require "moonbox.core"
 local host = require "moonbox.local.engine.host"
 local cgroup = require "moonbox.local.engine.cgroup"
+local sys = require "moonbox.sys"
 
 local M = {}
 local Engine = {}
@@ -56,9 +60,10 @@ local CAP_DROP = { "sys_module", "sys_rawio", "sys_boot", "sys_time", "mknod", "
 local RESERVED_ENV = { UID = true, EUID = true, PPID = true, SHELLOPTS = true, BASHOPTS = true,
   BASH_VERSINFO = true }
 
--- Names the dynamic loader or libc of the host-side helpers (sh, setpriv, nsenter) would act
--- on. They travel under ENV_PREFIX and are renamed by a bash step inside the sandbox, so a
--- sandbox's LD_PRELOAD or LD_LIBRARY_PATH never loads host files into host processes.
+-- Names the dynamic loader or libc of the host-side helpers (moonbox-nsexec, or sh, setpriv
+-- and nsenter) would act on. They travel under ENV_PREFIX and are renamed by a bash step inside
+-- the sandbox, so a sandbox's LD_PRELOAD or LD_LIBRARY_PATH never loads host files into host
+-- processes.
 local LOADER_ENV = { GCONV_PATH = true, GETCONF_DIR = true, GLIBC_TUNABLES = true,
   HOSTALIASES = true, LOCALDOMAIN = true, LOCPATH = true, NIS_PATH = true, NLSPATH = true,
   RESOLV_HOST_CONF = true, RES_OPTIONS = true, TMPDIR = true, TZDIR = true }
@@ -72,24 +77,11 @@ end
 -- Each is run as `sh -c SCRIPT NAME ARGS...`; data arrives as positional parameters, never
 -- pasted into the script text.
 
--- Host side of create: directories, the overlay mount, joining the cgroup (before bwrap forks,
--- so every process of the sandbox is born inside it), then exec bwrap with fd 3 (its --info-fd)
--- on our stdout pipe. $1 sandbox dir, $2 cgroup dir, $3 lowerdir option, $4 "1" to reuse an
--- existing upper directory; the rest is bwrap's argv.
-local CREATE_SH = [[
-sbx=$1 cg=$2 lowers=$3 revive=$4
-shift 4
-umask 022
-if [ "$revive" != 1 ] && [ -e "$sbx" ]; then
-  echo "the sandbox directory $sbx already exists" >&2; exit 17
-fi
-mkdir -p -- "$sbx/upper" "$sbx/work" "$sbx/root" "$cg" || exit 1
-o="lowerdir=$lowers,upperdir=$sbx/upper,workdir=$sbx/work,index=off,redirect_dir=off,metacopy=off"
-mount -t overlay moonbox -o "$o" "$sbx/root" || exit 1
-echo $$ > "$cg/cgroup.procs" || exit 1
-exec 3>&1
-exec "$@"
-]]
+-- Host side of create without moonbox-nsexec: join the cgroup (before bwrap forks, so every
+-- process of the sandbox is born inside it), then exec bwrap with fd 3 (its --info-fd) on our
+-- stdout pipe. $1 the cgroup's cgroup.procs; the rest is bwrap's argv. (The directories and
+-- the overlay mount are made by the engine itself, through moonbox.sys.)
+local CREATE_SH = 'echo $$ > "$1" || exit 125; shift; exec 3>&1; exec "$@"'
 
 -- The holder, inside the sandbox, is its PID 1 (bwrap --as-pid-1): it restores a saved /dev
 -- (from stdin) when $1 is 1, says "ready" once the namespaces and mounts are in place, lets go
@@ -106,14 +98,34 @@ trap '' HUP INT QUIT TERM USR1 USR2 PIPE ALRM
 while :; do sleep 2147483647 & wait; done
 ]]
 
--- Host side of an exec: join the sandbox's cgroup, then exec the rest (setpriv nsenter ...).
--- 125 says the cgroup was gone (the sandbox is being torn down).
+-- Host side of an exec without moonbox-nsexec: join the sandbox's cgroup, then exec the rest
+-- (setpriv nsenter ...). 125 says the cgroup was gone (the sandbox is being torn down).
 local JOIN_SH = 'echo $$ > "$1" || exit 125; shift; exec "$@"'
 
 -- Inside the sandbox, for create envs with loader-sensitive names: rename MOONBOX_ENV_X to X,
--- then become a new session and run the command as Render does, `bash -c COMMAND`.
-local UNPREFIX_BASH = 'for v in ${!' .. ENV_PREFIX .. '@}; do export "${v#' .. ENV_PREFIX ..
-  '}=${!v}"; unset "$v"; done; exec /usr/bin/setsid /bin/bash -c "$1"'
+-- then run the command as Render does, `bash -c COMMAND`. The _SETSID variant also makes it a
+-- new session (the old chain; moonbox-nsexec --setsid already did that, and a second setsid
+-- would fork).
+local UNPREFIX_LOOP = 'for v in ${!' .. ENV_PREFIX .. '@}; do export "${v#' .. ENV_PREFIX ..
+  '}=${!v}"; unset "$v"; done; '
+local UNPREFIX_BASH = UNPREFIX_LOOP .. 'exec /bin/bash -c "$1"'
+local UNPREFIX_BASH_SETSID = UNPREFIX_LOOP .. 'exec /usr/bin/setsid /bin/bash -c "$1"'
+
+-- moonbox-nsexec (tools/nsexec.c), the one-process replacement of the sh → setpriv → nsenter
+-- → setsid chain: next to the moonbox binary (build tree), or in ../libexec/moonbox (install
+-- tree). nil when neither has it (plain lua5.4, or a partial install): the engine then runs the
+-- old chain, and says so once.
+local function find_nsexec()
+  local ok, build = pcall(require, "moonbox.build")
+  local exe = ok and type(build) == "table" and build.exe
+  if not exe then return nil end
+  local dir = exe:match("^(.*)/[^/]*$") or "."
+  for _, p in ipairs({ dir .. "/moonbox-nsexec", dir .. "/../libexec/moonbox/moonbox-nsexec" }) do
+    if host.exists(p) then return p end
+  end
+  return nil
+end
+local nsexec_warned = false
 
 -- Builds the mask layer (see docs/local-isolation.md, "Masks"): the upper directory of the
 -- engine's base overlay, whose entries hide base paths: an opaque empty directory over a
@@ -159,18 +171,6 @@ cd /
 rm -rf -- "$tmp/t"
 mv -T -- "$tmp/layer" "$final"
 rmdir -- "$tmp"
-]]
-
--- Mounts the engine's base: a read-only overlay of the base image (lower) and the mask layer
--- (upper). Sandbox overlays stack their layers on this mount rather than on the image
--- directly, because overlayfs refuses a lower layer inside another lower layer ("overlapping
--- lowerdir path"), and with the host's / as the image every layer under the state dir would
--- be one; the base overlay is a filesystem of its own. $1 image, $2 base directory.
-local BASE_SH = [[
-set -e
-mkdir -p -- "$2/work" "$2/root"
-o="ro,lowerdir=$1,upperdir=$2/upper,workdir=$2/work,index=off,redirect_dir=off,metacopy=off"
-mount -t overlay moonbox-base -o "$o" "$2/root"
 ]]
 
 -- Copies a sandbox's upper directory into a new layer, atomically (a layer directory either
@@ -290,7 +290,13 @@ function Engine:prepare()
         "nsenter and setpriv", code = "unsupported" })
     local found = {}
     for line in r.stdout:gmatch("[^\n]+") do found[line:match("([^/]+)$")] = line end
-    self.tools = { bwrap = found.bwrap, nsenter = found.nsenter, setpriv = found.setpriv }
+    self.tools = { bwrap = found.bwrap, nsenter = found.nsenter, setpriv = found.setpriv,
+      nsexec = find_nsexec() }
+    if not self.tools.nsexec and not nsexec_warned then
+      nsexec_warned = true
+      io.stderr:write("moonbox local: moonbox-nsexec is not next to the moonbox binary; execs run " ..
+        "the slower sh/setpriv/nsenter/setsid chain\n")
+    end
     -- Mask paths are resolved on the host when the host is the base (a mask given as
     -- /var/run/x must hide /run/x); in an image they are taken literally and skipped when a
     -- parent is a symlink.
@@ -309,9 +315,22 @@ function Engine:prepare()
       dir .. "/upper", env = HOST_ENV, env_mode = "replace" }
     for _, m in ipairs(masks) do spec[#spec + 1] = m end
     host.run("prepare", nil, spec, { what = "building the mask layer " .. dir .. "/upper" })
+    -- The engine's base: a read-only overlay of the base image (lower) and the mask layer
+    -- (upper). Sandbox overlays stack their layers on this mount rather than on the image
+    -- directly, because overlayfs refuses a lower layer inside another lower layer
+    -- ("overlapping lowerdir path"), and with the host's / as the image every layer under
+    -- the state dir would be one; the base overlay is a filesystem of its own.
     if not host.mounted(dir .. "/root") then
-      host.run("prepare", nil, { "sh", "-c", BASE_SH, "moonbox-base", self.base, dir,
-        env = HOST_ENV, env_mode = "replace" }, { what = "mounting the base overlay " .. dir .. "/root" })
+      local mok, merr = pcall(function()
+        sys.mkdir_p(dir .. "/work")
+        sys.mkdir_p(dir .. "/root")
+        sys.mount_overlay({ self.base }, dir .. "/upper", dir .. "/work", dir .. "/root",
+          { readonly = true, source = "moonbox-base" })
+      end)
+      if not mok then
+        fail("prepare", "command_failed", nil, "mounting the base overlay " .. dir .. "/root failed: " ..
+          tostring(type(merr) == "table" and merr.message or merr))
+      end
     end
     self.base_root = dir .. "/root"
   end)
@@ -503,15 +522,39 @@ function Engine:start_holder(sb, opts)
   local setpriv_drop = {}
   for i, c in ipairs(drop) do setpriv_drop[i] = "-" .. c end
   sb.setpriv_drop = table.concat(setpriv_drop, ",")
+  sb.cap_drop = table.concat(drop, ",")
 
+  -- Directories and the overlay mount, by syscalls on this thread: a few mkdir(2) and one
+  -- mount(2) of directories just looked at, with nothing to write back (moonbox.sys says why
+  -- each is quick). No yield between the existence check and the mkdir.
   local dir = self:dir(id)
-  local argv = { "/bin/sh", "-c", CREATE_SH, "moonbox-create", dir, self.cg:path(id), lowers,
-    opts.revive and "1" or "0",
-    self.tools.bwrap, "--info-fd", "3", "--bind", dir .. "/root", "/",
+  if not opts.revive and host.exists(dir) then
+    fail("create", "exists", id, "sandbox " .. id .. ": the sandbox directory " .. dir .. " already exists")
+  end
+  local mok, merr = pcall(function()
+    for _, d in ipairs({ dir .. "/upper", dir .. "/work", dir .. "/root", self.cg:path(id) }) do
+      sys.mkdir_p(d, tonumber("755", 8))
+    end
+    sys.mount_overlay(lowers, dir .. "/upper", dir .. "/work", dir .. "/root")
+  end)
+  if not mok then
+    fail("create", "start_failed", id, "sandbox " .. id .. ": preparing its root filesystem failed: " ..
+      tostring(type(merr) == "table" and merr.message or merr))
+  end
+  local procs = self.cg:path(id) .. "/cgroup.procs"
+  local argv
+  if self.tools.nsexec then
+    argv = { self.tools.nsexec, "--cgroup", procs, "--dup", "1:3", "--" }
+  else
+    argv = { "/bin/sh", "-c", CREATE_SH, "moonbox-create", procs }
+  end
+  for _, a in ipairs({ self.tools.bwrap, "--info-fd", "3", "--bind", dir .. "/root", "/",
     "--dev", "/dev", "--chmod", "1777", "/dev/shm", "--proc", "/proc",
     "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--hostname", id,
     "--die-with-parent",
-    "--chdir", "/root" }
+    "--chdir", "/root" }) do
+    argv[#argv + 1] = a
+  end
   if sb.network == "deny-all" then argv[#argv + 1] = "--unshare-net" end
   for _, c in ipairs(drop) do
     argv[#argv + 1] = "--cap-drop"
@@ -539,7 +582,7 @@ function Engine:start_holder(sb, opts)
     local errs = {}
     for chunk in function() return p:read("stderr") end do errs[#errs + 1] = chunk end
     local code, sig = p:wait()
-    fail("create", code == 17 and "exists" or "start_failed", id, string.format(
+    fail("create", "start_failed", id, string.format(
       "sandbox %s: starting its namespaces failed (%s): %s", id,
       code and ("exit " .. code) or ("signal " .. tostring(sig)),
       host.trim(table.concat(errs)) ~= "" and host.trim(table.concat(errs)) or "no message"),
@@ -644,18 +687,17 @@ end
 --- h:kill([sig]) -> boolean. Sends sig (default "TERM"; a name or number) to the command's
 -- process group inside the sandbox (bash leads its own session and group there). Returns
 -- false when the command has already ended. Raises a plain error for an unknown signal.
--- [yields] (signalling a group that moonbox did not spawn itself runs kill(1)).
+-- Does not yield.
 function Exec:kill(sig)
   local rec = self._rec
   local n = host.signal_number(sig or "TERM")
   if rec.done then return false end
-  -- nsenter forks the process that becomes bash; after setsid it leads a group of its own,
+  -- The helper forks the process that becomes bash; after setsid it leads a group of its own,
   -- which the host-side group of the Process no longer reaches. Before that, it does.
   for _, pid in ipairs(rec.engine.cg:procs(rec.sb.id)) do
     local st = host.proc_stat(pid)
     if st and st.ppid == rec.process.pid and st.pgrp == pid then
-      local r = proc.run { "kill", "-" .. n, "--", "-" .. pid }
-      return r.code == 0
+      return (pcall(sys.kill, -pid, n))
     end
   end
   return rec.process:kill(n)
@@ -687,8 +729,8 @@ local ExecMT = {
 -- cgroup, as the leader of a new session and process group there, with the environment given
 -- at create (plus PATH and HOME=/root unless it sets them) and stdin from /dev/null.
 -- opts.buffer: bytes buffered per stream (moonbox.proc's default 64 KiB).
--- h.pid is the host pid of the nsenter process that waits for the command; h.process its
--- moonbox.proc Process (read it through h; do not close it: that would SIGKILL nsenter and
+-- h.pid is the host pid of the helper (moonbox-nsexec, or nsenter) that waits for the command;
+-- h.process its moonbox.proc Process (read it through h; do not close it: that would SIGKILL it and
 -- leave the command writing into a closed pipe). h:read, h:lines, h:wait, h:kill, h:detach as
 -- documented above. The command outlives a handle that is dropped or closed (see h:detach).
 -- Raises structured errors (op "local.engine.exec"): not_found, not_running, frozen (thaw
@@ -701,18 +743,32 @@ function Engine:exec(id, command, opts)
   for rec in pairs(sb.execs) do -- forget commands that ended without being waited for
     if rec.process:kill(0) == false then sb.execs[rec] = nil end
   end
-  local argv = { "/bin/sh", "-c", JOIN_SH, "moonbox-exec", self.cg:path(id) .. "/cgroup.procs",
-    self.tools.setpriv, "--bounding-set", sb.setpriv_drop, "--",
-    self.tools.nsenter, "--target", tostring(sb.init), "--mount", "--pid", "--ipc", "--uts" }
-  if sb.network == "deny-all" then argv[#argv + 1] = "--net" end
-  -- --root and --wd without a value take the init's root and working directory (/root):
-  -- with a path, nsenter would open it on the host before entering, and an omitted --wd
-  -- would keep our host cwd, outside the sandbox's root.
-  for _, a in ipairs({ "--root", "--wd", "--" }) do argv[#argv + 1] = a end
+  local procs = self.cg:path(id) .. "/cgroup.procs"
+  local argv, unprefix
+  if self.tools.nsexec then
+    -- One helper process joins the cgroup, drops the capabilities, enters the namespaces,
+    -- root and cwd of the init, forks into the PID namespace, and its child becomes a session
+    -- leader and execs bash (tools/nsexec.c).
+    argv = { self.tools.nsexec, "--cgroup", procs, "--drop", sb.cap_drop, "--target",
+      tostring(sb.init), "--ns", sb.network == "deny-all" and "ipc,uts,net,pid,mnt" or "ipc,uts,pid,mnt",
+      "--root-wd", "--setsid", "--" }
+    unprefix = { "/bin/bash", "-c", UNPREFIX_BASH, "moonbox-exec", command }
+  else
+    argv = { "/bin/sh", "-c", JOIN_SH, "moonbox-exec", procs,
+      self.tools.setpriv, "--bounding-set", sb.setpriv_drop, "--",
+      self.tools.nsenter, "--target", tostring(sb.init), "--mount", "--pid", "--ipc", "--uts" }
+    if sb.network == "deny-all" then argv[#argv + 1] = "--net" end
+    -- --root and --wd without a value take the init's root and working directory (/root):
+    -- with a path, nsenter would open it on the host before entering, and an omitted --wd
+    -- would keep our host cwd, outside the sandbox's root. moonbox-nsexec --root-wd does the
+    -- same.
+    for _, a in ipairs({ "--root", "--wd", "--" }) do argv[#argv + 1] = a end
+    unprefix = { "/bin/bash", "-c", UNPREFIX_BASH_SETSID, "moonbox-exec", command }
+  end
   if sb.env_prefixed then
-    for _, a in ipairs({ "/bin/bash", "-c", UNPREFIX_BASH, "moonbox-exec", command }) do
-      argv[#argv + 1] = a
-    end
+    for _, a in ipairs(unprefix) do argv[#argv + 1] = a end
+  elseif self.tools.nsexec then
+    for _, a in ipairs({ "/bin/bash", "-c", command }) do argv[#argv + 1] = a end
   else
     for _, a in ipairs({ "/usr/bin/setsid", "/bin/bash", "-c", command }) do argv[#argv + 1] = a end
   end
@@ -809,7 +865,7 @@ function Engine:teardown(id, sb, opts)
   local cg = self.cg
   if cg then cg:thaw(id) end
   if sb and sb.init and host.alive(sb.init) then
-    proc.run { "kill", "-9", tostring(sb.init) }
+    pcall(sys.kill, sb.init, 9) -- it may end on its own meanwhile
   elseif sb and sb.holder then
     sb.holder:kill("KILL") -- create failed before the init was known
   end
@@ -824,9 +880,7 @@ function Engine:teardown(id, sb, opts)
       if task.now() >= next_kill then
         -- Stragglers: processes outside the PID namespace (exec helpers between fork and
         -- setns) or a holder we no longer have a handle for (recover after a restart).
-        local spec = { "kill", "-9" }
-        for _, pid in ipairs(pids) do spec[#spec + 1] = tostring(pid) end
-        proc.run(spec)
+        for _, pid in ipairs(pids) do pcall(sys.kill, pid, 9) end
         next_kill = task.now() + 0.2
       end
       if task.now() > deadline then
@@ -839,9 +893,12 @@ function Engine:teardown(id, sb, opts)
   if sb and sb.holder then pcall(sb.holder.wait, sb.holder) end
   local dir = self:dir(id)
   if host.mounted(dir .. "/root") then
-    host.run("terminate", id, { "sh", "-c", 'umount -- "$1" 2>/dev/null || umount -l -- "$1"',
-      "moonbox-umount", dir .. "/root", env = HOST_ENV, env_mode = "replace" },
-      { what = "unmounting " .. dir .. "/root" })
+    -- On a worker thread: unmounting a writable overlay syncs its upper filesystem.
+    local uok, uerr = pcall(host.umount, dir .. "/root", true)
+    if not uok then
+      if not core.Error.is(uerr) then error(uerr, 0) end
+      fail("terminate", "command_failed", id, "sandbox " .. id .. ": " .. uerr.message)
+    end
   end
   if cg then
     -- The last processes leave cgroup.procs a moment before the kernel lets go of the
@@ -858,8 +915,12 @@ function Engine:teardown(id, sb, opts)
     end
   end
   if not opts.keep_upper and host.exists(dir) then
-    host.run("terminate", id, { "rm", "-rf", "--one-file-system", "--", dir, env = HOST_ENV,
-      env_mode = "replace" })
+    -- On a worker thread: the upper directory may hold any number of files.
+    local rok, rerr = pcall(host.remove_tree, dir)
+    if not rok then
+      if not core.Error.is(rerr) then error(rerr, 0) end
+      fail("terminate", "command_failed", id, "sandbox " .. id .. ": " .. rerr.message)
+    end
   end
 end
 
@@ -1006,7 +1067,7 @@ function Engine:recover()
   for line in info:gmatch("[^\n]+") do
     local mp = line:match("^%S+ %S+ %S+ %S+ (%S+)")
     if mp and mp:sub(1, #prefix) == prefix and mp ~= self.base_root then
-      proc.run { "umount", "--", mp, env = HOST_ENV, env_mode = "replace" }
+      pcall(host.umount, mp)
     end
   end
   table.sort(report, function(a, b) return a.id < b.id end)
@@ -1020,8 +1081,11 @@ end
 function Engine:close()
   if next(self.sandboxes) then return false end
   if self.base_root and host.mounted(self.base_root) then
-    host.run("close", nil, { "umount", "--", self.base_root, env = HOST_ENV, env_mode = "replace" },
-      { what = "unmounting the base overlay " .. self.base_root })
+    local uok, uerr = pcall(host.umount, self.base_root)
+    if not uok then
+      if not core.Error.is(uerr) then error(uerr, 0) end
+      fail("close", "command_failed", nil, "unmounting the base overlay failed: " .. uerr.message)
+    end
   end
   if self.cg then os.remove(self.cg.dir) end -- rmdir: only succeeds when no sandbox cgroup is left
   self.prepared = false

@@ -10,6 +10,7 @@
 local task = require "moonbox.task"
 local httpd = require "moonbox.httpd"
 local proc = require "moonbox.proc"
+local sys = require "moonbox.sys"
 local core = require "moonbox.core"
 local ids = require "moonbox.local.ids"
 local State = require "moonbox.local.state"
@@ -56,8 +57,10 @@ M.fail = fail
 local function now() return core.time() end
 
 local function mkdir_p(path, mode)
-  local r = proc.run { "mkdir", "-p", "-m", mode or "0700", path }
-  if r.code ~= 0 then error("cannot create " .. path .. ": " .. r.stderr, 0) end
+  local ok, err = pcall(sys.mkdir_p, path, tonumber(mode or "0700", 8))
+  if not ok then
+    error("cannot create " .. path .. ": " .. tostring(type(err) == "table" and err.message or err), 0)
+  end
 end
 
 local function read_file(path)
@@ -286,8 +289,10 @@ function Backend:gc_layers()
     end
   end
   local dir = self.state_dir .. "/layers"
-  local r = proc.run { "ls", "-1", dir }
-  for name in r.stdout:gmatch("[^\n]+") do
+  local ok, names = pcall(sys.listdir, dir)
+  if not ok then names = {} end -- no layers directory: nothing to free
+  table.sort(names)
+  for _, name in ipairs(names) do
     local path = dir .. "/" .. name
     if not needed[path] then
       local rm = proc.run { "rm", "-rf", "--one-file-system", path }

@@ -61,7 +61,9 @@ end
 local function wrapper(id, command, cwd, has_env)
   local m = MARKERS .. "/" .. id
   local parts = {
-    "mkdir -p " .. MARKERS .. " 2>/dev/null",
+    -- `[` is a builtin: after the first exec of a sandbox the directory exists, and this costs
+    -- no process (a sandbox's mkdir is a fork and exec on every call).
+    "[ -d " .. MARKERS .. " ] || mkdir -p " .. MARKERS .. " 2>/dev/null",
     "if [ -e " .. m .. ".kill ]; then rm -f " .. m .. ".kill " .. m .. ".env; exit 143; fi",
     "echo $$ > " .. m .. ".pgid",
   }

@@ -1,7 +1,8 @@
 --- moonbox.local.engine.files — file operations of local sandboxes (render-api.md §6).
 --
--- Every operation runs inside the sandbox's mount namespace and root (nsenter --mount --root
--- into the sandbox's init), using the sandbox's own sh, cat, find and tar. That is the point:
+-- Every operation runs inside the sandbox's mount namespace and root (moonbox-nsexec --ns mnt
+-- --root-wd, or nsenter --mount --root, into the sandbox's init), using the sandbox's own sh,
+-- cat, find and tar. That is the point:
 -- a path is resolved by the kernel against the sandbox's root, so a symlink the sandbox made
 -- (/root/x -> /etc/shadow, or -> /state/of/moonbox) means the sandbox's file, never the
 -- host's. Working on the host through <state_dir>/sandboxes/<id>/root or /proc/<pid>/root
@@ -133,9 +134,15 @@ function M.install(Engine, shared)
   -- "local.engine.<fn>"). Does not yield. For the engine's own modules.
   function Engine:spawn_inside(fn, sb, script, args, opts)
     opts = opts or {}
-    local argv = { self.tools.setpriv, "--bounding-set", sb.setpriv_drop, "--",
-      self.tools.nsenter, "--target", tostring(sb.init), "--mount", "--root", "--wd", "--",
-      "/bin/sh", "-c", script, "moonbox-" .. fn }
+    local argv
+    if self.tools.nsexec then -- one helper process instead of setpriv + nsenter
+      argv = { self.tools.nsexec, "--drop", sb.cap_drop, "--target", tostring(sb.init), "--ns", "mnt",
+        "--root-wd", "--" }
+    else
+      argv = { self.tools.setpriv, "--bounding-set", sb.setpriv_drop, "--",
+        self.tools.nsenter, "--target", tostring(sb.init), "--mount", "--root", "--wd", "--" }
+    end
+    for _, a in ipairs({ "/bin/sh", "-c", script, "moonbox-" .. fn }) do argv[#argv + 1] = a end
     for _, a in ipairs(args) do argv[#argv + 1] = a end
     argv.env, argv.env_mode = HOST_ENV, "replace"
     argv.stdin, argv.stdout, argv.stderr = opts.stdin or "null", opts.stdout or "pipe", "pipe"

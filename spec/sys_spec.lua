@@ -1,0 +1,109 @@
+-- Pins moonbox.sys, the syscalls `moonbox local` uses instead of mkdir, mount, umount, kill, ls
+-- and rm processes: what each does, and that every failure is a structured error naming the
+-- path or pid and the errno text. The mount cases need root.
+local T = require "moonbox.testing"
+local task = require "moonbox.task"
+local proc = require "moonbox.proc"
+local sys = require "moonbox.sys"
+
+local DIR = string.format("/tmp/moonbox-sys-spec-%d-%d", os.time(), math.random(1e6))
+local errors_with = T.errors_with
+
+local function finish(job)
+  while true do
+    local r = job:poll()
+    if r ~= nil then return r end
+    task.sleep(0.001)
+  end
+end
+
+local function write(path, text)
+  local f = assert(io.open(path, "wb"))
+  f:write(text)
+  f:close()
+end
+
+local function mode_of(path)
+  return tonumber(proc.run({ "stat", "-c", "%a", path }).stdout, 8)
+end
+
+describe("moonbox.sys", function()
+  teardown(function() os.execute("rm -rf " .. DIR) end)
+
+  it("mkdir_p creates missing parents and gives the last directory the mode", T.async(function()
+    assert.is_true(sys.mkdir_p(DIR .. "/a/b/c", tonumber("0700", 8)))
+    assert.are.equal(tonumber("0700", 8), mode_of(DIR .. "/a/b/c"))
+    assert.is_true(sys.mkdir_p(DIR .. "/a/b/c/")) -- existing: fine, mode left alone
+    assert.are.equal(tonumber("0700", 8), mode_of(DIR .. "/a/b/c"))
+  end))
+
+  it("mkdir_p on a path through a file raises not_directory naming the path", T.async(function()
+    sys.mkdir_p(DIR)
+    write(DIR .. "/file", "x")
+    local err = errors_with("not_directory", sys.mkdir_p, DIR .. "/file/sub")
+    assert.are.equal("sys.mkdir_p", err.op)
+    assert.truthy(err.message:find(DIR .. "/file/sub", 1, true))
+    assert.truthy(err.message:find("Not a directory", 1, true))
+    err = errors_with("not_directory", sys.mkdir_p, DIR .. "/file")
+    assert.are.equal(DIR .. "/file", err.path)
+  end))
+
+  it("kill of a pid that does not exist raises no_such_process naming the pid", T.async(function()
+    local p = proc.spawn { "true" }
+    local pid = p.pid
+    p:wait()
+    local err = errors_with("no_such_process", sys.kill, pid, 0)
+    assert.are.equal(pid, err.pid)
+    assert.truthy(err.message:find("pid " .. pid, 1, true))
+    err = errors_with("no_such_process", sys.kill, -pid, 15)
+    assert.truthy(err.message:find("process group " .. pid, 1, true))
+  end))
+
+  it("kill signals a process", T.async(function()
+    local p = proc.spawn { "sleep", "100" }
+    assert.is_true(sys.kill(p.pid, 9))
+    local _, sig = p:wait()
+    assert.are.equal("KILL", sig)
+  end))
+
+  it("listdir lists names, and raises not_found naming a missing directory", T.async(function()
+    sys.mkdir_p(DIR .. "/list/x")
+    write(DIR .. "/list/y", "")
+    local names = sys.listdir(DIR .. "/list")
+    table.sort(names)
+    assert.are.same({ "x", "y" }, names)
+    local err = errors_with("not_found", sys.listdir, DIR .. "/missing")
+    assert.truthy(err.message:find(DIR .. "/missing", 1, true))
+    assert.truthy(err.message:find("No such file", 1, true))
+  end))
+
+  it("umount of a path that is not a mount point raises naming it", T.async(function()
+    sys.mkdir_p(DIR .. "/notmount")
+    local err = errors_with("invalid", function() return finish(sys.umount_start(DIR .. "/notmount", true)) end)
+    assert.are.equal("sys.umount", err.op)
+    assert.truthy(err.message:find(DIR .. "/notmount", 1, true))
+  end))
+
+  it("mount_overlay mounts, umount unmounts, remove_tree removes everything", T.async(function()
+    for _, d in ipairs({ "l1", "l2", "u", "w", "m" }) do sys.mkdir_p(DIR .. "/ov/" .. d) end
+    write(DIR .. "/ov/l2/base", "base")
+    write(DIR .. "/ov/l1/top", "top")
+    sys.mount_overlay({ DIR .. "/ov/l1", DIR .. "/ov/l2" }, DIR .. "/ov/u", DIR .. "/ov/w", DIR .. "/ov/m")
+    write(DIR .. "/ov/m/new", "new")
+    local names = sys.listdir(DIR .. "/ov/m")
+    table.sort(names)
+    assert.are.same({ "base", "new", "top" }, names)
+    assert.are.equal("unmounted", finish(sys.umount_start(DIR .. "/ov/m", true)))
+    assert.are.same({ "new" }, sys.listdir(DIR .. "/ov/u"))
+    assert.is_true(finish(sys.remove_tree_start(DIR .. "/ov")))
+    errors_with("not_found", sys.listdir, DIR .. "/ov")
+    assert.is_true(finish(sys.remove_tree_start(DIR .. "/ov"))) -- already gone: fine
+  end))
+
+  it("mount_overlay of a missing directory raises naming the target", T.async(function()
+    local err = errors_with("not_found", sys.mount_overlay, { DIR .. "/nope" }, DIR .. "/u",
+      DIR .. "/w", DIR .. "/nowhere")
+    assert.are.equal("sys.mount_overlay", err.op)
+    assert.truthy(err.message:find(DIR .. "/nowhere", 1, true))
+  end))
+end)
