@@ -30,23 +30,46 @@ local function rusage()
   return cpu, rss
 end
 
+-- Machine-wide busy time (all processes: the backend, its sandboxes, this client) from
+-- /proc/stat, in cores: how close a row came to saturating the machine.
+local function machine_busy()
+  local f = io.open("/proc/stat")
+  local line = f:read("l")
+  f:close()
+  local total, idle, i = 0, 0, 0
+  for x in line:gmatch("%d+") do
+    i = i + 1
+    total = total + tonumber(x)
+    if i == 4 or i == 5 then idle = idle + tonumber(x) end -- idle, iowait
+  end
+  return total, idle
+end
+local ncores = 0
+for line in io.lines("/proc/cpuinfo") do
+  if line:match("^processor%s*:") then ncores = ncores + 1 end
+end
+
 local rows, base_wall = {}, nil
 for _, c in ipairs({ 1, 4, 16 }) do
   local cpu0 = rusage()
+  local mt0, mi0 = machine_busy()
   local t0 = core.now()
   local fleet <close> = render.restore(snap, { count = count, concurrency = c })
   task.map(fleet, function(sb) return sb:exec("cat /root/marker"):check().stdout end, { concurrency = c })
   fleet:terminate()
   local wall = core.now() - t0
   local cpu1, rss = rusage()
+  local mt1, mi1 = machine_busy()
+  local busy = ((mt1 - mt0) - (mi1 - mi0)) / math.max(mt1 - mt0, 1) * ncores
   base_wall = base_wall or wall
-  rows[#rows + 1] = string.format("| %d | %d | %.2f | %.2f× | %.0f | %.1f |", count, c, wall, wall / base_wall,
-    (cpu1 - cpu0) * 1e6 / count, rss / 1024)
+  rows[#rows + 1] = string.format("| %d | %d | %.2f | %.2f× | %.0f | %.1f | %.2f of %d |", count, c, wall,
+    wall / base_wall, (cpu1 - cpu0) * 1e6 / count, rss / 1024, busy, ncores)
   io.stderr:write(rows[#rows], "\n")
 end
 snap:delete()
-print("| restores (+ exec + terminate) | concurrency | wall s | wall vs concurrency 1 | client CPU µs per sandbox | client peak RSS MB |")
-print("|---:|---:|---:|---:|---:|---:|")
+print("| restores (+ exec + terminate) | concurrency | wall s | wall vs concurrency 1 | client CPU µs per sandbox " ..
+  "| client peak RSS MB | machine busy (cores) |")
+print("|---:|---:|---:|---:|---:|---:|---:|")
 for _, r in ipairs(rows) do print(r) end
 base:terminate()
 B:destroy()
