@@ -12,7 +12,6 @@ local L = require "spec.support.local_backend"
 
 local START = "2026-03-01T00:00:00Z"
 
-
 local run = T.async
 
 -- A fresh state dir and recipe per test.
@@ -172,6 +171,31 @@ describe("moonbox schedule on the test clock", function()
     assert.are.equal("cancelled by the fire of slot " .. rows[2].slot .. " (overlap = cancel_other)", rows[1].error)
     assert.are.equal("cancelled", rows[2].outcome) -- by the SIGTERM
     assert.matches("SIGTERM", rows[2].error)
+  end))
+
+  it("fires cron schedules at their slots in the schedule's zone, across a DST gap", T.async(function()
+    -- 02:30 Berlin time does not exist on 2026-03-29 (02:00 CET -> 03:00 CEST): a fixed-hour
+    -- schedule fires once at the end of the gap, 03:00 CEST = 01:00Z (docs/reference/cron.md).
+    e = env_new(PRELUDE .. [[
+schedule.cron("berlin", "30 2 * * *", function() end, { tz = "Europe/Berlin" })
+schedule.cron("hourly", "0 * * * *", function() end)
+]])
+    local r = e:moonbox({ "schedule", e.recipe, "--next", "berlin", "3" }, "2026-03-28T00:45:00Z")
+    assert.are.equal(0, r.code, r.stderr)
+    assert.are.equal("2026-03-28T02:30:00+01:00\n2026-03-29T03:00:00+02:00\n2026-03-30T02:30:00+02:00\n",
+      r.stdout)
+    local d = e:daemon("2026-03-29T00:45:00Z")
+    d:wait_for("berlin: run %d+ ok")
+    d:wait_for("hourly: run %d+ ok", 2)
+    assert.are.equal(0, d:stop())
+    local b = e:runs("berlin")
+    assert.are.equal(1, #b)
+    assert.are.same({ clock.parse_time("2026-03-29T01:00:00Z"), "ok", "cron" },
+      { b[1].slot_unix, b[1].outcome, b[1].trigger })
+    local h = e:runs("hourly")
+    one_per_slot(h)
+    assert.are.same({ clock.parse_time("2026-03-29T01:00:00Z"), clock.parse_time("2026-03-29T02:00:00Z") },
+      { h[1].slot_unix, h[2].slot_unix })
   end))
 
   it("fires within [slot, slot + jitter)", T.async(function()
