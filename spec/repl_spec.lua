@@ -119,6 +119,13 @@ describe("moonbox repl on a terminal", function()
     term:key("Enter")
     term:line("partial")
     term:wait_for("\n> partial\n1\n>$")
+    -- io.write too: a complete line at once, the rest when it is flushed
+    term:line('task.spawn(function() task.sleep(0.5) io.write("written ", 2, "\\nhalf") ' ..
+      'task.sleep(0.3) io.stdout:write(" line"):flush() end)')
+    term:wait_for("<Task %d+ [%a]+>\n>$")
+    term:type("typed = 2")
+    term:wait_for("\nwritten 2\nhalf line\n> typed = 2$")
+    term:key("Enter")
   end))
 
   it("reports a background task's failure and lists tasks", run(function()

@@ -348,6 +348,7 @@ function Session:run_chunk(fn)
   local r = table.pack(core.join(t))
   self.le.interrupt_target(nil)
   self.current = nil
+  if self.flush_stdout then self.flush_stdout() end -- a chunk's unfinished io.write line
   if r[1] then
     if r.n > 1 then
       local parts = {}
@@ -397,7 +398,57 @@ function Session:preload()
     for i = 1, n do parts[i] = tostring((select(i, ...))) end
     self:out(table.concat(parts, "\t"))
   end
+  if self.tty then self:route_stdout() end
   self.le.set_completer(function(text) return complete.complete(text, _G) end)
+end
+
+--- On a terminal, io.write and io.stdout:write go above the prompt too: complete lines at
+-- once, a partial line when it is flushed (io.stdout:flush, or the chunk ending). io.stdout
+-- becomes a stand-in whose other methods (seek, setvbuf, lines, ...) act on the real one;
+-- session:restore_stdout() puts everything back.
+function Session:route_stdout()
+  local real, real_write = io.stdout, io.write
+  local pending = {}
+  local session = self
+  local proxy = {}
+  local function emit_lines(flush_partial)
+    local text = table.concat(pending)
+    pending = {}
+    for line, nl in text:gmatch("([^\n]*)(\n?)") do
+      if nl == "\n" then
+        session:out(line)
+      elseif line ~= "" then
+        if flush_partial then session:out(line) else pending[1] = line end
+      end
+    end
+  end
+  function proxy.write(_, ...)
+    for i = 1, select("#", ...) do
+      local v = select(i, ...)
+      if type(v) ~= "string" and type(v) ~= "number" then
+        error("bad argument #" .. i .. " to 'write' (string expected, got " .. type(v) .. ")", 2)
+      end
+      pending[#pending + 1] = tostring(v)
+    end
+    emit_lines(false)
+    return proxy
+  end
+  function proxy.flush() emit_lines(true) return proxy end
+  setmetatable(proxy, {
+    __index = function(_, k)
+      local m = real[k]
+      if type(m) == "function" then return function(_, ...) return m(real, ...) end end
+      return m
+    end,
+    __name = "FILE*", __tostring = function() return tostring(real) end,
+  })
+  io.stdout = proxy -- luacheck: ignore 122
+  io.write = function(...) return proxy:write(...) end -- luacheck: ignore 122
+  self.flush_stdout = proxy.flush
+  self.restore_stdout = function()
+    emit_lines(true)
+    io.stdout, io.write = real, real_write -- luacheck: ignore 122
+  end
 end
 
 --- Terminates what the session created and did not keep; asks first on a terminal.
@@ -520,6 +571,7 @@ function M.main(args, cli)
   local sigs = core.signal_cancel({ "TERM" })
   local ok, code = pcall(core.run, function() return session:run() end)
   core.signal_restore(sigs)
+  if session.restore_stdout then session.restore_stdout() end
   le.close()
   _G.print = real_print
   core.shutdown()
