@@ -563,13 +563,6 @@ static int l_close(lua_State *L)
     return 0;
 }
 
-/* lineedit.isatty(fd = 0) -> boolean */
-static int l_isatty(lua_State *L)
-{
-    lua_pushboolean(L, isatty((int)luaL_optinteger(L, 1, 0)));
-    return 1;
-}
-
 static const luaL_Reg lineedit_funcs[] = {
     {"open", l_open},
     {"close", l_close},
@@ -582,7 +575,6 @@ static const luaL_Reg lineedit_funcs[] = {
     {"set_completer", l_set_completer},
     {"interrupt_target", l_interrupt_target},
     {"interrupts", l_interrupts},
-    {"isatty", l_isatty},
     {NULL, NULL},
 };
 

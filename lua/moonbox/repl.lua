@@ -555,7 +555,7 @@ function M.main(args, cli)
     return cli.usage_error("repl: --backend must be a URL, local or render, got '%s'", backend)
   end
   local le = require "moonbox.lineedit"
-  local tty = le.isatty(0)
+  local tty = core.isatty(0)
   local history
   if tty and not opts["no-history"] then
     local dir = cli.state_home()
