@@ -14,41 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- a tiny harness ---- */
-
-static int check_failures; /* assertion failures in the check now running */
-
-#define CHECK(cond)                                                                                \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond);               \
-            check_failures++;                                                                      \
-        }                                                                                          \
-    } while (0)
-
-#define CHECK_INT(expected, actual)                                                                \
-    check_ll(__FILE__, __LINE__, #actual, (long long)(expected), (long long)(actual))
-
-#define CHECK_STR(expected, actual) check_str(__FILE__, __LINE__, #actual, (expected), (actual))
-
-static void check_ll(const char *file, int line, const char *what, long long expected,
-                     long long actual)
-{
-    if (expected != actual) {
-        fprintf(stderr, "%s:%d: %s: expected %lld, got %lld\n", file, line, what, expected, actual);
-        check_failures++;
-    }
-}
-
-static void check_str(const char *file, int line, const char *what, const char *expected,
-                      const char *actual)
-{
-    if (strcmp(expected, actual) != 0) {
-        fprintf(stderr, "%s:%d: %s:\n  expected \"%s\"\n  got      \"%s\"\n", file, line, what,
-                expected, actual);
-        check_failures++;
-    }
-}
+#include "check.h"
 
 /* ---- helpers ---- */
 
@@ -403,25 +369,6 @@ static void overlap_fires_fixed_hour_once_and_wildcard_twice(void)
     tz_free(z);
 }
 
-/* ---- the runner ---- */
-
-static int passed, failed;
-
-static void run_check(const char *name, void (*check)(void))
-{
-    check_failures = 0;
-    check();
-    if (check_failures == 0) {
-        passed++;
-        printf("ok   %s\n", name);
-    } else {
-        failed++;
-        printf("FAIL %s\n", name);
-    }
-}
-
-#define RUN(check) run_check(#check, check)
-
 int main(void)
 {
     RUN(parse_errors_name_field_text_and_expression);
@@ -435,6 +382,5 @@ int main(void)
     RUN(posix_bad_strings_are_refused);
     RUN(gap_fires_fixed_hour_once_at_its_end);
     RUN(overlap_fires_fixed_hour_once_and_wildcard_twice);
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed == 0 ? 0 : 1;
+    return check_summary();
 }

@@ -13,40 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- a tiny harness ---- */
-
-static int check_failures; /* assertion failures in the check now running */
-
-#define CHECK(cond)                                                                                \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond);               \
-            check_failures++;                                                                      \
-        }                                                                                          \
-    } while (0)
-
-#define CHECK_INT(expected, actual)                                                                \
-    check_long(__FILE__, __LINE__, #actual, (long)(expected), (long)(actual))
-
-#define CHECK_STR(expected, actual) check_str(__FILE__, __LINE__, #actual, (expected), (actual))
-
-static void check_long(const char *file, int line, const char *what, long expected, long actual)
-{
-    if (expected != actual) {
-        fprintf(stderr, "%s:%d: %s: expected %ld, got %ld\n", file, line, what, expected, actual);
-        check_failures++;
-    }
-}
-
-static void check_str(const char *file, int line, const char *what, const char *expected,
-                      const char *actual)
-{
-    if (strcmp(expected, actual) != 0) {
-        fprintf(stderr, "%s:%d: %s:\n--- expected\n%s--- got\n%s---\n", file, line, what, expected,
-                actual);
-        check_failures++;
-    }
-}
+#include "check.h"
 
 /* A growable NUL-terminated string; the tests exit on allocation failure. */
 typedef struct strbuf {
@@ -642,25 +609,6 @@ static void many_events_reuse_their_buffers(void)
     free(r.out.s);
 }
 
-/* ---- the runner ---- */
-
-static int passed, failed;
-
-static void run_check(const char *name, void (*check)(void))
-{
-    check_failures = 0;
-    check();
-    if (check_failures == 0) {
-        passed++;
-        printf("ok   %s\n", name);
-    } else {
-        failed++;
-        printf("FAIL %s\n", name);
-    }
-}
-
-#define RUN(check) run_check(#check, check)
-
 int main(void)
 {
     RUN(lf_ends_lines);
@@ -690,6 +638,5 @@ int main(void)
     RUN(free_twice_is_safe_and_init_reuses);
     RUN(empty_feed_and_null_callback_are_allowed);
     RUN(many_events_reuse_their_buffers);
-    printf("%d passed, %d failed\n", passed, failed);
-    return failed == 0 ? 0 : 1;
+    return check_summary();
 }
