@@ -87,7 +87,7 @@ function Summary:finish(info)
       kept = json.array(kept), leaked = json.array(leaked), failed_creates = self.failed_creates },
     errors = json.array(errors),
   }
-  return require("moonbox.trace")._scrub(line)
+  return require("moonbox.trace").redact(line)
 end
 
 return M

@@ -34,6 +34,8 @@ local function now_us()
 end
 M.now_us = function() return M.on and now_us() or 0 end
 
+--- trace.redact(s) -> s with every registered secret replaced by "[redacted]" (the trace does
+-- it to each event; `moonbox run --json` to its summary).
 local function scrub(s)
   for secret in pairs(secrets) do
     if s:find(secret, 1, true) then
@@ -61,10 +63,17 @@ local function name_thread(id, name)
   write { name = "thread_name", ph = "M", tid = id, args = { name = name } }
 end
 
---- trace.secret(value): never write value into the trace (values shorter than 4 bytes are
--- ignored: they would redact ordinary text). Called for the API key and env values.
-function M.secret(value)
-  if type(value) == "string" and #value >= 4 then secrets[value] = true end
+--- trace.secret(value[, always]): never write value into the trace (values shorter than 4 bytes
+-- are ignored: they would redact ordinary text). Called for the API key (always: a trace may
+-- start after the connection) and for env values, which are kept only while a trace is being
+-- written, so a long-lived process does not hoard every env value it ever sent.
+function M.secret(value, always)
+  if type(value) ~= "string" or #value < 4 then return end
+  if always then
+    secrets[value] = "always"
+  elseif M.on and not secrets[value] then
+    secrets[value] = "trace"
+  end
 end
 
 --- trace.start(path, opts) -> path: starts writing events to path (truncating it). opts.name:
@@ -114,6 +123,9 @@ function M.stop()
   file:write("\n]}\n")
   file:close()
   M.on = false
+  for value, kind in pairs(secrets) do
+    if kind == "trace" then secrets[value] = nil end
+  end
   local p = path
   file, path = nil, nil
   return p
@@ -153,5 +165,5 @@ function M.task_span(id, label, t0, status)
     args = { status = status } }
 end
 
-M._scrub = scrub
+M.redact = scrub
 return M

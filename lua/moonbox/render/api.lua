@@ -153,14 +153,15 @@ local function call(conn, op, method, path, opts, info)
   end
 end
 
+--- api.calls_made: how many API calls (control and data plane) this process made.
+M.calls_made = 0
+
 --- api.call(conn, op, method, path, opts) -> decoded body (or true for an empty 2xx), status,
 -- headers. opts: query, body (table → JSON), idempotent (default: GET/DELETE and explicit
 -- true), sandbox_id / snapshot_id (for errors), timeout (per attempt, default 60 s),
 -- deadline (overall seconds, default 120), retries (default 5). Raises structured errors.
 -- A 429 tells task.congested (adaptive windows back off) and is retried even for a create.
 -- With a trace on, the call is one span (cat "api"). [yields]
-M.calls_made = 0
-
 function M.call(conn, op, method, path, opts)
   opts = opts or {}
   M.calls_made = M.calls_made + 1
@@ -193,10 +194,7 @@ function M.traced(op, method, path, ids, fn, ...)
   local info = {}
   local _span <close> = M.span(op, method, path, ids, info)
   local r = table.pack(fn(...))
-  if type(r[1]) == "table" or type(r[1]) == "userdata" then
-    local ok, st = pcall(function() return r[1].status end)
-    if ok then info.status = st end
-  end
+  if type(r[1]) == "table" then info.status = r[1].status end -- an http.request answer
   return table.unpack(r, 1, r.n)
 end
 

@@ -40,7 +40,7 @@ end
 local function new(kind, url, key, workspace)
   url = url:gsub("/+$", "")
   if not url:match("/v1$") then url = url .. "/v1" end
-  require("moonbox.trace").secret(key)
+  require("moonbox.trace").secret(key, true)
   return setmetatable({ kind = kind, base = url, api_key = key, workspace = workspace, calls = {} }, Conn)
 end
 

@@ -45,6 +45,12 @@ local function emit(event, subject, info)
 end
 M._emit = emit
 
+-- A sandbox was terminated: release it in the ledger and tell the observers.
+local function terminated(id)
+  if M.ledger then M.ledger:release(id) end
+  emit("terminated", id)
+end
+
 --- render.connect(opts) -> Conn: chooses the backend (see moonbox.render.conn) and makes it
 -- the default for the module's functions. Called implicitly by the first API call. [yields]
 function M.connect(opts)
@@ -235,8 +241,7 @@ function M.sandboxes_terminate(id)
   local c = M.connection()
   api.call(c, "sandboxes.terminate", "POST", "/sandboxes/" .. id .. "/terminate",
     { idempotent = true, sandbox_id = id })
-  if M.ledger then M.ledger:release(id) end
-  emit("terminated", id)
+  terminated(id)
 end
 
 M.sandboxes = {
@@ -257,8 +262,7 @@ function sandbox_methods.terminate(sb)
   api.call(c, "sandboxes.terminate", "POST", "/sandboxes/" .. sb.id .. "/terminate",
     { idempotent = true, sandbox_id = sb.id })
   rawget(sb, "_data").status = "terminated"
-  if M.ledger then M.ledger:release(sb.id) end
-  emit("terminated", sb.id)
+  terminated(sb.id)
 end
 
 --- sb:suspend(): asks for an idle suspend now (it resumes on the next exec or file transfer).
