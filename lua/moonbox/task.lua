@@ -399,8 +399,7 @@ function M.window(limit, name)
     error("task.window: limit must be a positive integer, got " .. tostring(limit), 2)
   end
   local w = setmetatable({ limit = limit, size = limit, min_size = limit, in_flight = 0,
-    cond = core.cond(), hold_until = 0, last_cut = -math.huge, name = name or "window",
-    halvings = 0 }, Window)
+    cond = core.cond(), hold_until = 0, last_cut = -math.huge, name = name or "window" }, Window)
   windows[w] = true
   w:_report()
   return w
@@ -455,7 +454,6 @@ function Window:congested(retry_after, epoch)
   local size = math.max(1, self.size // 2)
   if size ~= self.size then
     self.size = size
-    self.halvings = self.halvings + 1
     if size < self.min_size then self.min_size = size end
     self:_report()
   end
