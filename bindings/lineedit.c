@@ -53,16 +53,16 @@ static struct {
 
     /* interrupt target: the chunk task SIGINT cancels */
     int target_ref;
+    int target_co_ref; /* keeps target_co alive: a finished task lets go of its thread */
     mb_task *target;
     lua_State *volatile target_co;
     volatile sig_atomic_t hook_fired;     /* the hook raised "interrupted" in the target */
     volatile sig_atomic_t loop_cancelled; /* the loop cancelled the target */
-    long interrupts;                      /* SIGINTs seen by the loop, read by the driver */
 
     lua_State *complete_L; /* the task running rl_callback_read_char (completion calls Lua) */
     char *matches[MAX_MATCHES];
     int nmatches, next_match;
-} g = {.sigpipe = {-1, -1}, .target_ref = LUA_NOREF};
+} g = {.sigpipe = {-1, -1}, .target_ref = LUA_NOREF, .target_co_ref = LUA_NOREF};
 
 /* ---- SIGINT -----------------------------------------------------------------------------------
  */
@@ -99,7 +99,6 @@ static void sig_io_cb(struct ev_loop *loop, ev_io *w, int revents)
     (void)revents;
     while (read(w->fd, buf, sizeof buf) > 0) {
     }
-    g.interrupts++;
     if (g.target) {
         if (!g.hook_fired) {
             g.loop_cancelled = 1;
@@ -150,10 +149,10 @@ static char **complete_cb(const char *text, int start, int stop)
     lua_pushinteger(L, start);
     lua_pushinteger(L, stop);
     if (lua_pcall(L, 4, 1, 0) == LUA_OK && lua_istable(L, -1)) {
-        lua_Integer n = luaL_len(L, -1);
+        /* Raw access, strings only: nothing here may raise (we are inside libedit's call). */
+        lua_Integer n = (lua_Integer)lua_rawlen(L, -1);
         for (lua_Integer i = 1; i <= n && g.nmatches < MAX_MATCHES; i++) {
-            lua_geti(L, -1, i);
-            const char *s = lua_tostring(L, -1);
+            const char *s = lua_rawgeti(L, -1, i) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
             if (s) {
                 char *dup = strdup(s);
                 if (dup) g.matches[g.nmatches++] = dup;
@@ -417,21 +416,6 @@ static int l_save_history(lua_State *L)
     return 1;
 }
 
-/* lineedit.history() -> the history entries, oldest first (for tests and :help). */
-static int l_history(lua_State *L)
-{
-    lua_newtable(L);
-    int k = 1;
-    for (int i = history_base; i < history_base + history_length; i++) {
-        HIST_ENTRY *h = history_get(i);
-        if (h && h->line) {
-            lua_pushstring(L, h->line);
-            lua_rawseti(L, -2, k++);
-        }
-    }
-    return 1;
-}
-
 /* ---- interrupts ----------------------------------------------------------------------------- */
 
 static void clear_target(lua_State *L)
@@ -449,6 +433,8 @@ static void clear_target(lua_State *L)
     g.target = NULL;
     mb_unref(L, g.target_ref);
     g.target_ref = LUA_NOREF;
+    mb_unref(L, g.target_co_ref);
+    g.target_co_ref = LUA_NOREF;
 }
 
 /* lineedit.interrupt_target(task|nil): until changed, Ctrl-C cancels that task (or, when it is
@@ -464,15 +450,15 @@ static int l_interrupt_target(lua_State *L)
     lua_pushvalue(L, 1);
     g.target_ref = mb_ref(L);
     g.target = t;
+    if (t->co) {
+        /* Our own reference to the thread: the SIGINT handler may set a hook on it until the
+         * target is cleared, and the task drops its thread the moment it finishes. */
+        lua_pushthread(t->co);
+        lua_xmove(t->co, L, 1);
+        g.target_co_ref = mb_ref(L);
+    }
     g.target_co = t->co;
     return 0;
-}
-
-/* lineedit.interrupts() -> how many Ctrl-C the loop has seen since open. */
-static int l_interrupts(lua_State *L)
-{
-    lua_pushinteger(L, g.interrupts);
-    return 1;
 }
 
 /* ---- open / close ---------------------------------------------------------------------------- */
@@ -512,7 +498,6 @@ static int l_open(lua_State *L)
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART;
     sigaction(SIGINT, &sa, &g.old_int);
-    g.interrupts = 0;
     g.open = 1;
 
     if (tty) {
@@ -571,10 +556,8 @@ static const luaL_Reg lineedit_funcs[] = {
     {"print", l_print},
     {"add_history", l_add_history},
     {"save_history", l_save_history},
-    {"history", l_history},
     {"set_completer", l_set_completer},
     {"interrupt_target", l_interrupt_target},
-    {"interrupts", l_interrupts},
     {NULL, NULL},
 };
 

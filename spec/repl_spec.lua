@@ -10,7 +10,7 @@ local Tmux = require "spec.support.tmux"
 local run = T.async
 local B, tmp
 
-local function sh_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+local sh_quote = require("moonbox.render").shell_quote
 
 local function env(xdg)
   return { RENDER_API_KEY = B.key, RENDER_WORKSPACE_ID = B.workspace, XDG_STATE_HOME = xdg or (tmp .. "/xdg"),

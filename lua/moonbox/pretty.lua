@@ -14,6 +14,7 @@ local M = {}
 local DEFAULTS = { depth = 4, width = 100, max_items = 200, indent = "  " }
 
 local IDENT = "^[%a_][%w_]*$"
+--- pretty.KEYWORDS: Lua's reserved words (a set); the REPL's completion offers them too.
 local KEYWORDS = {}
 for w in ([[and break do else elseif end false for function goto if in local nil not or
   repeat return then true until while]]):gmatch("%a+") do KEYWORDS[w] = true end
@@ -200,4 +201,5 @@ function M.summary(v)
   return summary(v, mt)
 end
 
+M.KEYWORDS = KEYWORDS
 return M

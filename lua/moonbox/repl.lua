@@ -15,6 +15,8 @@ local task = require "moonbox.task"
 local build = require "moonbox.build"
 local pretty = require "moonbox.pretty"
 local complete = require "moonbox.repl.complete"
+local trace = require "moonbox.trace"
+local sys = require "moonbox.sys"
 
 local M = {}
 
@@ -48,25 +50,20 @@ Session.__index = Session
 
 --- The API keys in play (the environment's and the connection's): never printed, never kept
 -- in the history.
-function Session:secrets()
+function Session.secrets()
   local out = {}
-  local function add(k)
+  local c = require("moonbox.render")._current_conn()
+  for _, k in ipairs { os.getenv("RENDER_API_KEY"), c and c.api_key } do
     if type(k) == "string" and #k >= 8 then out[#out + 1] = k end
   end
-  add(os.getenv("RENDER_API_KEY"))
-  if self.conn then add(self.conn.api_key) end
   return out
 end
 
+--- s with every API key (and, while a trace is on, env value) replaced by "[redacted]": the
+-- same filter as the trace's (moonbox.trace registers the keys as secrets).
 function Session:redact(s)
-  for _, k in ipairs(self:secrets()) do
-    local i = s:find(k, 1, true)
-    while i do
-      s = s:sub(1, i - 1) .. "[redacted]" .. s:sub(i + #k)
-      i = s:find(k, i + 10, true)
-    end
-  end
-  return s
+  for _, k in ipairs(self:secrets()) do trace.secret(k, true) end
+  return trace.redact(s)
 end
 
 --- Writes one line of output; on a terminal whose prompt is showing it goes above the prompt.
@@ -256,26 +253,20 @@ end
 
 function commands.trace(self, arg)
   local what, file = (arg or ""):match("^(%S*)%s*(.-)%s*$")
-  local ok, trace = pcall(require, "moonbox.trace")
-  if not ok or type(trace) ~= "table" or not trace.start then
-    return self:err("trace not available in this build")
-  end
   if what == "on" then
-    if trace.enabled() then
-      return self:err("trace already on (" .. tostring(trace.path and trace.path()) .. ")")
-    end
+    if trace.enabled() then return self:err("trace already on (" .. tostring(trace.path()) .. ")") end
     if file == "" then
-      file = string.format("%s/repl-trace-%s.json", self.cli.state_home(), os.date("!%Y%m%dT%H%M%S"))
+      local dir = self.cli.state_home()
+      local made, merr = pcall(sys.mkdir_p, dir, tonumber("700", 8))
+      if not made then return self:err("trace: " .. describe_error(merr)) end
+      file = string.format("%s/repl-trace-%s.json", dir, os.date("!%Y%m%dT%H%M%S"))
     end
-    os.execute("mkdir -p '" .. file:gsub("/[^/]*$", ""):gsub("'", "'\\''") .. "'")
     local started, err = pcall(trace.start, file)
     if not started then return self:err("trace: " .. describe_error(err)) end
     self:out("tracing to " .. file)
   elseif what == "off" then
     if not trace.enabled() then return self:err("trace is not on") end
-    local p = trace.path and trace.path()
-    trace.stop()
-    self:out("trace written to " .. tostring(p))
+    self:out("trace written to " .. tostring(trace.stop()))
   else
     self:err("usage: :trace on [FILE] | :trace off")
   end
@@ -334,7 +325,13 @@ function Session:remember(src)
   end
   self.last_history = src
   self.le.add_history(src)
-  if self.history_path then self.le.save_history(self.history_path) end
+  if self.history_path then
+    local saved, msg = self.le.save_history(self.history_path)
+    if not saved then
+      self:err("history is not saved: " .. tostring(msg)) -- said once: saving stops here
+      self.history_path = nil
+    end
+  end
 end
 
 -- ---- running chunks ---------------------------------------------------------------------------
@@ -373,24 +370,18 @@ end
 -- ---- the session --------------------------------------------------------------------------
 
 function Session:banner()
-  local render = require "moonbox.render"
-  local c = render.connection()
-  local lines = {
-    string.format("moonbox %s repl (%s) — backend %s (%s%s), workspace %s", build.version, _VERSION,
-      c.base, c.kind, c.process and ", embedded" or "", tostring(c.workspace)),
-    "render, task and schedule are loaded; :help for commands; Ctrl-D exits",
-  }
-  if self.tty then
-    for _, l in ipairs(lines) do self:out(l) end
-  end
+  if not self.tty then return end
+  local c = self.conn
+  self:out(string.format("moonbox %s repl (%s) — backend %s (%s%s), workspace %s", build.version, _VERSION,
+    c.base, c.kind, c.process and ", embedded" or "", tostring(c.workspace)))
+  self:out("render, task and schedule are loaded; :help for commands; Ctrl-D exits")
 end
 
 function Session:preload()
   local render = require "moonbox.render"
   _G.render = render
   _G.task = setmetatable({ spawn = function(fn, ...) return self:spawn(fn, ...) end }, { __index = task })
-  local ok, schedule = pcall(require, "moonbox.schedule")
-  if ok then _G.schedule = schedule end
+  _G.schedule = require "moonbox.schedule"
   _G.pretty = pretty
   _G.print = function(...)
     local n = select("#", ...)
@@ -510,9 +501,11 @@ end
 function Session:run()
   local render = require "moonbox.render"
   self:observe_render(render)
+  -- A terminal session connects now, for its banner; a piped one at its first API call (a
+  -- script that never calls the API starts no embedded backend).
   local connected, cerr = pcall(function()
     if self.backend then render.connect { backend = self.backend } end
-    self.conn = render.connection()
+    if self.tty then self.conn = render.connection() end
   end)
   if not connected then
     if self.unobserve then self.unobserve() end
@@ -534,8 +527,7 @@ function Session:run()
   -- After SIGTERM there is nobody to ask: terminate what the session holds.
   local cleaned, clean_err = pcall(self.cleanup, self, self.tty and not terminated)
   if not cleaned then self:err("moonbox repl: cleanup: " .. describe_error(clean_err)) end
-  local trace_ok, trace = pcall(require, "moonbox.trace")
-  if trace_ok and type(trace) == "table" and trace.enabled and trace.enabled() then pcall(trace.stop) end
+  if trace.enabled() then pcall(trace.stop) end
   if self.unobserve then self.unobserve() end
   pcall(render.close)
   self.closing = true
@@ -559,8 +551,12 @@ function M.main(args, cli)
   local history
   if tty and not opts["no-history"] then
     local dir = cli.state_home()
-    os.execute("mkdir -p '" .. dir:gsub("'", "'\\''") .. "'")
-    history = dir .. "/repl_history"
+    local made, merr = pcall(sys.mkdir_p, dir, tonumber("700", 8))
+    if made then
+      history = dir .. "/repl_history"
+    else
+      cli.eprintf("moonbox repl: no history this time: %s\n", cli.format_error(merr))
+    end
   end
   local session = setmetatable({ le = le, tty = tty, cli = cli, backend = backend, history_path = history,
     tasks = {}, sandboxes = {}, sandbox_order = {}, nchunks = 0, failures = 0 }, Session)
@@ -578,7 +574,8 @@ function M.main(args, cli)
   core.report_unobserved()
   local render = package.loaded["moonbox.render"]
   if render and render.ledger then
-    render.ledger:end_run(ok and code == 0 and "ok" or "failed")
+    render.ledger:end_run(not ok and "failed" or code == 0 and "ok"
+      or (code == 130 or code == 143) and "interrupted" or "failed")
     render.ledger:close()
   end
   if not ok then

@@ -75,11 +75,6 @@ function Term:wait_for(pattern, timeout, plain)
     screen), 2)
 end
 
---- term:last_line() -> the last non-blank line on the screen.
-function Term:last_line()
-  return self:screen():match("([^\n]*)$")
-end
-
 --- term:kill(): stops the tmux server and everything running in it.
 function Term:kill()
   tmux(self, { "kill-server" })

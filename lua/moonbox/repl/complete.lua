@@ -7,9 +7,7 @@
 -- wait; one that tries fails and completes nothing).
 local M = {}
 
-local KEYWORDS = {}
-for w in ([[and break do else elseif end false for function goto if in local nil not or
-  repeat return then true until while]]):gmatch("%a+") do KEYWORDS[#KEYWORDS + 1] = w end
+local KEYWORDS = require("moonbox.pretty").KEYWORDS
 
 local function safe_index(v, k)
   local ok, r = pcall(function() return v[k] end)
@@ -40,7 +38,6 @@ local function members(v, method)
     add_keys(out, render._methods, true, 0)
     if not method then
       add_keys(out, rawget(v, "_data"), false, 0)
-      out._methods = nil
     end
     return out
   end
@@ -72,7 +69,7 @@ function M.complete(text, env)
     if not partial then return {} end
     path = ""
     add_keys(names, env, false, 0)
-    for _, w in ipairs(KEYWORDS) do names[w] = true end
+    for w in pairs(KEYWORDS) do names[w] = true end
   else
     if not path:match("^[%a_][%w_]*$") and not path:match("^[%a_][%w_]*[%.%w_]*[%w_]$") then return {} end
     local v = env
