@@ -53,20 +53,11 @@ static int l_sleep_until(lua_State *L)
     return mb_task_park(L, t, wall_abort, ww, 0, wall_k);
 }
 
-/* timer.wall() -> the wall clock now, seconds since the epoch with a fraction (not cached
- * like the loop's time). Does not yield. */
-static int l_wall(lua_State *L)
-{
-    lua_pushnumber(L, ev_time());
-    return 1;
-}
-
 int luaopen_moonbox_timer(lua_State *L)
 {
     static const luaL_Reg funcs[] = {
         {"sleep_until", l_sleep_until},
-        {"wall", l_wall},
-        {NULL, NULL},
+            {NULL, NULL},
     };
     luaL_newlib(L, funcs);
     return 1;

@@ -83,6 +83,14 @@ function M.run_root_opts(opts, fn, ...)
   return EXIT_OK
 end
 
+--- Checks a --backend value: nil when fine (or absent), else the usage error's exit status
+-- (the message names the command).
+local function bad_backend(cmd, b)
+  if b == nil or b == "local" or b == "render" or b:match("^https?://") then return nil end
+  return usage_error("%s: --backend must be a URL, local or render, got '%s'", cmd, b)
+end
+M.bad_backend = bad_backend
+
 command("run", "run a recipe as a task",
   "moonbox run [--backend URL|local|render] [--trace FILE] [--json] [--progress] FILE [ARGS...]",
   [[Loads FILE as a Lua chunk and runs it as the root task on the event loop, so its top
@@ -127,9 +135,8 @@ when stderr is not a terminal; on a terminal it is always shown.]],
         return usage_error("run: unknown option '%s'", a)
       end
     end
-    if backend and backend ~= "local" and backend ~= "render" and not backend:match("^https?://") then
-      return usage_error("run: --backend must be a URL, local or render, got '%s'", backend)
-    end
+    local bad = bad_backend("run", backend)
+    if bad then return bad end
     local file = args[1]
     if not file then return usage_error("run: missing the recipe FILE") end
     local rest = table.move(args, 2, #args, 1, {})

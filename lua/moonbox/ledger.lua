@@ -88,9 +88,9 @@ end
 --- ledger:open_run{recipe, backend, workspace} -> run id: a new run record owned by this
 -- process (not made the process's own run; see begin_run).
 function Ledger:open_run(info)
-  local pid = M.self_pid()
   local _, id = self.db:run([[INSERT INTO runs (pid, pid_start, recipe, backend, workspace, started_at)
-    VALUES (?, ?, ?, ?, ?, ?)]], pid, pid_start(pid), info.recipe, info.backend, info.workspace, core.time())
+    VALUES (?, ?, ?, ?, ?, ?)]], M.self_pid(), M.self_start(), info.recipe, info.backend, info.workspace,
+    core.time())
   return id
 end
 
@@ -139,7 +139,7 @@ function Ledger:release(sandbox_id)
 end
 
 local function fill_run(db, r)
-  r.alive = r.ended_at == nil and pid_start(r.pid) ~= nil and pid_start(r.pid) == r.pid_start
+  r.alive = r.ended_at == nil and M.alive(r.pid, r.pid_start)
   r.held = db:rows("SELECT * FROM intents WHERE run_id = ? AND released_at IS NULL ORDER BY id", r.id)
   return r
 end
@@ -175,12 +175,28 @@ function Ledger:close()
   self.db = nil
 end
 
+local self_pid, self_start -- this process's: they never change, so /proc is read once
+
 --- ledger.self_pid() -> this process's pid (from /proc/self).
 function M.self_pid()
-  local target = io.open("/proc/self/stat")
-  local s = target:read("a")
-  target:close()
-  return tonumber(s:match("^(%d+)"))
+  if not self_pid then
+    local f = io.open("/proc/self/stat")
+    self_pid = tonumber(f:read("a"):match("^(%d+)"))
+    f:close()
+  end
+  return self_pid
+end
+
+--- ledger.self_start() -> this process's start time (pid_start of self_pid()).
+function M.self_start()
+  self_start = self_start or pid_start(M.self_pid())
+  return self_start
+end
+
+--- ledger.alive(pid, start) -> whether process pid runs and is the one that started at `start`
+-- (not a later process that reused the pid).
+function M.alive(pid, start)
+  return pid ~= nil and start ~= nil and pid_start(pid) == start
 end
 
 -- ---- the run of the current task ----------------------------------------------------------

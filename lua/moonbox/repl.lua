@@ -543,9 +543,8 @@ function M.main(args, cli)
   if not opts then return cli.usage_error("repl: %s", rest) end
   if #rest > 0 then return cli.usage_error("repl: unexpected argument '%s'", rest[1]) end
   local backend = opts.backend
-  if backend and backend ~= "local" and backend ~= "render" and not backend:match("^https?://") then
-    return cli.usage_error("repl: --backend must be a URL, local or render, got '%s'", backend)
-  end
+  local bad = cli.bad_backend("repl", backend)
+  if bad then return bad end
   local le = require "moonbox.lineedit"
   local tty = core.isatty(0)
   local history

@@ -136,8 +136,7 @@ function M.cron(name, expr, fn, opts)
   local tz = type(opts) == "table" and opts.tz or nil
   local s, bad = check_opts("cron", name, where, opts)
   if type(expr) ~= "string" then bad("expected a cron expression string, got a %s", type(expr)) end
-  local ok, cron = pcall(require, "moonbox.cron")
-  if not ok then bad("this build has no cron engine (moonbox.cron): %s", tostring(cron)) end
+  local cron = require "moonbox.cron"
   local pok, c = pcall(cron.parse, expr)
   if not pok then bad("%s", type(c) == "table" and tostring(c.message) or tostring(c)) end
   if tz ~= nil then

@@ -24,26 +24,17 @@ local OPTIONS = { kind = true, plan = true, keep = true, verify = true, network 
   timeout = true, base = true, region = true, env = true, timeout_seconds = true, group = true,
   expires_at = true, capture_timeout = true }
 local KINDS = { filesystem = true, runtime = true }
-local UNITS = { s = 1, m = 60, h = 3600, d = 86400 }
 
 -- How long a failed rebuild's cleanup waits for a capture still in progress to end before it
 -- gives up deleting that snapshot (a snapshot being captured cannot be deleted).
 local CAPTURE_END_WAIT = 600
 
---- Seconds from a number or a duration string ("90s", "20m", "1h30m"); nil when v is nil.
--- Raises (misuse, at the caller of rebuild) for anything else.
+--- Seconds from a number or a duration string ("90s", "20m", "1h30m": moonbox.schedule's
+-- syntax); nil when v is nil. Raises (misuse, at the caller of rebuild) for anything else.
 local function seconds(v, what)
   if v == nil then return nil end
-  if type(v) == "number" and v > 0 then return v end
-  if type(v) == "string" and v ~= "" then
-    local total, rest = 0, v
-    while rest ~= "" do
-      local n, unit, tail = rest:match("^(%d+%.?%d*)([smhd])(.*)$")
-      if not n then break end
-      total, rest = total + tonumber(n) * UNITS[unit], tail
-    end
-    if rest == "" and total > 0 then return total end
-  end
+  local secs = require("moonbox.schedule").duration(v)
+  if secs and secs > 0 then return secs end
   error("render.snapshots.rebuild: " .. what .. " must be seconds (> 0) or a duration like \"20m\", got " ..
     tostring(v), 3)
 end

@@ -42,7 +42,7 @@ local function line_out(s)
   io.stdout:flush()
 end
 
-local function state_text(st, now)
+local function state_text(st)
   if not st then return "new" end
   local parts = {}
   if st.paused == 1 then
@@ -51,13 +51,11 @@ local function state_text(st, now)
     parts[#parts + 1] = "active"
   end
   if (st.failures or 0) > 0 then parts[#parts + 1] = st.failures .. " consecutive failure(s)" end
-  local store_mod = require "moonbox.schedule.store"
-  if st.owner_pid and store_mod.alive(st.owner_pid, st.owner_pid_start) then
+  if st.owner_pid and require("moonbox.ledger").alive(st.owner_pid, st.owner_pid_start) then
     parts[#parts + 1] = "daemon pid " .. st.owner_pid
   else
     parts[#parts + 1] = "no daemon"
   end
-  local _ = now
   return table.concat(parts, ", ")
 end
 
@@ -69,7 +67,7 @@ local function list(store, clock)
     local nxt
     if st and st.paused == 1 then
       nxt = "- (paused)"
-    elseif st and st.next_fire and st.owner_pid and require("moonbox.schedule.store").alive(st.owner_pid,
+    elseif st and st.next_fire and st.owner_pid and require("moonbox.ledger").alive(st.owner_pid,
       st.owner_pid_start) then
       nxt = clock_mod.format(st.next_fire)
     else
@@ -78,15 +76,14 @@ local function list(store, clock)
     end
     local last = store:last_run(s.name)
     line_out(string.format("%-20s %-26s %-25s %-8s %s", s.name, s.spec, nxt,
-      last and last.outcome or "-", state_text(st, now)))
+      last and last.outcome or "-", state_text(st)))
   end
 end
 
 --- main(args, cli) -> exit status.
 function M.main(args, cli)
   local opts, rest = cli.parse_flags(args, { list = "flag", next = "value", trigger = "value",
-      pause = "value",
-    resume = "value", drain = "flag", backend = "value" })
+    pause = "value", resume = "value", drain = "flag", backend = "value" })
   if not opts then return cli.usage_error("schedule: %s", rest) end
   local file = rest[1]
   if not file then return cli.usage_error("schedule: missing the recipe FILE") end
@@ -107,10 +104,8 @@ function M.main(args, cli)
   elseif rest[2] then
     return cli.usage_error("schedule: unexpected argument '%s'", rest[2])
   end
-  local b = opts.backend
-  if b and b ~= "local" and b ~= "render" and not b:match("^https?://") then
-    return cli.usage_error("schedule: --backend must be a URL, local or render, got '%s'", opts.backend)
-  end
+  local bad = cli.bad_backend("schedule", opts.backend)
+  if bad then return bad end
   local cok, clock = pcall(clock_mod.from_env)
   if not cok then return cli.usage_error("schedule: %s", tostring(clock)) end
   local chunk, lerr = loadfile(file)
@@ -146,8 +141,7 @@ function M.main(args, cli)
     end
     local now = clock:now()
     if opts.list then
-      for _, x in ipairs(all) do store:ensure(x, file, now) end
-      list(store, clock)
+      list(store, clock) -- reads only: a schedule with no row yet is listed "new"
     elseif opts.next then
       local t = now
       for _ = 1, n_next do

@@ -10,6 +10,7 @@
 -- Waiting goes through moonbox.timer.sleep_until (an ev_periodic on the wall clock): a virtual
 -- time is mapped back to the real wall time at which the virtual clock will read it.
 local timer = require "moonbox.timer"
+local core = require "moonbox.core"
 local rfc3339 = require "moonbox.rfc3339"
 
 local M = {}
@@ -40,14 +41,14 @@ function M.from_env(value)
   if not scale or scale <= 0 then
     error("MOONBOX_TEST_CLOCK: scale must be a number > 0, got '" .. tostring(opts.scale) .. "'", 0)
   end
-  local real0 = timer.wall()
+  local real0 = core.time()
   return setmetatable({ scale = scale, test = true, real0 = real0, virt0 = start or real0 }, Clock)
 end
 
 --- clock:now() -> the schedule's time now (seconds since the epoch, with a fraction).
 function Clock:now()
-  if not self.test then return timer.wall() end
-  return self.virt0 + (timer.wall() - self.real0) * self.scale
+  if not self.test then return core.time() end
+  return self.virt0 + (core.time() - self.real0) * self.scale
 end
 
 --- clock:real_seconds(d) -> the real seconds that d seconds of this clock take.

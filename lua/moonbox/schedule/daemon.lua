@@ -86,6 +86,7 @@ function Daemon:start(s, q)
       started_at = now, outcome = "running", last_slot = q.trigger ~= "manual" }, now)
     if not id then
       self:log("%s: slot %s already has a record; not running it again", s.name, fmt(q.slot))
+      if q.trigger ~= "manual" then self:handled(s, q.slot) end -- or the timer finds it again
       return nil
     end
   end
@@ -142,7 +143,14 @@ function Daemon:run_body(s, run)
     self.errout(string.format("moonbox schedule: %s: run %d failed: %s\n", s.name, run.id,
         self.format_error(err)))
   end
-  self:finish(s, run, outcome, message)
+  local fok, ferr = pcall(self.finish, self, s, run, outcome, message)
+  if not fok then
+    -- Recording failed (the database): still let the schedule fire again.
+    local rt = self.rt[s.name]
+    if rt.active == run then rt.active = nil end
+    self.errout(string.format("moonbox schedule: %s: run %d (%s) could not be recorded: %s\n", s.name,
+      run.id, outcome, self.format_error(ferr)))
+  end
 end
 
 function Daemon:finish(s, run, outcome, message)
@@ -217,6 +225,8 @@ function Daemon:fire(s, slot, trigger, due)
         fmt(slot))
     task.cancel(active.task)
     pcall(task.join, active.task)
+    -- That join also swallows a cancellation of this timer (the daemon stopping): look.
+    if self.stopping then return end
   end
   self:start(s, { slot = slot, trigger = trigger, fired_at = now, due_at = due })
 end
@@ -288,7 +298,7 @@ function Daemon:catch_up(s, after, why, trigger)
 end
 
 function Daemon:timer_loop(s)
-  while true do
+  while not self.stopping do
     local last = self.last[s.name]
     local slot = schedule.next_after(s, last)
     if not slot then
@@ -323,11 +333,11 @@ function Daemon:recover()
     if lr and not lr.alive then
       local result = { terminated = 0, unattributed = 0, would = 0 }
       local ok, err = pcall(require("moonbox.reap").reap_run, ledger, lr, {}, function(line)
-        self:log("%s: run %d: reap: %s", r.schedule, r.id, line)
+        self:log("%s: run %d: reap: %s", r.schedule, r.id, line) -- line names the ledger run
       end, result)
       if not ok then
-        self:log("%s: run %d: could not terminate what it holds (`moonbox reap` retries): %s", r.schedule,
-            r.id,
+        self:log("%s: run %d (ledger run %d): could not terminate what it holds (`moonbox reap` retries): %s",
+            r.schedule, r.id, lr.id,
           one_line(err))
       end
       if lr.ended_at == nil then ledger:end_run("interrupted", lr.id) end
@@ -383,8 +393,10 @@ end
 
 local function wait_all(runs)
   for _, run in ipairs(runs) do
-    while not pcall(task.join, run.task) do
-      task.cancel(run.task) -- interrupted again while waiting: cancel again, wait again
+    -- Until it has ended: interrupted again while waiting, cancel it again and wait again (a
+    -- run that ended in failure makes join raise too, but then it has ended).
+    while task.result(run.task) == nil do
+      if not pcall(task.join, run.task) and task.result(run.task) == nil then task.cancel(run.task) end
     end
   end
 end

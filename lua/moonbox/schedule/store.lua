@@ -38,16 +38,12 @@ function Store:ensure(s, recipe, now)
   return self:state(s.name)
 end
 
-local function alive(pid, start)
-  return pid ~= nil and start ~= nil and ledger_mod.pid_start(pid) == start
-end
-M.alive = alive
+local alive = ledger_mod.alive
 
 --- store:claim(names) -> true, or nil and the row of a schedule a live daemon already owns.
 -- Ownership is all or nothing (one transaction).
 function Store:claim(names, now)
-  local pid = ledger_mod.self_pid()
-  local start = ledger_mod.pid_start(pid)
+  local pid, start = ledger_mod.self_pid(), ledger_mod.self_start()
   local ok, err = pcall(self.db.tx, self.db, function()
     for _, name in ipairs(names) do
       local r = self:state(name)
@@ -121,7 +117,7 @@ function Store:record(r, now)
       started_at,
       ended_at, outcome, error, pid, pid_start) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)]],
       r.schedule, r.slot, r.trigger, r.due_at, r.fired_at, r.started_at, r.ended_at, r.outcome, r.error, pid,
-      ledger_mod.pid_start(pid))
+      ledger_mod.self_start())
     if r.last_slot then
       self.db:run([[UPDATE schedules SET last_slot = max(coalesce(last_slot, ?), ?), updated_at = ?
         WHERE name = ?]],
