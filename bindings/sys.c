@@ -224,6 +224,19 @@ static int l_kill(lua_State *L)
     return 1;
 }
 
+/* ---- getcwd --------------------------------------------------------------------------------- */
+
+/* sys.getcwd() -> the process's working directory (absolute). Raises (op "sys.getcwd") when it
+ * cannot be read (e.g. it was removed). Inline: one syscall. Does not yield. */
+static int l_getcwd(lua_State *L)
+{
+    char buf[PATH_MAX];
+    if (!getcwd(buf, sizeof buf))
+        return raise_errno(L, "sys.getcwd", errno, NULL, "cannot read the working directory");
+    lua_pushstring(L, buf);
+    return 1;
+}
+
 /* ---- listdir -------------------------------------------------------------------------------- */
 
 /* sys.listdir(path) -> array of the entry names of directory path, without "." and "..", in
@@ -288,8 +301,9 @@ static _Thread_local dev_t tl_dev;
 static int remove_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw)
 {
     (void)ftw;
-    if (st->st_dev !=
-        tl_dev) { /* another filesystem below: never cross it (rm --one-file-system) */
+    if (flag == FTW_NS) { /* could not stat it: st is not valid */
+        tl_job->err = EACCES;
+    } else if (st->st_dev != tl_dev) { /* another filesystem below: never cross it */
         tl_job->err = EXDEV;
     } else if ((flag == FTW_DP ? rmdir(p) : unlink(p)) == 0) {
         return 0;
@@ -306,10 +320,12 @@ static void *job_main(void *arg)
     if (j->kind == JOB_UMOUNT) {
         if (umount2(j->path, 0) == 0) {
             j->how = 1;
-        } else if (j->detach_fallback && umount2(j->path, MNT_DETACH) == 0) {
-            j->how = 2;
         } else {
-            j->err = errno;
+            int first = errno; /* the one to report: why the plain unmount failed */
+            if (j->detach_fallback && umount2(j->path, MNT_DETACH) == 0)
+                j->how = 2;
+            else
+                j->err = first;
         }
     } else {
         struct stat st;
@@ -318,8 +334,11 @@ static void *job_main(void *arg)
         } else {
             tl_job = j;
             tl_dev = st.st_dev;
-            /* FTW_MOUNT: do not descend into other filesystems; remove_entry refuses them. */
-            int r = nftw(j->path, remove_entry, 32, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+            /* Depth first, never following links. Not FTW_MOUNT: glibc would skip a mount point
+             * silently, and the error would name its parent ("not empty"); walking into it, the
+             * first entry on the other filesystem fails the st_dev check (rm --one-file-system)
+             * before anything there is removed, and the error names it. */
+            int r = nftw(j->path, remove_entry, 32, FTW_DEPTH | FTW_PHYS);
             if (r != 0 && j->err == 0) j->err = errno ? errno : EIO;
         }
     }
@@ -426,6 +445,7 @@ static const luaL_Reg sys_functions[] = {
     {"mount_overlay", l_mount_overlay},
     {"kill", l_kill},
     {"listdir", l_listdir},
+    {"getcwd", l_getcwd},
     {"umount_start", l_umount_start},
     {"remove_tree_start", l_remove_tree_start},
     {NULL, NULL},

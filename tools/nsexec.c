@@ -117,6 +117,27 @@ static int in_list(const char *list, const char *name)
     return 0;
 }
 
+/* Refuses a --ns list naming a namespace we do not know: a typo must not quietly skip one. */
+static void check_ns_list(const char *list)
+{
+    for (const char *p = list; p && *p;) {
+        const char *comma = strchr(p, ',');
+        size_t len = comma ? (size_t)(comma - p) : strlen(p);
+        int known = 0;
+        for (size_t k = 0; k < NS_COUNT; k++)
+            if (strlen(ns_kinds[k].name) == len && strncmp(p, ns_kinds[k].name, len) == 0)
+                known = 1;
+        if (!known) {
+            fprintf(stderr,
+                    "moonbox-nsexec: --ns: unknown namespace '%.*s' in '%s' (known: ipc, uts, net, "
+                    "pid, mnt)\n",
+                    (int)len, p, list);
+            exit(EXIT_HELPER);
+        }
+        p = comma ? comma + 1 : NULL;
+    }
+}
+
 static void join_cgroup(const char *file)
 {
     int fd = open(file, O_WRONLY | O_CLOEXEC);
@@ -204,6 +225,7 @@ int main(int argc, char **argv)
             target = argv[++i];
         } else if (strcmp(a, "--ns") == 0 && has_value) {
             ns = argv[++i];
+            check_ns_list(ns);
         } else if (strcmp(a, "--root-wd") == 0) {
             root_wd = 1;
         } else if (strcmp(a, "--setsid") == 0) {

@@ -245,6 +245,12 @@ M.parse_flags = parse_flags
 
 M.state_home = require("moonbox.path").state_home
 
+--- A path given on the command line, made absolute against the working directory (nil stays nil).
+local function absolute(p)
+  if p == nil or p:sub(1, 1) == "/" then return p end
+  return require("moonbox.path").clean(require("moonbox.sys").getcwd() .. "/" .. p)
+end
+
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR] [--faults SPEC] [--api-key KEY]\n" ..
   "                     [--workspace tea-...] [--concurrency-limit N] [--seed N]",
@@ -283,8 +289,8 @@ Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
     end
     local code, err = M.run_root_opts({ quiet_signals = true }, function()
       local backend = require("moonbox.local").start {
-        host = opts.host, port = port, state_dir = opts.state or (M.state_home() .. "/local"),
-        image = opts.image, faults = faults, api_key = opts["api-key"], workspace = opts.workspace,
+        host = opts.host, port = port, state_dir = absolute(opts.state) or (M.state_home() .. "/local"),
+        image = absolute(opts.image), faults = faults, api_key = opts["api-key"], workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
       }
       local _close <close> = setmetatable({}, { __close = function() backend:close() end })

@@ -11,6 +11,7 @@ local task = require "moonbox.task"
 local httpd = require "moonbox.httpd"
 local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
+local host = require "moonbox.local.engine.host"
 local core = require "moonbox.core"
 local ids = require "moonbox.local.ids"
 local State = require "moonbox.local.state"
@@ -57,10 +58,7 @@ M.fail = fail
 local function now() return core.time() end
 
 local function mkdir_p(path, mode)
-  local ok, err = pcall(sys.mkdir_p, path, tonumber(mode or "0700", 8))
-  if not ok then
-    error("cannot create " .. path .. ": " .. tostring(type(err) == "table" and err.message or err), 0)
-  end
+  sys.mkdir_p(path, tonumber(mode or "0700", 8)) -- its error names the path and the reason
 end
 
 local function read_file(path)
@@ -290,13 +288,17 @@ function Backend:gc_layers()
   end
   local dir = self.state_dir .. "/layers"
   local ok, names = pcall(sys.listdir, dir)
-  if not ok then names = {} end -- no layers directory: nothing to free
+  if not ok then
+    if type(names) == "table" and names.code == "not_found" then return end -- nothing to free
+    self.log("cannot list the layers to free: " .. tostring(names))
+    return
+  end
   table.sort(names)
   for _, name in ipairs(names) do
     local path = dir .. "/" .. name
     if not needed[path] then
-      local rm = proc.run { "rm", "-rf", "--one-file-system", path }
-      if rm.code ~= 0 then self.log("cannot free layer " .. path .. ": " .. rm.stderr) end
+      local freed, err = pcall(host.remove_tree, path)
+      if not freed then self.log("cannot free layer " .. path .. ": " .. tostring(err)) end
     end
   end
 end
