@@ -8,7 +8,7 @@
 --   * a "holder": bubblewrap with the overlay as /, a fresh in-memory /dev, its own /proc, and
 --     new mount, PID, IPC and UTS namespaces (plus network for deny-all), running a small
 --     shell loop as the namespace's PID 1 (the "init"). The init is the sandbox: execs and file
---     operations enter its namespaces with nsenter, and killing it ends every process inside;
+--     operations enter its namespaces with moonbox-nsexec, and killing it ends every process inside;
 --   * a freezer cgroup holding every process of the sandbox (moonbox.local.engine.cgroup), for
 --     idle suspend, for counting what is left, and for killing stragglers.
 -- Invariants: a sandbox in self.sandboxes with state "running" is mounted, its init pid is
@@ -17,7 +17,7 @@
 -- place and is idempotent. Every host command goes through moonbox.proc; directories, mounts,
 -- kills, unmounts and removals are system calls through moonbox.sys (on this machine's kind of
 -- VM a fork/exec costs milliseconds). Execs and file operations enter the sandbox through
--- moonbox-nsexec (tools/nsexec.c), or setpriv + nsenter when it is missing. File operations run
+-- moonbox-nsexec (tools/nsexec.c), a small static helper built with moonbox. File operations run
 -- inside the sandbox's mount namespace (moonbox.local.engine.files explains why).
 -- docs/local-isolation.md describes the isolation this gives and what it does not.
 -- Callers: the local API layer (moonbox.local) and spec/local_engine_spec.lua.
@@ -50,7 +50,7 @@ local HOST_MASKS = { "/tmp", "/var/tmp", "/root", "/home" }
 -- binding low ports, ptrace of its own processes, mounts); these would let a slip inside the
 -- sandbox reach the host: raw disks and device nodes, kernel modules, the host clock,
 -- open_by_handle_at (reads host files by inode), BPF and perf, MAC policy, the kernel log.
--- Not dropped: CAP_SYS_ADMIN, which nsenter itself needs; docs/local-isolation.md says what
+-- Not dropped: CAP_SYS_ADMIN, which entering the namespaces (setns) needs; docs/local-isolation.md says what
 -- that leaves open. NET_ADMIN goes too when the sandbox shares the host's network.
 local CAP_DROP = { "sys_module", "sys_rawio", "sys_boot", "sys_time", "mknod", "dac_read_search",
   "mac_admin", "mac_override", "syslog", "wake_alarm", "block_suspend", "audit_control", "bpf",
@@ -60,8 +60,8 @@ local CAP_DROP = { "sys_module", "sys_rawio", "sys_boot", "sys_time", "mknod", "
 local RESERVED_ENV = { UID = true, EUID = true, PPID = true, SHELLOPTS = true, BASHOPTS = true,
   BASH_VERSINFO = true }
 
--- Names the dynamic loader or libc of the host-side helpers (moonbox-nsexec, or sh, setpriv
--- and nsenter) would act on. They travel under ENV_PREFIX and are renamed by a bash step inside
+-- Names the dynamic loader or libc of the host-side helpers (moonbox-nsexec, bwrap) would act
+-- on. They travel under ENV_PREFIX and are renamed by a bash step inside
 -- the sandbox, so a sandbox's LD_PRELOAD or LD_LIBRARY_PATH never loads host files into host
 -- processes.
 local LOADER_ENV = { GCONV_PATH = true, GETCONF_DIR = true, GLIBC_TUNABLES = true,
@@ -76,12 +76,6 @@ end
 -- ---- shell scripts ----------------------------------------------------------------------------
 -- Each is run as `sh -c SCRIPT NAME ARGS...`; data arrives as positional parameters, never
 -- pasted into the script text.
-
--- Host side of create without moonbox-nsexec: join the cgroup (before bwrap forks, so every
--- process of the sandbox is born inside it), then exec bwrap with fd 3 (its --info-fd) on our
--- stdout pipe. $1 the cgroup's cgroup.procs; the rest is bwrap's argv. (The directories and
--- the overlay mount are made by the engine itself, through moonbox.sys.)
-local CREATE_SH = 'echo $$ > "$1" || exit 125; shift; exec 3>&1; exec "$@"'
 
 -- The holder, inside the sandbox, is its PID 1 (bwrap --as-pid-1): it restores a saved /dev
 -- (from stdin) when $1 is 1, says "ready" once the namespaces and mounts are in place, lets go
@@ -98,34 +92,27 @@ trap '' HUP INT QUIT TERM USR1 USR2 PIPE ALRM
 while :; do sleep 2147483647 & wait; done
 ]]
 
--- Host side of an exec without moonbox-nsexec: join the sandbox's cgroup, then exec the rest
--- (setpriv nsenter ...). 125 says the cgroup was gone (the sandbox is being torn down).
-local JOIN_SH = 'echo $$ > "$1" || exit 125; shift; exec "$@"'
-
 -- Inside the sandbox, for create envs with loader-sensitive names: rename MOONBOX_ENV_X to X,
--- then run the command as Render does, `bash -c COMMAND`. The _SETSID variant also makes it a
--- new session (the old chain; moonbox-nsexec --setsid already did that, and a second setsid
--- would fork).
+-- then run the command as Render does, `bash -c COMMAND` (moonbox-nsexec --setsid already made
+-- it a session leader).
 local UNPREFIX_LOOP = 'for v in ${!' .. ENV_PREFIX .. '@}; do export "${v#' .. ENV_PREFIX ..
   '}=${!v}"; unset "$v"; done; '
 local UNPREFIX_BASH = UNPREFIX_LOOP .. 'exec /bin/bash -c "$1"'
-local UNPREFIX_BASH_SETSID = UNPREFIX_LOOP .. 'exec /usr/bin/setsid /bin/bash -c "$1"'
 
--- moonbox-nsexec (tools/nsexec.c), the one-process replacement of the sh → setpriv → nsenter
--- → setsid chain: next to the moonbox binary (build tree), or in ../libexec/moonbox (install
--- tree). nil when neither has it (plain lua5.4, or a partial install): the engine then runs the
--- old chain, and says so once.
+-- moonbox-nsexec (tools/nsexec.c), the one-process way into a sandbox (cgroup, capability
+-- bounding set, namespaces, root): next to the moonbox binary (build tree), or in
+-- ../libexec/moonbox (install tree). Returns its path, or nil and the places looked at.
 local function find_nsexec()
   local ok, build = pcall(require, "moonbox.build")
   local exe = ok and type(build) == "table" and build.exe
-  if not exe then return nil end
+  if not exe then return nil, "(no moonbox binary: the engine runs inside `moonbox`)" end
   local dir = exe:match("^(.*)/[^/]*$") or "."
-  for _, p in ipairs({ dir .. "/moonbox-nsexec", dir .. "/../libexec/moonbox/moonbox-nsexec" }) do
+  local places = { dir .. "/moonbox-nsexec", dir .. "/../libexec/moonbox/moonbox-nsexec" }
+  for _, p in ipairs(places) do
     if host.exists(p) then return p end
   end
-  return nil
+  return nil, table.concat(places, " and ")
 end
-local nsexec_warned = false
 
 -- Builds the mask layer (see docs/local-isolation.md, "Masks"): the upper directory of the
 -- engine's base overlay, whose entries hide base paths: an opaque empty directory over a
@@ -283,20 +270,17 @@ function Engine:prepare()
   local ok, err = pcall(function()
     if not self.cg then fail("prepare", "unsupported", nil, self.cg_problem) end
     local r = host.run("prepare", nil, { "sh", "-c",
-      'mkdir -p -- "$1/sandboxes" "$1/base" || exit 1; for t in bwrap nsenter setpriv; do ' ..
-      'command -v "$t" || { echo "the host has no $t command" >&2; exit 1; }; done',
+      'mkdir -p -- "$1/sandboxes" "$1/base" || exit 1; ' ..
+      'command -v bwrap || { echo "the host has no bwrap command" >&2; exit 1; }',
       "moonbox-prepare", self.state_dir, env = HOST_ENV, env_mode = "replace" },
-      { what = "preparing the state directory " .. self.state_dir .. " and finding bwrap, " ..
-        "nsenter and setpriv", code = "unsupported" })
-    local found = {}
-    for line in r.stdout:gmatch("[^\n]+") do found[line:match("([^/]+)$")] = line end
-    self.tools = { bwrap = found.bwrap, nsenter = found.nsenter, setpriv = found.setpriv,
-      nsexec = find_nsexec() }
-    if not self.tools.nsexec and not nsexec_warned then
-      nsexec_warned = true
-      io.stderr:write("moonbox local: moonbox-nsexec is not next to the moonbox binary; execs run " ..
-        "the slower sh/setpriv/nsenter/setsid chain\n")
+      { what = "preparing the state directory " .. self.state_dir .. " and finding bwrap",
+        code = "unsupported" })
+    local nsexec, looked = find_nsexec()
+    if not nsexec then
+      fail("prepare", "unsupported", nil, "moonbox-nsexec (built with moonbox) is missing: looked at " ..
+        looked)
     end
+    self.tools = { bwrap = r.stdout:match("[^\n]+"), nsexec = nsexec }
     -- Mask paths are resolved on the host when the host is the base (a mask given as
     -- /var/run/x must hide /run/x); in an image they are taken literally and skipped when a
     -- parent is a symlink.
@@ -348,7 +332,7 @@ end
 -- ---- check ----------------------------------------------------------------------------------
 
 --- eng:check() -> { ok = bool, problems = {sentence, ...} }. Tries what sandboxes need: root
--- privileges, bwrap/nsenter/setpriv, mounting an overlay under the state dir, creating the
+-- privileges, bwrap and moonbox-nsexec, mounting an overlay under the state dir, creating the
 -- namespaces, a freezer cgroup, the base image. Each problem says what cannot work and why.
 -- Leaves nothing behind. [yields]
 function Engine:check()
@@ -359,10 +343,14 @@ function Engine:check()
     problem("moonbox local is not running as root: creating namespaces, mounting overlays and " ..
       "managing cgroups need root (run it with sudo, or as root in CI)")
   end
-  local r = proc.run { "sh", "-c", 'for t in bwrap nsenter setpriv mount umount cp tar; do ' ..
+  if not find_nsexec() then
+    problem("moonbox-nsexec, the helper built next to moonbox, is missing: execs and file " ..
+      "operations cannot enter sandboxes without it (rebuild, or install it with moonbox)")
+  end
+  local r = proc.run { "sh", "-c", 'for t in bwrap cp tar; do ' ..
     'command -v "$t" >/dev/null || echo "$t"; done', env = HOST_ENV, env_mode = "replace" }
   for t in r.stdout:gmatch("%S+") do
-    local pkg = t == "bwrap" and "bubblewrap" or (t == "cp" or t == "tar") and "coreutils/tar" or "util-linux"
+    local pkg = t == "bwrap" and "bubblewrap" or "coreutils/tar"
     problem(string.format("the host has no '%s' command (Debian package %s): sandboxes cannot " ..
       "be %s without it", t, pkg, t == "bwrap" and "started" or "managed"))
   end
@@ -519,9 +507,6 @@ function Engine:start_holder(sb, opts)
   local drop = {}
   for _, c in ipairs(CAP_DROP) do drop[#drop + 1] = c end
   if sb.network == "allow-all" then drop[#drop + 1] = "net_admin" end
-  local setpriv_drop = {}
-  for i, c in ipairs(drop) do setpriv_drop[i] = "-" .. c end
-  sb.setpriv_drop = table.concat(setpriv_drop, ",")
   sb.cap_drop = table.concat(drop, ",")
 
   -- Directories and the overlay mount, by syscalls on this thread: a few mkdir(2) and one
@@ -542,12 +527,9 @@ function Engine:start_holder(sb, opts)
       tostring(type(merr) == "table" and merr.message or merr))
   end
   local procs = self.cg:path(id) .. "/cgroup.procs"
-  local argv
-  if self.tools.nsexec then
-    argv = { self.tools.nsexec, "--cgroup", procs, "--dup", "1:3", "--" }
-  else
-    argv = { "/bin/sh", "-c", CREATE_SH, "moonbox-create", procs }
-  end
+  -- The helper joins the cgroup before bwrap forks (every process of the sandbox is born inside
+  -- it) and puts bwrap's --info-fd 3 on our stdout pipe.
+  local argv = { self.tools.nsexec, "--cgroup", procs, "--dup", "1:3", "--" }
   for _, a in ipairs({ self.tools.bwrap, "--info-fd", "3", "--bind", dir .. "/root", "/",
     "--dev", "/dev", "--chmod", "1777", "/dev/shm", "--proc", "/proc",
     "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--hostname", id,
@@ -729,7 +711,7 @@ local ExecMT = {
 -- cgroup, as the leader of a new session and process group there, with the environment given
 -- at create (plus PATH and HOME=/root unless it sets them) and stdin from /dev/null.
 -- opts.buffer: bytes buffered per stream (moonbox.proc's default 64 KiB).
--- h.pid is the host pid of the helper (moonbox-nsexec, or nsenter) that waits for the command;
+-- h.pid is the host pid of the helper (moonbox-nsexec) that waits for the command;
 -- h.process its moonbox.proc Process (read it through h; do not close it: that would SIGKILL it and
 -- leave the command writing into a closed pipe). h:read, h:lines, h:wait, h:kill, h:detach as
 -- documented above. The command outlives a handle that is dropped or closed (see h:detach).
@@ -744,34 +726,16 @@ function Engine:exec(id, command, opts)
     if rec.process:kill(0) == false then sb.execs[rec] = nil end
   end
   local procs = self.cg:path(id) .. "/cgroup.procs"
-  local argv, unprefix
-  if self.tools.nsexec then
-    -- One helper process joins the cgroup, drops the capabilities, enters the namespaces,
-    -- root and cwd of the init, forks into the PID namespace, and its child becomes a session
-    -- leader and execs bash (tools/nsexec.c).
-    argv = { self.tools.nsexec, "--cgroup", procs, "--drop", sb.cap_drop, "--target",
-      tostring(sb.init), "--ns", sb.network == "deny-all" and "ipc,uts,net,pid,mnt" or "ipc,uts,pid,mnt",
-      "--root-wd", "--setsid", "--" }
-    unprefix = { "/bin/bash", "-c", UNPREFIX_BASH, "moonbox-exec", command }
-  else
-    argv = { "/bin/sh", "-c", JOIN_SH, "moonbox-exec", procs,
-      self.tools.setpriv, "--bounding-set", sb.setpriv_drop, "--",
-      self.tools.nsenter, "--target", tostring(sb.init), "--mount", "--pid", "--ipc", "--uts" }
-    if sb.network == "deny-all" then argv[#argv + 1] = "--net" end
-    -- --root and --wd without a value take the init's root and working directory (/root):
-    -- with a path, nsenter would open it on the host before entering, and an omitted --wd
-    -- would keep our host cwd, outside the sandbox's root. moonbox-nsexec --root-wd does the
-    -- same.
-    for _, a in ipairs({ "--root", "--wd", "--" }) do argv[#argv + 1] = a end
-    unprefix = { "/bin/bash", "-c", UNPREFIX_BASH_SETSID, "moonbox-exec", command }
-  end
-  if sb.env_prefixed then
-    for _, a in ipairs(unprefix) do argv[#argv + 1] = a end
-  elseif self.tools.nsexec then
-    for _, a in ipairs({ "/bin/bash", "-c", command }) do argv[#argv + 1] = a end
-  else
-    for _, a in ipairs({ "/usr/bin/setsid", "/bin/bash", "-c", command }) do argv[#argv + 1] = a end
-  end
+  -- One helper process joins the cgroup, drops the capabilities, enters the namespaces and
+  -- the init's root and cwd (/root: as `nsenter --root --wd` without values, opened before
+  -- entering), forks into the PID namespace, and its child becomes a session leader and execs
+  -- bash (tools/nsexec.c).
+  local argv = { self.tools.nsexec, "--cgroup", procs, "--drop", sb.cap_drop, "--target",
+    tostring(sb.init), "--ns", sb.network == "deny-all" and "ipc,uts,net,pid,mnt" or "ipc,uts,pid,mnt",
+    "--root-wd", "--setsid", "--" }
+  local run = sb.env_prefixed and { "/bin/bash", "-c", UNPREFIX_BASH, "moonbox-exec", command }
+    or { "/bin/bash", "-c", command }
+  for _, a in ipairs(run) do argv[#argv + 1] = a end
   argv.env, argv.env_mode, argv.buffer = sb.env, "replace", opts.buffer
   local ok, p = pcall(proc.spawn, argv)
   if not ok then

@@ -1,7 +1,7 @@
 --- moonbox.local.engine.files — file operations of local sandboxes (render-api.md §6).
 --
 -- Every operation runs inside the sandbox's mount namespace and root (moonbox-nsexec --ns mnt
--- --root-wd, or nsenter --mount --root, into the sandbox's init), using the sandbox's own sh,
+-- --root-wd, into the sandbox's init), using the sandbox's own sh,
 -- cat, find and tar. That is the point:
 -- a path is resolved by the kernel against the sandbox's root, so a symlink the sandbox made
 -- (/root/x -> /etc/shadow, or -> /state/of/moonbox) means the sandbox's file, never the
@@ -134,14 +134,8 @@ function M.install(Engine, shared)
   -- "local.engine.<fn>"). Does not yield. For the engine's own modules.
   function Engine:spawn_inside(fn, sb, script, args, opts)
     opts = opts or {}
-    local argv
-    if self.tools.nsexec then -- one helper process instead of setpriv + nsenter
-      argv = { self.tools.nsexec, "--drop", sb.cap_drop, "--target", tostring(sb.init), "--ns", "mnt",
-        "--root-wd", "--" }
-    else
-      argv = { self.tools.setpriv, "--bounding-set", sb.setpriv_drop, "--",
-        self.tools.nsenter, "--target", tostring(sb.init), "--mount", "--root", "--wd", "--" }
-    end
+    local argv = { self.tools.nsexec, "--drop", sb.cap_drop, "--target", tostring(sb.init), "--ns", "mnt",
+      "--root-wd", "--" }
     for _, a in ipairs({ "/bin/sh", "-c", script, "moonbox-" .. fn }) do argv[#argv + 1] = a end
     for _, a in ipairs(args) do argv[#argv + 1] = a end
     argv.env, argv.env_mode = HOST_ENV, "replace"
