@@ -57,7 +57,7 @@ int luaopen_moonbox_timer(lua_State *L)
 {
     static const luaL_Reg funcs[] = {
         {"sleep_until", l_sleep_until},
-            {NULL, NULL},
+        {NULL, NULL},
     };
     luaL_newlib(L, funcs);
     return 1;
