@@ -36,9 +36,11 @@ typedef struct archive_call {
 
 static const char *op_name(int kind)
 {
-    return kind == ARCHIVE_JOB_PACK     ? "archive.pack"
-           : kind == ARCHIVE_JOB_UNPACK ? "archive.unpack"
-                                        : "archive.list";
+    return kind == ARCHIVE_JOB_PACK           ? "archive.pack"
+           : kind == ARCHIVE_JOB_UNPACK       ? "archive.unpack"
+           : kind == ARCHIVE_JOB_TO_RECORDS   ? "archive.to_records"
+           : kind == ARCHIVE_JOB_FROM_RECORDS ? "archive.from_records"
+                                              : "archive.list";
 }
 
 static const char *code_name(int status)
@@ -344,6 +346,56 @@ static int l_list(lua_State *L)
     return start_and_park(L, t, &o);
 }
 
+/* archive.to_records(in_file, out_file [, opts]) -> {entries, bytes}
+ * Turns a gzip'd or plain tar into the records a `moonbox local` sandbox's file helper
+ * extracts (see runtime/tarball.c, "records"), checking every member as unpack does before
+ * anything is written: an absolute name, a ".." component, a symlink whose target is absolute
+ * or leaves the tree or has ".." after a name, a hard link, a device, fifo or socket refuse the
+ * whole archive. out_file is written through a 0600 temporary file renamed into place.
+ * Options: max_bytes, max_entries as for unpack. Raises a usage error for bad arguments or
+ * outside a task, and a structured error (op "archive.to_records", code "unsafe_archive" with
+ * member, "archive_too_large" with limit, "corrupt_archive", "not_found" or "io_error").
+ * [yields] */
+static int l_to_records(lua_State *L)
+{
+    static const char *const known[] = {"max_bytes", "max_entries", NULL};
+    archive_job_opts o;
+    memset(&o, 0, sizeof o);
+    o.kind = ARCHIVE_JOB_TO_RECORDS;
+    o.src = check_path(L, ARG_SRC, "in_file");
+    o.dst = check_path(L, ARG_DST, "out_file");
+    lua_settop(L, ARG_OPTS);
+    check_opts(L, ARG_OPTS, known);
+    o.max_bytes = (uint64_t)opt_int(L, ARG_OPTS, "max_bytes",
+                                    (lua_Integer)ARCHIVE_DEFAULT_MAX_BYTES, 0, LUA_MAXINTEGER);
+    o.max_entries = (uint64_t)opt_int(L, ARG_OPTS, "max_entries",
+                                      (lua_Integer)ARCHIVE_DEFAULT_MAX_ENTRIES, 0, LUA_MAXINTEGER);
+    mb_task *t = mb_task_check_yieldable(L, "archive.to_records");
+    return start_and_park(L, t, &o);
+}
+
+/* archive.from_records(in_file, out_file [, opts]) -> {entries, bytes}
+ * Writes the records a sandbox's file helper packed as a POSIX tar, gzip'd (level 1) unless
+ * opts.gzip is false, through a 0600 temporary file renamed into place. Malformed records
+ * raise "corrupt_archive". Options: gzip = false, max_entries. Raises as to_records (op
+ * "archive.from_records"). [yields] */
+static int l_from_records(lua_State *L)
+{
+    static const char *const known[] = {"gzip", "max_entries", NULL};
+    archive_job_opts o;
+    memset(&o, 0, sizeof o);
+    o.kind = ARCHIVE_JOB_FROM_RECORDS;
+    o.src = check_path(L, ARG_SRC, "in_file");
+    o.dst = check_path(L, ARG_DST, "out_file");
+    lua_settop(L, ARG_OPTS);
+    check_opts(L, ARG_OPTS, known);
+    o.gzip = opt_bool(L, ARG_OPTS, "gzip", 1);
+    o.max_entries = (uint64_t)opt_int(L, ARG_OPTS, "max_entries",
+                                      (lua_Integer)ARCHIVE_DEFAULT_MAX_ENTRIES, 0, LUA_MAXINTEGER);
+    mb_task *t = mb_task_check_yieldable(L, "archive.from_records");
+    return start_and_park(L, t, &o);
+}
+
 /* archive.live_count() -> n: archive jobs whose worker thread has not finished, including
  * cancelled ones still removing their partial output. For tests and leak hunting. */
 static int l_live_count(lua_State *L)
@@ -353,7 +405,12 @@ static int l_live_count(lua_State *L)
 }
 
 static const luaL_Reg archive_funcs[] = {
-    {"pack", l_pack}, {"unpack", l_unpack}, {"list", l_list}, {"live_count", l_live_count},
+    {"pack", l_pack},
+    {"unpack", l_unpack},
+    {"list", l_list},
+    {"to_records", l_to_records},
+    {"from_records", l_from_records},
+    {"live_count", l_live_count},
     {NULL, NULL},
 };
 

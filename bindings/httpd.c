@@ -1003,9 +1003,9 @@ static int srv_route(lua_State *L)
     const char *method = luaL_checkstring(L, 2);
     const char *pattern = luaL_checkstring(L, 3);
     luaL_checktype(L, 4, LUA_TFUNCTION);
-    int mode = HS_BODY_MEMORY;
+    int mode = HS_BODY_MEMORY, auth = HS_AUTH_NONE;
     size_t max_body = 0;
-    const char *dir = NULL;
+    const char *dir = NULL, *scope = NULL;
     if (!lua_isnoneornil(L, 5)) {
         luaL_checktype(L, 5, LUA_TTABLE);
         const char *body = opt_string(L, 5, "body", "srv:route");
@@ -1022,6 +1022,17 @@ static int srv_route(lua_State *L)
                               body);
         max_body = opt_size(L, 5, "max_body", 0, "srv:route");
         dir = opt_string(L, 5, "upload_dir", "srv:route");
+        const char *a = opt_string(L, 5, "auth", "srv:route");
+        if (a && strcmp(a, "key") == 0)
+            auth = HS_AUTH_KEY;
+        else if (a && strcmp(a, "token") == 0)
+            auth = HS_AUTH_TOKEN;
+        else if (a && strcmp(a, "none") != 0)
+            return luaL_error(
+                L, "srv:route: auth must be \"none\", \"key\" or \"token\", not \"%s\"", a);
+        scope = opt_string(L, 5, "scope", "srv:route");
+        if (auth == HS_AUTH_TOKEN && !scope)
+            return luaL_error(L, "srv:route: auth = \"token\" needs a scope");
     }
     luaL_Buffer b;
     size_t mlen = strlen(method);
@@ -1032,8 +1043,8 @@ static int srv_route(lua_State *L)
     const char *umethod = lua_tostring(L, -1);
     char err[256];
     int id = hd->nhandlers + 1;
-    int rc =
-        hs_server_add_route(hd->hs, umethod, pattern, mode, max_body, dir, id, err, sizeof err);
+    int rc = hs_server_add_route(hd->hs, umethod, pattern, mode, max_body, dir, auth, scope, id,
+                                 err, sizeof err);
     if (rc != HS_OK) return luaL_error(L, "srv:route: %s", err);
     hd->nhandlers = id;
     lua_getiuservalue(L, 1, SRV_UV_HANDLERS);
@@ -1159,6 +1170,44 @@ static int srv_stats(lua_State *L)
     mb_setfield_int(L, -1, "handlers", handlers);
     mb_setfield_int(L, -1, "peak_body_bytes", (lua_Integer)st.peak_body_bytes);
     mb_setfield_int(L, -1, "rejected_large", (lua_Integer)st.rejected_large);
+    mb_setfield_int(L, -1, "rejected_auth", (lua_Integer)st.rejected_auth);
+    mb_setfield_int(L, -1, "tokens", hd->hs ? (lua_Integer)hs_server_token_count(hd->hs) : 0);
+    return 1;
+}
+
+/* srv:set_key(key) -> srv. The bearer key routes with auth = "key" require (nil: nobody). The
+ * server checks it when a request's headers are in, before reading its body. Does not yield. */
+static int srv_set_key(lua_State *L)
+{
+    hd_server *hd = check_open(L, 1, "srv:set_key");
+    const char *key = luaL_optstring(L, 2, NULL);
+    if (hs_server_set_key(hd->hs, key) != HS_OK) return luaL_error(L, "srv:set_key: out of memory");
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* srv:token_put(token, id, scope, ttl) -> srv. Lets requests bearing token into auth = "token"
+ * routes of that scope whose ":id" capture is id, for ttl seconds (then they get 401 "expired"
+ * until srv:token_drop). Does not yield. */
+static int srv_token_put(lua_State *L)
+{
+    hd_server *hd = check_open(L, 1, "srv:token_put");
+    const char *token = luaL_checkstring(L, 2), *id = luaL_checkstring(L, 3),
+               *scope = luaL_checkstring(L, 4);
+    double ttl = luaL_checknumber(L, 5);
+    if (hs_server_token_put(hd->hs, token, id, scope, ttl) != HS_OK)
+        return luaL_error(L, "srv:token_put: out of memory");
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* srv:token_drop(token) -> srv. Forgets a token. Does not yield. */
+static int srv_token_drop(lua_State *L)
+{
+    hd_server *hd = check_server(L, 1);
+    const char *token = luaL_checkstring(L, 2);
+    if (hd->hs) hs_server_token_drop(hd->hs, token);
+    lua_settop(L, 1);
     return 1;
 }
 
@@ -1284,8 +1333,10 @@ static int l_mhd_version(lua_State *L)
  */
 
 static const luaL_Reg server_methods[] = {
-    {"route", srv_route}, {"close", srv_close}, {"shutdown", srv_shutdown},
-    {"stats", srv_stats}, {NULL, NULL},
+    {"route", srv_route},         {"close", srv_close},
+    {"shutdown", srv_shutdown},   {"set_key", srv_set_key},
+    {"token_put", srv_token_put}, {"token_drop", srv_token_drop},
+    {"stats", srv_stats},         {NULL, NULL},
 };
 
 static const luaL_Reg request_methods[] = {

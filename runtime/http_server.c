@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -67,8 +68,19 @@ typedef struct hs_route {
     int body_mode;
     size_t max_body;
     char *upload_dir;
+    int auth;         /* enum hs_auth_mode */
+    char *auth_scope; /* HS_AUTH_TOKEN: the scope tokens must be bound to */
     int handler_id;
 } hs_route;
+
+/* A connect token: which sandbox (":id" capture) and scope it opens, until when. */
+typedef struct hs_token {
+    char *token, *id, *scope;
+    double expires; /* ev_now() time */
+    struct hs_token *next;
+} hs_token;
+
+#define HS_TOKEN_BUCKETS 1024
 
 struct hs_server {
     struct ev_loop *loop;
@@ -85,6 +97,9 @@ struct hs_server {
     char host[INET6_ADDRSTRLEN];
     int port;
     hs_stats stats;
+    char *key;                          /* HS_AUTH_KEY's key, or NULL */
+    hs_token *tokens[HS_TOKEN_BUCKETS]; /* HS_AUTH_TOKEN's tokens, chained by hash */
+    size_t ntokens;
     int closing;
     int quiesced;
     int log_to_stderr;
@@ -357,6 +372,7 @@ static void hs_route_free(hs_route *rt)
     free(rt->segs);
     free(rt->method);
     free(rt->upload_dir);
+    free(rt->auth_scope);
 }
 
 /* Parses pattern into rt's segments. Returns HS_OK or HS_ERR_INVALID/HS_ERR_NOMEM. */
@@ -426,9 +442,13 @@ static int hs_route_parse(hs_route *rt, const char *pattern, char *err, size_t e
 }
 
 int hs_server_add_route(hs_server *s, const char *method, const char *pattern, int body_mode,
-                        size_t max_body, const char *upload_dir, int handler_id, char *err,
-                        size_t errlen)
+                        size_t max_body, const char *upload_dir, int auth, const char *auth_scope,
+                        int handler_id, char *err, size_t errlen)
 {
+    if (auth < HS_AUTH_NONE || auth > HS_AUTH_TOKEN || (auth == HS_AUTH_TOKEN && !auth_scope)) {
+        hs_seterr(err, errlen, "unknown auth mode %d (a token route needs a scope)", auth);
+        return HS_ERR_INVALID;
+    }
     if (!method || !*method) {
         hs_seterr(err, errlen, "route method must not be empty");
         return HS_ERR_INVALID;
@@ -455,7 +475,10 @@ int hs_server_add_route(hs_server *s, const char *method, const char *pattern, i
     int rc = hs_route_parse(&rt, pattern, err, errlen);
     rt.method = strdup(method);
     rt.upload_dir = upload_dir ? strdup(upload_dir) : NULL;
-    if (rc == HS_OK && (!rt.method || (upload_dir && !rt.upload_dir))) rc = HS_ERR_NOMEM;
+    rt.auth_scope = auth_scope ? strdup(auth_scope) : NULL;
+    if (rc == HS_OK &&
+        (!rt.method || (upload_dir && !rt.upload_dir) || (auth_scope && !rt.auth_scope)))
+        rc = HS_ERR_NOMEM;
     if (rc != HS_OK) {
         if (rc == HS_ERR_NOMEM) hs_seterr(err, errlen, "out of memory adding a route");
         hs_route_free(&rt);
@@ -463,9 +486,151 @@ int hs_server_add_route(hs_server *s, const char *method, const char *pattern, i
     }
     rt.body_mode = body_mode;
     rt.max_body = max_body ? max_body : s->max_body;
+    rt.auth = auth;
     rt.handler_id = handler_id;
     s->routes[s->nroutes++] = rt;
     return HS_OK;
+}
+
+/* ---- authentication before the body ------------------------------------------------------------
+ */
+
+static unsigned hs_token_hash(const char *t)
+{
+    unsigned h = 2166136261u;
+    for (; *t; t++)
+        h = (h ^ (unsigned char)*t) * 16777619u;
+    return h % HS_TOKEN_BUCKETS;
+}
+
+static void hs_token_free(hs_token *t)
+{
+    free(t->token);
+    free(t->id);
+    free(t->scope);
+    free(t);
+}
+
+int hs_server_set_key(hs_server *s, const char *key)
+{
+    char *k = key ? strdup(key) : NULL;
+    if (key && !k) return HS_ERR_NOMEM;
+    free(s->key);
+    s->key = k;
+    return HS_OK;
+}
+
+void hs_server_token_drop(hs_server *s, const char *token)
+{
+    hs_token **pp = &s->tokens[hs_token_hash(token)];
+    for (; *pp; pp = &(*pp)->next)
+        if (strcmp((*pp)->token, token) == 0) {
+            hs_token *t = *pp;
+            *pp = t->next;
+            hs_token_free(t);
+            s->ntokens--;
+            return;
+        }
+}
+
+int hs_server_token_put(hs_server *s, const char *token, const char *id, const char *scope,
+                        double ttl)
+{
+    hs_server_token_drop(s, token);
+    hs_token *t = (hs_token *)calloc(1, sizeof *t);
+    if (!t) return HS_ERR_NOMEM;
+    t->token = strdup(token);
+    t->id = strdup(id);
+    t->scope = strdup(scope);
+    if (!t->token || !t->id || !t->scope) {
+        hs_token_free(t);
+        return HS_ERR_NOMEM;
+    }
+    t->expires = ev_now(s->loop) + ttl;
+    unsigned h = hs_token_hash(token);
+    t->next = s->tokens[h];
+    s->tokens[h] = t;
+    s->ntokens++;
+    return HS_OK;
+}
+
+size_t hs_server_token_count(const hs_server *s)
+{
+    return s->ntokens;
+}
+
+/* Compares without stopping at the first difference: the time a wrong key takes says nothing
+ * about the right one. */
+static int hs_same_secret(const char *a, const char *b)
+{
+    size_t la = strlen(a), lb = strlen(b);
+    unsigned char diff = (unsigned char)(la != lb);
+    for (size_t i = 0; i < la; i++)
+        diff |= (unsigned char)(a[i] ^ (i < lb ? b[i] : 0));
+    return diff == 0;
+}
+
+/* The bearer token of r's Authorization header, or NULL. Points into r's header copy. */
+static const char *hs_bearer(const hs_request *r, size_t *len)
+{
+    for (size_t i = 0; i < r->nheaders; i++) {
+        if (strcasecmp(r->headers[i].name, "Authorization") != 0) continue;
+        const char *v = r->headers[i].value;
+        if (strncasecmp(v, "Bearer", 6) != 0 || (v[6] != ' ' && v[6] != '\t')) return NULL;
+        v += 6;
+        while (*v == ' ' || *v == '\t')
+            v++;
+        size_t n = 0;
+        while (v[n] && v[n] != ' ' && v[n] != '\t')
+            n++;
+        for (size_t k = n; v[k]; k++)
+            if (v[k] != ' ' && v[k] != '\t') return NULL;
+        *len = n;
+        return n ? v : NULL;
+    }
+    return NULL;
+}
+
+/* Checks route rt's auth for request r (headers and captures known, body not read). Returns 0,
+ * or the status to answer with a message in msg. */
+static unsigned hs_check_auth(hs_server *s, const hs_route *rt, hs_request *r, char *msg,
+                              size_t len)
+{
+    if (rt->auth == HS_AUTH_NONE) return 0;
+    size_t n = 0;
+    const char *b = hs_bearer(r, &n);
+    char tok[512];
+    if (b && n < sizeof tok) {
+        memcpy(tok, b, n);
+        tok[n] = 0;
+    } else {
+        b = NULL;
+    }
+    if (rt->auth == HS_AUTH_KEY) {
+        if (b && s->key && hs_same_secret(tok, s->key)) return 0;
+        snprintf(msg, len, "unauthorized: send Authorization: Bearer <RENDER_API_KEY>");
+        return MHD_HTTP_UNAUTHORIZED;
+    }
+    const hs_token *t = NULL;
+    if (b)
+        for (t = s->tokens[hs_token_hash(tok)]; t; t = t->next)
+            if (hs_same_secret(t->token, tok)) break;
+    if (!t) {
+        snprintf(msg, len, "invalid or missing connect token");
+        return MHD_HTTP_UNAUTHORIZED;
+    }
+    if (t->expires < ev_now(s->loop)) {
+        snprintf(msg, len, "connect token expired; mint a new one");
+        return MHD_HTTP_UNAUTHORIZED;
+    }
+    const char *id = NULL;
+    for (size_t i = 0; i < r->ncaptures; i++)
+        if (strcmp(r->captures[i].name, "id") == 0) id = r->captures[i].value;
+    if (!id || strcmp(id, t->id) != 0 || strcmp(rt->auth_scope, t->scope) != 0) {
+        snprintf(msg, len, "this connect token is for another sandbox or operation");
+        return MHD_HTTP_FORBIDDEN;
+    }
+    return 0;
 }
 
 /* Matches path against rt; on success fills caps (one per capture segment) and *rest. This is
@@ -739,6 +904,11 @@ static enum MHD_Result hs_begin(hs_server *s, hs_request *r, struct MHD_Connecti
     r->view.body_mode = rt->body_mode;
     r->route = rt;
     r->max_body = rt->max_body;
+    unsigned denied = hs_check_auth(s, rt, r, msg, sizeof msg);
+    if (denied) {
+        s->stats.rejected_auth++;
+        return hs_answer_now(r, denied, msg, MHD_HTTP_HEADER_CONNECTION, "close");
+    }
 
     /* A declared length above the limit is refused before a byte of it is read: a client that
      * sent Expect: 100-continue never sends the body at all. */
@@ -1188,6 +1358,13 @@ static void hs_timer_cb(struct ev_loop *loop, ev_timer *w, int revents)
 
 static void hs_server_free(hs_server *s)
 {
+    for (size_t i = 0; i < HS_TOKEN_BUCKETS; i++)
+        while (s->tokens[i]) {
+            hs_token *t = s->tokens[i];
+            s->tokens[i] = t->next;
+            hs_token_free(t);
+        }
+    free(s->key);
     for (size_t i = 0; i < s->nroutes; i++)
         hs_route_free(&s->routes[i]);
     free(s->routes);
@@ -1255,6 +1432,14 @@ int hs_server_start(struct ev_loop *loop, const hs_config *cfg, hs_server **out,
         inet_ntop(AF_INET, &in->sin_addr, s->host, sizeof s->host);
     }
     unsigned int limit = cfg->connection_limit ? cfg->connection_limit : HS_DEFAULT_CONNECTION_MAX;
+    /* Each connection is a descriptor: let the process have as many as its hard limit allows
+     * (the usual soft limit of 1024 would refuse clients long before the connection limit). */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max &&
+        rl.rlim_cur < limit + 256u) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
     unsigned int idle = cfg->idle_timeout ? cfg->idle_timeout : HS_DEFAULT_IDLE_TIMEOUT;
     s->daemon = MHD_start_daemon(
         flags, (uint16_t)cfg->port, NULL, NULL, hs_access_cb, s, MHD_OPTION_SOCK_ADDR,

@@ -19,6 +19,7 @@
 
 #define HS_DEFAULT_MAX_BODY       (1024u * 1024)
 #define HS_DEFAULT_CONNECTION_MAX 4096u
+#define HS_DEFAULT_HEADER_TIMEOUT 30u
 #define HS_DEFAULT_IDLE_TIMEOUT   120u
 #define HS_DEFAULT_STREAM_BUFFER  (64u * 1024)
 #define HS_MAX_CAPTURES           16
@@ -31,6 +32,16 @@ enum hs_body_mode {
     HS_BODY_MEMORY = 0, /* collected in memory up to max_body */
     HS_BODY_FILE,       /* streamed into a 0600 temporary file under the route's directory */
     HS_BODY_NONE,       /* read and dropped (still bounded by max_body) */
+};
+
+/* Who may send a route's requests, checked by the server itself as soon as the headers are in,
+ * before a byte of the body is read, buffered or written anywhere: an unauthenticated request
+ * costs no memory beyond its headers and is answered 401 (or 403) at once. */
+enum hs_auth_mode {
+    HS_AUTH_NONE = 0, /* anyone */
+    HS_AUTH_KEY,      /* "Authorization: Bearer <the server's key>" (hs_server_set_key) */
+    HS_AUTH_TOKEN,    /* "Authorization: Bearer <a token>" put with hs_server_token_put, bound
+                       * to this route's scope and to the value of its ":id" capture */
 };
 
 /* Whether the other end of a request is still there. */
@@ -98,6 +109,7 @@ typedef struct hs_stats {
     unsigned connections;    /* open connections now */
     size_t peak_body_bytes;  /* the largest in-memory body buffer allocated */
     uint64_t rejected_large; /* 413 answers */
+    uint64_t rejected_auth;  /* 401/403 answers given before the body */
 } hs_stats;
 
 /* ---- servers -------------------------------------------------------------------------------- */
@@ -110,11 +122,25 @@ int hs_server_start(struct ev_loop *loop, const hs_config *cfg, hs_server **out,
 /* Adds a route: method ("GET", ... or "*" for any), pattern (e.g. "/v1/items/:id": literal
  * segments, ":name" captures of one non-empty segment, and an optional final segment "*"
  * capturing the rest of the path as "rest"), body mode, max_body (0 = the server's) and upload_dir
- * (NULL = the server's). Routes are tried in the order added. Returns HS_OK or
+ * (NULL = the server's), auth (enum hs_auth_mode) and, for HS_AUTH_TOKEN, the scope a token must
+ * be bound to (e.g. "runs/stream"). Routes are tried in the order added. Returns HS_OK or
  * HS_ERR_INVALID/HS_ERR_NOMEM. */
 int hs_server_add_route(hs_server *s, const char *method, const char *pattern, int body_mode,
-                        size_t max_body, const char *upload_dir, int handler_id, char *err,
-                        size_t errlen);
+                        size_t max_body, const char *upload_dir, int auth, const char *auth_scope,
+                        int handler_id, char *err, size_t errlen);
+
+/* Sets (a copy of) the key HS_AUTH_KEY routes require; NULL lets nobody in. */
+int hs_server_set_key(hs_server *s, const char *key);
+
+/* Lets requests bearing token into HS_AUTH_TOKEN routes of scope whose ":id" capture is id,
+ * for ttl seconds from now (after that they get 401 "expired" until the token is dropped).
+ * Putting a token again replaces it. O(1) average (a hash table). HS_OK or HS_ERR_NOMEM. */
+int hs_server_token_put(hs_server *s, const char *token, const char *id, const char *scope,
+                        double ttl);
+/* Forgets token (unknown tokens are ignored). */
+void hs_server_token_drop(hs_server *s, const char *token);
+/* Tokens held, for leak tests. */
+size_t hs_server_token_count(const hs_server *s);
 
 int hs_server_port(const hs_server *s);
 const char *hs_server_host(const hs_server *s);

@@ -23,9 +23,11 @@
 #define ARCHIVE_MAX_DEPTH 256
 
 enum archive_job_kind {
-    ARCHIVE_JOB_PACK = 1, /* src: a directory; dst: the archive file to write */
-    ARCHIVE_JOB_UNPACK,   /* src: an archive file; dst: the directory to create or merge into */
-    ARCHIVE_JOB_LIST,     /* src: an archive file; dst unused */
+    ARCHIVE_JOB_PACK = 1,     /* src: a directory; dst: the archive file to write */
+    ARCHIVE_JOB_UNPACK,       /* src: an archive file; dst: the directory to create or merge into */
+    ARCHIVE_JOB_LIST,         /* src: an archive file; dst unused */
+    ARCHIVE_JOB_TO_RECORDS,   /* src: an archive file; dst: records for a sandbox's file helper */
+    ARCHIVE_JOB_FROM_RECORDS, /* src: records a file helper packed; dst: the archive to write */
 };
 
 /* Outcomes; the result's message says what happened in a sentence. */

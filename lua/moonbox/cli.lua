@@ -312,6 +312,47 @@ Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
     return code
   end)
 
+command("image", "build, list and remove the base images of local sandboxes",
+  "moonbox image build [NAME] | moonbox image list | moonbox image rm NAME",
+  [[Local sandboxes (moonbox local) start from a base image: a Debian root filesystem built once
+per machine with mmdebstrap from this machine's own apt sources, and cached in
+$MOONBOX_IMAGES, else $XDG_CACHE_HOME/moonbox/images (~/.cache/moonbox/images).
+
+  build [NAME]   builds NAME (default debian-12: Debian with bash, coreutils, procps, git,
+                 python3, nodejs, npm, curl, ca-certificates, tar, gzip); a few minutes; a no-op
+                 when it exists. moonbox local builds the default image on first use.
+  list           the built images.
+  rm NAME        removes an image; snapshots made on it can no longer be restored.]],
+  function(args)
+    local image = require "moonbox.local.image"
+    local sub, name = args[1], args[2]
+    if sub == "list" then
+      for _, im in ipairs(image.list()) do print(im.name, im.path, (im.info:gsub("\n", " "))) end
+      return EXIT_OK
+    end
+    if sub ~= "build" and sub ~= "rm" then return usage_error("image: expected build, list or rm") end
+    if sub == "rm" and not name then return usage_error("image rm: which image?") end
+    local code, err = M.run_root_opts({}, function()
+      if sub == "rm" then
+        if not image.remove(name) then error("image " .. name .. " does not exist", 0) end
+        return
+      end
+      name = name or image.DEFAULT
+      if image.exists(name) then
+        io.stderr:write("moonbox image: " .. name .. " is built (" .. image.path(name) .. ")\n")
+        return
+      end
+      io.stderr:write("moonbox image: building " .. name .. " with mmdebstrap (a few minutes)\n")
+      image.build(name, { log = function(line) io.stderr:write("  ", line, "\n") end })
+      io.stderr:write("moonbox image: built " .. image.path(name) .. "\n")
+    end)
+    if err ~= nil then
+      eprintf("moonbox image: %s\n", M.format_error(err))
+      return EXIT_FAIL
+    end
+    return code
+  end)
+
 command("ps", "list the sandboxes moonbox runs hold", "moonbox ps",
   [[Lists every run recorded in the ledger ($XDG_STATE_HOME/moonbox/moonbox.db) that is still
 alive or still holds sandboxes: its pid, whether it is alive, the recipe and the backend, and

@@ -5,16 +5,9 @@
 -- [{<kind>: {...}, cursor}] with opaque cursors, ownerId rules, and Go's path.Clean rule for
 -- file paths.
 local json = require "moonbox.json"
+local fail = require("moonbox.local.service").fail
 
 local M = {}
-
-M.ApiError = { __name = "moonbox.local.ApiError" }
-M.ApiError.__tostring = function(e)
-  return string.format("%d %s%s", e.status, e.message, e.code and (" (" .. e.code .. ")") or "")
-end
-
---- wire.is_api_error(v) -> whether v was raised by local.fail.
-function M.is_api_error(v) return getmetatable(v) == M.ApiError end
 
 --- wire.public(rec) -> a copy of rec without private ("_") fields, nil values as JSON null
 -- where Render sends null.
@@ -86,23 +79,23 @@ function M.parse_cursor(kind, s)
   return tonumber(seq)
 end
 
---- wire.page(req, kind, wrapper, records, shape, opts) -> JSON array page. records are newest
+--- wire.page(req, kind, wrapper, records, shape) -> JSON array page. records are newest
 -- first; the cursor query parameter continues after the record it names; limit is 1..100
--- (default 20). Raises 400 invalid_cursor / invalid_limit.
-function M.page(req, kind, wrapper, records, shape, fail)
+-- (default 20). Raises invalid invalid_cursor / invalid_limit.
+function M.page(req, kind, wrapper, records, shape)
   local limit = 20
   local lim = req:query_param("limit")
   if lim ~= nil then
-    limit = math.tointeger(tonumber(lim))
+    limit = lim:match("^%d+$") and math.tointeger(tonumber(lim))
     if not limit or limit < 1 or limit > 100 then
-      fail(400, "limit must be an integer between 1 and 100", "invalid_limit")
+      fail("invalid", "limit must be an integer between 1 and 100", "invalid_limit")
     end
   end
   local start = 1
   local cur = req:query_param("cursor")
   if cur ~= nil then
     local seq = M.parse_cursor(kind, cur)
-    if not seq then fail(400, "invalid cursor", "invalid_cursor") end
+    if not seq then fail("invalid", "invalid cursor", "invalid_cursor") end
     start = #records + 1
     for i, rec in ipairs(records) do
       if rec._seq < seq then
@@ -124,15 +117,16 @@ end
 --- wire.clean_path(p) -> p cleaned exactly as Go's path.Clean does.
 M.clean_path = require("moonbox.path").clean
 
---- wire.sandbox_path(p, fail) -> the absolute path inside the sandbox: relative paths are under
--- the home directory /root. Raises 400 for a missing or unclean path.
-function M.sandbox_path(p, fail)
-  if p == nil or p == "" then fail(400, "query parameter 'path' is required") end
+--- wire.sandbox_path(p) -> the absolute path inside the sandbox: relative paths are under the
+-- home directory /root. Raises invalid for a missing or unclean path, or one holding a NUL or a
+-- newline (the file helper takes paths as arguments).
+function M.sandbox_path(p)
+  if p == nil or p == "" then fail("invalid", "query parameter 'path' is required") end
+  if p:find("[%z\n\r]") then fail("invalid", "path contains a NUL byte, a newline or a carriage return") end
   local clean = M.clean_path(p)
   if clean ~= p then
-    fail(400, string.format("path %q is not clean (it would be %q); send it cleaned", p, clean))
+    fail("invalid", string.format("path %q is not clean (it would be %q); send it cleaned", p, clean))
   end
-  if p:find("%z") then fail(400, "path contains a NUL byte") end
   if p:sub(1, 1) == "/" then return p end
   if p == "." then return "/root" end
   return "/root/" .. p

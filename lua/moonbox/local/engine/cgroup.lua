@@ -1,90 +1,196 @@
---- moonbox.local.engine.cgroup — the freezer cgroup that holds every process of a sandbox.
+--- moonbox.local.engine.cgroup — the cgroups that hold, limit and freeze a sandbox.
 --
--- Each sandbox gets <root>/moonbox/<tag>/<id>, where root is the cgroup v1 freezer hierarchy
--- (/sys/fs/cgroup/freezer) or, on a unified (v2) system, /sys/fs/cgroup itself; tag is derived
--- from the engine's state directory, so two engines on one machine (two test runs, two
--- backends) never touch each other's cgroups, not even in recover(). The engine creates the
--- directory and moves processes into it from the shell wrappers it spawns (a process must join
--- before it forks, or its children would stay outside); this module reads and writes the
--- control files. v1 says "FROZEN" in freezer.state once every task stopped; v2 says
--- "frozen 1" in cgroup.events. Both are polled: neither offers a readiness fd we could watch
--- through moonbox.proc, and freezing takes microseconds to milliseconds.
+-- Each sandbox gets one cgroup per controller moonbox uses, <hierarchy>/moonbox/<tag>/<id>,
+-- where tag is derived from the engine's state directory (two engines on one machine never
+-- touch each other's cgroups). Its plan's limits are set there: memory (and swap to the same
+-- bound: nothing beyond the plan), CPU quota, number of processes. Below it are two leaves:
+--   sandbox  every process of the sandbox (its init, commands, slirp4netns); frozen on suspend;
+--   helper   the file helpers of the backend; never frozen, so files can be read from a
+--            suspended sandbox and a runtime capture can save /dev while the sandbox is frozen;
+--            still inside the sandbox's limits.
+-- cgroup v1 (one hierarchy per controller, as on these machines) and v2 (one unified
+-- hierarchy, controllers enabled down the tree through cgroup.subtree_control) are both
+-- supported. Processes are put in by the helper (moonbox-sandbox writes cgroup.procs before it
+-- forks, so everything a sandbox starts is born inside); this module makes the directories,
+-- writes limits and freezer state, and reads membership.
+-- Freezing is polled (1 ms): neither version offers a readiness fd we could watch, and a
+-- freeze takes microseconds to milliseconds.
 local task = require "moonbox.task"
 local host = require "moonbox.local.engine.host"
+local sys = require "moonbox.sys"
 
 local M = {}
 local Cgroup = {}
 Cgroup.__index = Cgroup
 
+local V1_CONTROLLERS = { "freezer", "memory", "cpu", "pids" }
+
 --- cgroup.detect(tag[, root]) -> Cgroup, or nil and a sentence saying why none is usable.
 -- root overrides the hierarchy (a v2 hierarchy is recognised by its cgroup.controllers file;
--- anything else is taken as a v1 freezer hierarchy). Does not yield.
+-- anything else is taken as the directory holding v1 controller hierarchies). Limits that a
+-- hierarchy cannot enforce are listed in cg.missing (eng:check() reports them). Does not yield.
 function M.detect(tag, root)
-  local version
-  if root then
-    version = host.exists(root .. "/cgroup.controllers") and 2 or 1
-  elseif host.exists("/sys/fs/cgroup/freezer/cgroup.procs") then
-    root, version = "/sys/fs/cgroup/freezer", 1
-  elseif host.exists("/sys/fs/cgroup/cgroup.controllers") then
-    root, version = "/sys/fs/cgroup", 2
+  local base = root or "/sys/fs/cgroup"
+  local cg = setmetatable({ tag = tag, dirs = {}, missing = {} }, Cgroup)
+  if host.exists(base .. "/freezer/cgroup.procs") then
+    cg.version = 1
+    for _, c in ipairs(V1_CONTROLLERS) do
+      if host.exists(base .. "/" .. c .. "/cgroup.procs") then
+        cg.dirs[c] = base .. "/" .. c .. "/moonbox/" .. tag
+      else
+        cg.missing[#cg.missing + 1] = c
+      end
+    end
+    cg.root = base .. "/freezer"
+  elseif host.exists(base .. "/cgroup.controllers") then
+    cg.version = 2
+    cg.dirs.unified = base .. "/moonbox/" .. tag
+    cg.root = base
+    local have = host.read(base .. "/cgroup.controllers") or ""
+    for _, c in ipairs({ "memory", "cpu", "pids" }) do
+      if not have:find("%f[%w]" .. c .. "%f[%W]") then cg.missing[#cg.missing + 1] = c end
+    end
   else
-    return nil, "no freezer cgroup is available (neither the cgroup v1 freezer hierarchy at " ..
-      "/sys/fs/cgroup/freezer nor a unified cgroup v2 hierarchy at /sys/fs/cgroup is mounted), " ..
-      "so sandboxes cannot be suspended and their processes cannot be tracked"
+    return nil, "no usable cgroup hierarchy (neither the cgroup v1 freezer hierarchy at " ..
+      base .. "/freezer nor a unified cgroup v2 hierarchy at " .. base .. " is mounted), " ..
+      "so sandboxes cannot be limited, suspended or tracked"
   end
-  if not host.exists(root .. "/cgroup.procs") then
-    return nil, "the cgroup hierarchy " .. root .. " is not mounted, so sandboxes cannot be " ..
-      "suspended and their processes cannot be tracked"
-  end
-  return setmetatable({ root = root, version = version, dir = root .. "/moonbox/" .. tag }, Cgroup)
+  cg.dir = cg.dirs.freezer or cg.dirs.unified -- the hierarchy membership is read from
+  return cg
 end
 
---- cg:path(id) -> the directory of sandbox id's cgroup.
-function Cgroup:path(id) return self.dir .. "/" .. id end
+--- cg:path(id[, leaf[, controller]]) -> a directory of sandbox id's cgroup: its top (where the
+-- limits are), or its "sandbox" or "helper" leaf, in the freezer (v1) or unified hierarchy,
+-- or in the given v1 controller's.
+function Cgroup:path(id, leaf, controller)
+  local d = (controller and self.dirs[controller] or self.dir) .. "/" .. id
+  return leaf and (d .. "/" .. leaf) or d
+end
 
---- cg:exists(id) -> whether sandbox id's cgroup directory exists.
+--- cg:leaves(id, leaf) -> array of the leaf's directories in every hierarchy (what a process
+-- must join: one per v1 controller, or the one unified directory).
+function Cgroup:leaves(id, leaf)
+  local out = {}
+  for _, c in ipairs(self.version == 1 and V1_CONTROLLERS or { "unified" }) do
+    if self.dirs[c] then out[#out + 1] = self.dirs[c] .. "/" .. id .. "/" .. leaf end
+  end
+  return out
+end
+
+--- cg:freezer(id) -> the directory whose freezer stops the sandbox's processes.
+function Cgroup:freezer(id) return self:path(id, "sandbox") end
+
+local function write(path, value)
+  local ok, err = host.write(path, value)
+  if not ok then error("cannot write " .. value .. " to " .. path .. ": " .. tostring(err), 0) end
+end
+
+-- v2: enables the controllers we limit in a parent's subtree_control (idempotent).
+local function enable_v2(dir)
+  local ctl = host.read(dir .. "/cgroup.controllers") or ""
+  local want = {}
+  for _, c in ipairs({ "memory", "cpu", "pids" }) do
+    if ctl:find("%f[%w]" .. c .. "%f[%W]") then want[#want + 1] = "+" .. c end
+  end
+  if #want > 0 then host.write(dir .. "/cgroup.subtree_control", table.concat(want, " ")) end
+end
+
+--- cg:create(id, limits): makes sandbox id's cgroups and both leaves, and sets limits:
+-- { memory = bytes, cpus = n (may be fractional), pids = n } (any may be nil: unlimited).
+-- Raises a plain error naming the file that could not be written. Does not yield.
+function Cgroup:create(id, limits)
+  limits = limits or {}
+  for c, dir in pairs(self.dirs) do
+    local top = dir .. "/" .. id
+    sys.mkdir_p(top .. "/sandbox", tonumber("755", 8))
+    sys.mkdir_p(top .. "/helper", tonumber("755", 8))
+    if self.version == 2 then
+      local moonbox = self.root .. "/moonbox"
+      enable_v2(self.root)
+      enable_v2(moonbox)
+      enable_v2(dir)
+      enable_v2(top)
+    end
+    if c == "memory" and limits.memory then
+      write(top .. "/memory.limit_in_bytes", tostring(limits.memory))
+      if host.exists(top .. "/memory.memsw.limit_in_bytes") then
+        write(top .. "/memory.memsw.limit_in_bytes", tostring(limits.memory))
+      end
+    elseif c == "cpu" and limits.cpus then
+      write(top .. "/cpu.cfs_period_us", "100000")
+      write(top .. "/cpu.cfs_quota_us", tostring(math.floor(limits.cpus * 100000)))
+    elseif c == "pids" and limits.pids then
+      write(top .. "/pids.max", tostring(limits.pids))
+    elseif c == "unified" then
+      if limits.memory and host.exists(top .. "/memory.max") then
+        write(top .. "/memory.max", tostring(limits.memory))
+        if host.exists(top .. "/memory.swap.max") then write(top .. "/memory.swap.max", "0") end
+      end
+      if limits.cpus and host.exists(top .. "/cpu.max") then
+        write(top .. "/cpu.max", math.floor(limits.cpus * 100000) .. " 100000")
+      end
+      if limits.pids and host.exists(top .. "/pids.max") then write(top .. "/pids.max", tostring(
+        limits.pids)) end
+    end
+  end
+end
+
+--- cg:exists(id) -> whether sandbox id's cgroup exists.
 function Cgroup:exists(id) return host.exists(self:path(id) .. "/cgroup.procs") end
 
---- cg:procs(id) -> array of host pids in the cgroup (empty when it does not exist). Zombies
--- that wait for their reaper are not listed by the kernel.
+--- cg:procs(id) -> array of host pids in sandbox id's cgroup, both leaves (empty when it does
+-- not exist). Zombies that wait for their reaper are not listed by the kernel.
 function Cgroup:procs(id)
-  local s = host.read(self:path(id) .. "/cgroup.procs")
   local pids = {}
-  for pid in (s or ""):gmatch("%d+") do pids[#pids + 1] = tonumber(pid) end
+  for _, leaf in ipairs({ "sandbox", "helper", false }) do
+    local s = host.read((leaf and self:path(id, leaf) or self:path(id)) .. "/cgroup.procs")
+    for pid in (s or ""):gmatch("%d+") do pids[#pids + 1] = tonumber(pid) end
+  end
   return pids
 end
 
---- cg:frozen(id) -> boolean: whether the cgroup is frozen or being frozen.
-function Cgroup:frozen(id)
-  if self.version == 1 then
-    local s = host.read(self:path(id) .. "/freezer.state") or ""
-    return s:find("FROZEN") ~= nil or s:find("FREEZING") ~= nil
-  end
-  return (host.read(self:path(id) .. "/cgroup.freeze") or ""):match("^%s*1") ~= nil
+--- cg:oom_kills(id) -> how many processes the kernel's OOM killer ended in the sandbox (nil
+-- when the hierarchy does not say).
+function Cgroup:oom_kills(id)
+  local f = self.version == 1 and (self:path(id, nil, "memory") .. "/memory.oom_control")
+    or (self:path(id) .. "/memory.events")
+  local s = host.read(f)
+  return s and tonumber(s:match("oom_kill (%d+)"))
 end
 
--- Whether the freeze requested for id has taken hold of every process.
-function Cgroup:freeze_done(id)
+--- cg:frozen(id) -> boolean: whether the sandbox leaf is frozen or being frozen.
+function Cgroup:frozen(id)
+  local d = self:freezer(id)
   if self.version == 1 then
-    return (host.read(self:path(id) .. "/freezer.state") or ""):match("^%s*FROZEN") ~= nil
+    local s = host.read(d .. "/freezer.state") or ""
+    return s:find("FROZEN") ~= nil or s:find("FREEZING") ~= nil
   end
-  return (host.read(self:path(id) .. "/cgroup.events") or ""):find("frozen 1", 1, true) ~= nil
+  return (host.read(d .. "/cgroup.freeze") or ""):match("^%s*1") ~= nil
+end
+
+local function freeze_done(self, id)
+  local d = self:freezer(id)
+  if self.version == 1 then
+    return (host.read(d .. "/freezer.state") or ""):match("^%s*FROZEN") ~= nil
+  end
+  return (host.read(d .. "/cgroup.events") or ""):find("frozen 1", 1, true) ~= nil
 end
 
 --- cg:freeze(id[, seconds]) -> true, or nil and a message. Asks the kernel to stop every
--- process of the cgroup and waits (polling every millisecond, up to seconds, default 10)
--- until all are stopped; on a timeout the cgroup is thawed again. [yields]
+-- process of the sandbox leaf and waits (polling every millisecond, up to seconds, default 10)
+-- until all are stopped; on a timeout the leaf is thawed again. [yields]
 function Cgroup:freeze(id, seconds)
+  local d = self:freezer(id)
   local file, value = "freezer.state", "FROZEN"
   if self.version == 2 then file, value = "cgroup.freeze", "1" end
-  local ok, err = host.write(self:path(id) .. "/" .. file, value)
-  if not ok then return nil, "cannot write " .. self:path(id) .. "/" .. file .. ": " .. tostring(err) end
+  local ok, err = host.write(d .. "/" .. file, value)
+  if not ok then return nil, "cannot write " .. d .. "/" .. file .. ": " .. tostring(err) end
   local deadline = task.now() + (seconds or 10)
   local polls = 0
-  while not self:freeze_done(id) do
+  while not freeze_done(self, id) do
     if task.now() > deadline then
       self:thaw(id)
-      return nil, "the processes of " .. self:path(id) .. " did not all stop within " ..
+      return nil, "the processes of sandbox " .. id .. " did not all stop within " ..
         (seconds or 10) .. " s (one may be stuck in the kernel)"
     end
     task.sleep(0.001)
@@ -92,33 +198,52 @@ function Cgroup:freeze(id, seconds)
     -- The v1 freezer can stay FREEZING when a task was busy in the kernel (forking, entering
     -- namespaces) at the moment of the request; asking again makes it retry those tasks, and
     -- a brief thaw now and then unblocks one caught between two others (runc does the same).
-    if polls % 10 == 0 then host.write(self:path(id) .. "/" .. file, value) end
+    if polls % 10 == 0 then host.write(d .. "/" .. file, value) end
     if polls % 200 == 0 then
       self:thaw(id)
       task.sleep(0.001)
-      host.write(self:path(id) .. "/" .. file, value)
+      host.write(d .. "/" .. file, value)
     end
   end
   return true
 end
 
 --- cg:thaw(id) -> true, or nil and a message. Lets the processes run again; immediate.
--- Thawing a cgroup that is not frozen is a no-op. Does not yield.
+-- Thawing a leaf that is not frozen (or does not exist) is a no-op. Does not yield.
 function Cgroup:thaw(id)
+  local d = self:freezer(id)
+  if not host.exists(d) then return true end
   local file, value = "freezer.state", "THAWED"
   if self.version == 2 then file, value = "cgroup.freeze", "0" end
-  local ok, err = host.write(self:path(id) .. "/" .. file, value)
-  if not ok then return nil, "cannot write " .. self:path(id) .. "/" .. file .. ": " .. tostring(err) end
+  local ok, err = host.write(d .. "/" .. file, value)
+  if not ok then return nil, "cannot write " .. d .. "/" .. file .. ": " .. tostring(err) end
   return true
 end
 
---- cg:remove(id) -> true, or nil and a message. Removes the (empty) cgroup directory; a
--- missing one counts as removed. Does not yield.
+--- cg:remove(id) -> true, or nil and a message. Removes sandbox id's (empty) cgroups in every
+-- hierarchy, leaves first; missing ones count as removed. Does not yield.
 function Cgroup:remove(id)
-  if not self:exists(id) then return true end
-  local ok, err = os.remove(self:path(id)) -- remove(3) is rmdir(2) for a directory
-  if not ok then return nil, err end
+  for _, dir in pairs(self.dirs) do
+    local top = dir .. "/" .. id
+    for _, d in ipairs({ top .. "/sandbox", top .. "/helper", top }) do
+      if host.exists(d) then
+        local ok, err = os.remove(d) -- remove(3) is rmdir(2) for a directory
+        if not ok then return nil, err end
+      end
+    end
+  end
   return true
+end
+
+--- cg:ids() -> array of the sandbox ids that have a cgroup under this engine's tag.
+function Cgroup:ids()
+  local ok, names = pcall(sys.listdir, self.dir)
+  if not ok then return {} end
+  local out = {}
+  for _, n in ipairs(names) do
+    if host.exists(self.dir .. "/" .. n .. "/cgroup.procs") then out[#out + 1] = n end
+  end
+  return out
 end
 
 return M

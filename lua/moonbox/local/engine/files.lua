@@ -1,114 +1,121 @@
---- moonbox.local.engine.files — file operations of local sandboxes (render-api.md §6).
+--- moonbox.local.engine.files — a local sandbox's files, read and written from inside it.
 --
--- Every operation runs inside the sandbox's mount namespace and root (moonbox-nsexec --ns mnt
--- --root-wd, into the sandbox's init), using the sandbox's own sh,
--- cat, find and tar. That is the point:
--- a path is resolved by the kernel against the sandbox's root, so a symlink the sandbox made
--- (/root/x -> /etc/shadow, or -> /state/of/moonbox) means the sandbox's file, never the
--- host's. Working on the host through <state_dir>/sandboxes/<id>/root or /proc/<pid>/root
--- would follow absolute symlinks from the host's root and hand host files (other sandboxes'
--- layers, the backend's API key) to the caller. The helpers do not enter the PID namespace
--- or the cgroup: they work on a frozen (suspended) sandbox too, and ps inside does not show
--- them; terminate kills the ones still running.
--- Paths: absolute, or relative to /root (the helpers start there). The caller (the API layer)
--- normalises and checks paths as Render does; this module only refuses NULs and newlines.
--- Adds methods to moonbox.local.engine's Engine; only that module calls install().
+-- Every operation is one `moonbox-sandbox files` process (tools/sandbox/fileops.c): it joins
+-- the sandbox's namespaces, becomes the root of its user namespace, joins the "helper" leaf of
+-- its cgroup (inside its limits, never frozen) and confines itself like any process inside,
+-- and then does the work with its own code — it runs nothing of the sandbox's (no sh, cat,
+-- find or tar of the sandbox's) and loads nothing from it. Paths are resolved by the kernel
+-- against the sandbox's root, so a symlink the sandbox planted means the sandbox's file.
+-- Directory transfers cross as "records" (see runtime/tarball.c): a client's tar is checked and
+-- turned into records here (moonbox.archive.to_records), the helper creates what they say; the
+-- helper packs a tree into records and moonbox.archive.from_records makes the tar. Temporary
+-- files live in <state_dir>/tmp (0600) and are removed when the operation ends.
+-- Paths are absolute (the service checks them as Render does); NULs and newlines are refused.
+-- Owned by an Engine (eng.files); only the engine and the service call it.
 local task = require "moonbox.task"
 local proc = require "moonbox.proc"
+local sys = require "moonbox.sys"
 local host = require "moonbox.local.engine.host"
 
-local M = {}
+local Files = {}
+Files.__index = Files
+
 local fail = host.fail
 
--- read_file: refuses what is not a regular file, says so on stderr before any byte of the file
--- goes to stdout, so the caller can raise a clear error instead of streaming an error text.
-local READ_SH = [[
-p=$1
-if [ -d "$p" ]; then echo is_directory >&2; exit 21; fi
-if [ ! -e "$p" ]; then echo not_found >&2; exit 2; fi
-if [ ! -f "$p" ]; then echo not_regular >&2; exit 22; fi
-echo ok >&2
-exec cat -- "$p"
-]]
+local TYPES = { f = "file", d = "directory", l = "symlink", p = "other", s = "other", c = "other",
+  b = "other" }
 
--- write_file: parents are created (0755), the data lands in a temporary file in the target
--- directory (umask 077: mode 0600 from the start) which then replaces the path atomically, so
--- a reader never sees half a file. mv -T replaces a symlink at the path rather than writing
--- through it. $1 path, $2 mode (octal digits).
-local WRITE_SH = [[
-p=$1 mode=$2
-if [ -d "$p" ]; then echo is_directory >&2; exit 21; fi
-case $p in */*) d=${p%/*} ;; *) d=. ;; esac
-[ -n "$d" ] || d=/
-if [ ! -d "$d" ] && ! err=$(mkdir -p -- "$d" 2>&1); then
-  case $err in *"Not a directory"*|*"File exists"*) echo not_directory >&2 ;; *) echo "$err" >&2 ;; esac
-  exit 20
-fi
-t=$d/.moonbox-upload.$$
-umask 077
-if ! cat > "$t"; then rm -f -- "$t"; exit 1; fi
-if [ "$mode" != 600 ]; then chmod -- "$mode" "$t" || { rm -f -- "$t"; exit 1; }; fi
-exec mv -fT -- "$t" "$p"
-]]
+-- Helper exit codes of our own failures (before any file work): EXIT_HELPER.
+local EXIT_HELPER = 125
 
--- stat and list: find prints NUL-separated fields (names may hold newlines): name, type letter,
--- size, mtime, link target. Depth 0 is the entry itself (not following a symlink); depth >= 1
--- follows a symlink given as the path (-H) and lists relative names (%P) down to depth.
-local STAT_SH = [[
-p=$1 follow=$2
-[ -e "$p" ] || [ -L "$p" ] || exit 2
-exec find "$follow" "$p" -maxdepth 0 -printf '%f\0%y\0%s\0%T@\0%l\0%m\0'
-]]
-local LIST_SH = [[
-p=$1 depth=$2
-[ -e "$p" ] || [ -L "$p" ] || exit 2
-if [ "$depth" = 0 ]; then exec find "$p" -maxdepth 0 -printf '%f\0%y\0%s\0%T@\0%l\0%m\0'; fi
-[ -d "$p" ] || { echo not_directory >&2; exit 20; }
-exec find -H "$p" -mindepth 1 -maxdepth "$depth" -printf '%P\0%y\0%s\0%T@\0%l\0%m\0'
-]]
+--- Files.new(engine) -> Files. Does no I/O.
+function Files.new(engine)
+  return setmetatable({ engine = engine, seq = 0 }, Files)
+end
 
--- tar_out: member names relative to the directory without a "./" prefix (as Render's clients
--- write them), symlinks stored as symlinks, gzip -1 (speed over ratio: it crosses a loopback).
-local TAR_OUT_SH = [[
-d=$1
-if [ ! -e "$d" ]; then echo not_found >&2; exit 2; fi
-if [ ! -d "$d" ]; then echo not_directory >&2; exit 20; fi
-cd -- "$d" || exit 1
-echo ok >&2
-find . -mindepth 1 -maxdepth 1 -printf '%P\0' | tar -cf - --null -T - -I 'gzip -1'
-]]
-
--- tar_in: extracts into the directory (created if missing) as root-owned files keeping the
--- archive's modes. GNU tar strips leading "/" and refuses ".." members on its own, and
--- whatever an archive does, it does inside the sandbox. $1 dir, $2 "-z" or "".
-local TAR_IN_SH = [[
-d=$1 z=$2
-if [ -e "$d" ] && [ ! -d "$d" ]; then echo not_directory >&2; exit 20; fi
-mkdir -p -- "$d" || exit 1
-exec tar -x $z -f - -C "$d" --no-same-owner
-]]
-
-local TYPES = { f = "file", d = "directory", l = "symlink" }
-
-local function path_arg(fn, id, path)
-  if type(path) ~= "string" or path == "" then
-    error("local.engine." .. fn .. ": path must be a non-empty string", 3)
+local function check_path(fn, id, path)
+  if type(path) ~= "string" or path:sub(1, 1) ~= "/" then
+    error("local.engine.files." .. fn .. ": path must be an absolute path", 3)
   end
   if path:find("[%z\n]") then
     fail(fn, "invalid_path", id, "sandbox " .. id .. ": path contains a NUL or newline")
   end
-  -- find and sh's test would read "-x" as an option; "./-x" is the same file.
-  if path:sub(1, 1) ~= "/" then return "./" .. path end
-  return path
 end
 
--- Parses find's NUL-separated records into entries.
+-- A temporary file name under the state dir.
+function Files:temp(what)
+  self.seq = self.seq + 1
+  local dir = self.engine.state_dir .. "/tmp"
+  sys.mkdir_p(dir, tonumber("700", 8))
+  return string.format("%s/%s.%d.%s", dir, what, self.seq, host.hash(tostring(task.now()) .. tostring({})))
+end
+
+--- files:spawn(fn, id, op, args[, opts]) -> Process, the record of the sandbox. Starts one
+-- `moonbox-sandbox files --op=OP` in sandbox id; args are more --key=value words; opts.stdin,
+-- opts.stdout as for proc.spawn (stderr is a pipe). Registered so terminate kills it. Raises
+-- not_found/not_running (op "local.engine.<fn>") or spawn_failed. Does not yield.
+function Files:spawn(fn, id, op, path, args, opts)
+  opts = opts or {}
+  local eng = self.engine
+  local sb = opts.sb or eng:live(fn, id, true)
+  local argv = { eng.tools.helper, "files" }
+  for _, a in ipairs(eng:enter_args(sb, "helper")) do argv[#argv + 1] = a end
+  argv[#argv + 1] = "--op=" .. op
+  argv[#argv + 1] = "--path=" .. path
+  for _, a in ipairs(args or {}) do argv[#argv + 1] = a end
+  argv.env, argv.env_mode = require("moonbox.local.engine").HOST_ENV, "replace"
+  argv.stdin, argv.stdout, argv.stderr = opts.stdin or "null", opts.stdout or "pipe", "pipe"
+  local ok, p = pcall(proc.spawn, argv)
+  if not ok then
+    fail(fn, "spawn_failed", id, "sandbox " .. id .. ": cannot start a file helper: " ..
+      tostring(type(p) == "table" and p.message or p))
+  end
+  sb.helpers[p] = true
+  return p, sb
+end
+
+-- Reads a helper's stderr to the end.
+local function read_all(p, stream)
+  local parts = {}
+  for chunk in function() return p:read(stream) end do parts[#parts + 1] = chunk end
+  return table.concat(parts)
+end
+
+-- Raises the structured error a helper's stderr says: "CODE message" from the file code, or
+-- "moonbox-sandbox: STEP: ..." from entering (a sandbox that is gone, for one).
+local function raise(fn, id, err, code)
+  local word, msg = err:match("^(%l[%l_]*) ([^\n]*)")
+  if word and code ~= EXIT_HELPER then
+    fail(fn, word, id, "sandbox " .. id .. ": " .. msg)
+  end
+  local line = host.trim(err):gsub("moonbox%-sandbox: ", "")
+  if line:match("^gone:") then
+    fail(fn, "not_running", id, "sandbox " .. id .. " is not running (" .. line:gsub("^gone: ", "") .. ")")
+  end
+  fail(fn, "helper_failed", id, "sandbox " .. id .. ": the file helper failed (exit " ..
+    tostring(code) .. "): " .. (line ~= "" and line or "no message"))
+end
+
+-- Runs a helper to its end and returns its stdout; raises its error.
+function Files:run(fn, id, op, path, args, opts)
+  local p, sb = self:spawn(fn, id, op, path, args, opts)
+  local out, err
+  local t = task.spawn(function() err = read_all(p, "stderr") end)
+  if not (opts and opts.stdout) then out = read_all(p, "stdout") end
+  task.join(t)
+  local code = p:wait()
+  sb.helpers[p] = nil
+  if code ~= 0 then raise(fn, id, err or "", code) end
+  return out or "", err or ""
+end
+
+-- Parses entry records (find -printf '%f\0%y\0%s\0%T@\0%l\0%m\0').
 local function parse_entries(out)
   local fields = {}
   for f in out:gmatch("([^%z]*)%z") do fields[#fields + 1] = f end
   local entries = {}
   for i = 1, #fields - 5, 6 do
-    local typ = TYPES[fields[i + 1]] or "file"
+    local typ = TYPES[fields[i + 1]] or "other"
     local e = {
       name = fields[i], type = typ,
       size = typ == "file" and (tonumber(fields[i + 2]) or 0) or 0,
@@ -122,206 +129,133 @@ local function parse_entries(out)
   return entries
 end
 
---- M.install(Engine, shared): adds the file operations to Engine. shared carries HOST_ENV and
--- check_id from the engine module.
-function M.install(Engine, shared)
-  local HOST_ENV, check_id = shared.HOST_ENV, shared.check_id
-
-  --- eng:spawn_inside(fn, sb, script, args[, opts]) -> Process. Starts `sh -c script` inside
-  -- sandbox record sb's mount namespace and root, in /root, with the engine's capability
-  -- bounding set, args as $1...; opts.stdin / opts.stdout as for proc.spawn (stderr is a
-  -- pipe). The process is registered so terminate kills it. Raises spawn_failed (op
-  -- "local.engine.<fn>"). Does not yield. For the engine's own modules.
-  function Engine:spawn_inside(fn, sb, script, args, opts)
-    opts = opts or {}
-    local argv = { self.tools.nsexec, "--drop", sb.cap_drop, "--target", tostring(sb.init), "--ns", "mnt",
-      "--root-wd", "--" }
-    for _, a in ipairs({ "/bin/sh", "-c", script, "moonbox-" .. fn }) do argv[#argv + 1] = a end
-    for _, a in ipairs(args) do argv[#argv + 1] = a end
-    argv.env, argv.env_mode = HOST_ENV, "replace"
-    argv.stdin, argv.stdout, argv.stderr = opts.stdin or "null", opts.stdout or "pipe", "pipe"
-    local ok, p = pcall(proc.spawn, argv)
-    if not ok then
-      fail(fn, "spawn_failed", sb.id, "sandbox " .. sb.id .. ": cannot start a file helper: " ..
-        tostring(type(p) == "table" and p.message or p))
+--- files:stat(id, path[, {follow}]) -> {name, type, size, modifiedAt, mode, target} or nil when
+-- nothing is at path. type is "file", "directory", "symlink" or "other" (device, fifo,
+-- socket). follow: a final symlink is followed. Raises (op "local.engine.stat") not_found
+-- (the sandbox), invalid_path, not_directory, io_error, helper_failed. [yields]
+function Files:stat(id, path, opts)
+  check_path("stat", id, path)
+  local ok, out = pcall(self.run, self, "stat", id, "stat", path, (opts and opts.follow) and { "--follow" }
+    or {})
+  if not ok then
+    if type(out) == "table" and out.code == "not_found" and out.op == "local.engine.stat" and
+      out.message:find("no file", 1, true) then
+      return nil
     end
-    sb.helpers[p] = true
-    return p
+    error(out, 0)
   end
-
-  --- eng:inside(fn, sb, script, args[, opts]) -> {code, stdout, stderr}: eng:spawn_inside run
-  -- to completion, both streams read concurrently (stdout is "" when opts.stdout is not a
-  -- pipe). code is nil when a signal ended it. [yields]
-  function Engine:inside(fn, sb, script, args, opts)
-    opts = opts or {}
-    local p = self:spawn_inside(fn, sb, script, args, opts)
-    local out, err = {}, {}
-    local readers = { function()
-      for chunk in function() return p:read("stderr") end do err[#err + 1] = chunk end
-    end }
-    if (opts.stdout or "pipe") == "pipe" then
-      readers[2] = function()
-        for chunk in function() return p:read("stdout") end do out[#out + 1] = chunk end
-      end
-    end
-    local ok, e = pcall(task.all, readers)
-    if not ok then
-      p:close() -- cancelled: the helper must not outlive its caller
-      error(e, 0)
-    end
-    local code = p:wait()
-    return { code = code, stdout = table.concat(out), stderr = table.concat(err) }
-  end
-
-  -- Raises the error a helper's failure stands for: the scripts name expected failures with
-  -- one word on the first line of stderr; anything else is reported with the whole stderr.
-  local function helper_failed(fn, id, path, code, stderr)
-    local head = stderr:match("^([%w_]+)\n") or ""
-    if head == "not_found" then
-      fail(fn, "not_found", id, "sandbox " .. id .. ": no file or directory at " .. path)
-    elseif head == "is_directory" then
-      fail(fn, "is_directory", id, "sandbox " .. id .. ": " .. path .. " is a directory")
-    elseif head == "not_directory" then
-      fail(fn, "not_directory", id, "sandbox " .. id .. ": " .. path ..
-        " (or one of its parents) is not a directory")
-    elseif head == "not_regular" then
-      fail(fn, "not_regular", id, "sandbox " .. id .. ": " .. path ..
-        " is not a regular file (a device, fifo or socket)")
-    end
-    fail(fn, "command_failed", id, string.format("sandbox %s: %s of %s failed (%s): %s", id, fn,
-      path, code and ("exit " .. code) or "killed", host.trim(stderr)))
-  end
-
-  -- Starts a streaming helper whose script announces "ok" on stderr before streaming; returns
-  -- the Process positioned at the first byte of stdout, or raises what went wrong. [yields]
-  local function stream_after_ok(self, fn, id, sb, script, args, path)
-    local p = self:spawn_inside(fn, sb, script, args)
-    local head = ""
-    local ok, err = pcall(function()
-      while not head:find("\n") do
-        local chunk = p:read("stderr")
-        if not chunk then break end
-        head = head .. chunk
-      end
-    end)
-    if not ok then
-      p:close()
-      error(err, 0)
-    end
-    if head:match("^ok\n") then return p end
-    for chunk in function() return p:read("stderr") end do head = head .. chunk end
-    local code = p:wait()
-    helper_failed(fn, id, path, code, head)
-  end
-
-  --- eng:read_file(id, path) -> Process streaming the file's bytes on stdout (read it with
-  -- p:read("stdout"), then p:wait() -> 0). Symlinks resolve inside the sandbox. Raises (op
-  -- "local.engine.read_file") not_found, is_directory, not_regular, not_running,
-  -- command_failed before any byte is streamed. Closing the Process stops the transfer.
-  -- [yields]
-  function Engine:read_file(id, path)
-    check_id("read_file", id)
-    local sb = self:live("read_file", id, true)
-    return stream_after_ok(self, "read_file", id, sb, READ_SH, { path_arg("read_file", id, path) }, path)
-  end
-
-  --- eng:write_file(id, path, src_file[, opts]). Copies the host file src_file to path inside
-  -- the sandbox: parents are created (mode 0755), the file is owned by root with mode
-  -- opts.mode (default 0600, as Render's uploads) and replaces an existing file (or symlink)
-  -- at path atomically. Raises (op "local.engine.write_file") is_directory (path is a
-  -- directory), not_directory (a parent is a file), not_found (src_file missing),
-  -- not_running, command_failed. [yields]
-  function Engine:write_file(id, path, src_file, opts)
-    check_id("write_file", id)
-    opts = opts or {}
-    local mode = opts.mode or tonumber("600", 8)
-    if math.type(mode) ~= "integer" or mode < 0 or mode > tonumber("7777", 8) then
-      error("local.engine.write_file: mode must be an integer permission (e.g. tonumber(\"644\", 8))", 2)
-    end
-    local sb = self:live("write_file", id, true)
-    if type(src_file) ~= "string" or not host.exists(src_file) then
-      fail("write_file", "not_found", id, "sandbox " .. id .. ": the source file " ..
-        tostring(src_file) .. " does not exist on the host")
-    end
-    local r = self:inside("write_file", sb, WRITE_SH,
-      { path_arg("write_file", id, path), string.format("%o", mode) }, { stdin = { file = src_file } })
-    if r.code ~= 0 then helper_failed("write_file", id, path, r.code, r.stderr) end
-  end
-
-  --- eng:stat(id, path[, opts]) -> { type = "file"|"directory"|"symlink", size, mtime,
-  -- modifiedAt, mode, target } or nil when nothing is at path. A symlink at path is reported
-  -- as such (target its text) unless opts.follow, which describes what it points to (what
-  -- read_file and tar_out would read; a dangling link stays "symlink"). size is 0 for
-  -- directories and symlinks; mtime/modifiedAt in unix seconds; devices, fifos and sockets
-  -- report as "file" with size 0. Raises (op "local.engine.stat") not_running,
-  -- command_failed. [yields]
-  function Engine:stat(id, path, opts)
-    check_id("stat", id)
-    local sb = self:live("stat", id, true)
-    local follow = opts and opts.follow and "-H" or "-P"
-    local r = self:inside("stat", sb, STAT_SH, { path_arg("stat", id, path), follow })
-    if r.code == 2 then return nil end
-    if r.code ~= 0 then helper_failed("stat", id, path, r.code, r.stderr) end
-    local e = parse_entries(r.stdout)[1]
-    if not e then return nil end
-    e.name = nil
-    return e
-  end
-
-  --- eng:list(id, path, depth) -> entries, or nil when nothing is at path. Each entry:
-  -- { name, type = "file"|"directory"|"symlink", size, modifiedAt (unix seconds), mtime,
-  -- mode, target (symlinks) }. depth 0: the entry itself (name = its basename). depth 1: the
-  -- children of the directory. depth > 1: every entry down to that depth, flattened, name
-  -- relative to path ("sub/file.txt"). Entries come sorted by name. A symlink given as path is
-  -- followed for depth >= 1. Raises (op "local.engine.list") not_directory (depth >= 1 on a
-  -- non-directory), not_running, command_failed. [yields]
-  function Engine:list(id, path, depth)
-    check_id("list", id)
-    depth = depth or 1
-    if math.type(depth) ~= "integer" or depth < 0 then
-      error("local.engine.list: depth must be an integer >= 0", 2)
-    end
-    local sb = self:live("list", id, true)
-    local r = self:inside("list", sb, LIST_SH, { path_arg("list", id, path), tostring(depth) })
-    if r.code == 2 then return nil end
-    if r.code ~= 0 then helper_failed("list", id, path, r.code, r.stderr) end
-    local entries = parse_entries(r.stdout)
-    table.sort(entries, function(a, b) return a.name < b.name end)
-    return entries
-  end
-
-  --- eng:tar_out(id, dir) -> Process streaming a gzip'd tar of directory dir on stdout: member
-  -- names relative to dir (no "./" prefix), symlinks stored as symlinks. Read stdout, then
-  -- p:wait() -> 0; tar's warnings (a file changed while read) come on stderr. Raises (op
-  -- "local.engine.tar_out") not_found, not_directory, not_running, command_failed before
-  -- streaming. [yields]
-  function Engine:tar_out(id, dir)
-    check_id("tar_out", id)
-    local sb = self:live("tar_out", id, true)
-    return stream_after_ok(self, "tar_out", id, sb, TAR_OUT_SH, { path_arg("tar_out", id, dir) }, dir)
-  end
-
-  --- eng:tar_in(id, dir, src_tar[, opts]). Extracts the host file src_tar (a tar archive,
-  -- gzip'd or not: detected from its first bytes) into dir inside the sandbox (created if
-  -- missing), files owned by root with the archive's modes. The caller validates member names
-  -- beforehand; extraction cannot escape the sandbox either way. Raises (op
-  -- "local.engine.tar_in") not_directory, not_found (src_tar missing), not_running,
-  -- command_failed (a corrupt archive, with tar's message). [yields]
-  function Engine:tar_in(id, dir, src_tar)
-    check_id("tar_in", id)
-    local sb = self:live("tar_in", id, true)
-    local f = type(src_tar) == "string" and io.open(src_tar, "rb")
-    if not f then
-      fail("tar_in", "not_found", id, "sandbox " .. id .. ": the archive " .. tostring(src_tar) ..
-        " does not exist on the host")
-    end
-    local magic = f:read(2)
-    f:close()
-    local z = magic == "\31\139" and "-z" or ""
-    local r = self:inside("tar_in", sb, TAR_IN_SH, { path_arg("tar_in", id, dir), z },
-      { stdin = { file = src_tar } })
-    if r.code ~= 0 then helper_failed("tar_in", id, dir, r.code, r.stderr) end
-  end
+  return parse_entries(out)[1]
 end
 
-return M
+--- files:list(id, path, depth) -> entries (as stat's, names relative to path), or nil when
+-- nothing is at path. depth 0 is path itself; depth >= 1 lists the directory down to depth
+-- levels (a symlink given as path is followed). Raises (op "local.engine.list") not_directory,
+-- too_many (more than 100,000 entries), invalid, io_error, helper_failed. [yields]
+function Files:list(id, path, depth)
+  check_path("list", id, path)
+  local ok, out = pcall(self.run, self, "list", id, "list", path, { "--depth=" .. depth })
+  if not ok then
+    if type(out) == "table" and out.code == "not_found" and out.message:find("no file", 1, true) then
+      return nil
+    end
+    error(out, 0)
+  end
+  local entries = parse_entries(out)
+  table.sort(entries, function(a, b) return a.name < b.name end)
+  return entries
+end
+
+--- files:read(id, path) -> p, size: a running helper whose stdout carries the file's bytes
+-- (read it with p:read("stdout") until nil, then p:wait()) and the size it had when opened.
+-- Follows symlinks inside the sandbox. Raises (op "local.engine.read") not_found, is_directory,
+-- not_regular (devices, fifos, sockets), io_error, helper_failed before any byte. [yields]
+function Files:read(id, path)
+  check_path("read", id, path)
+  local p, sb = self:spawn("read", id, "read", path, {})
+  local head = ""
+  while not head:find("\n") do
+    local chunk = p:read("stderr")
+    if not chunk then break end
+    head = head .. chunk
+  end
+  local size = head:match("^ok (%d+)\n")
+  if not size then
+    head = head .. read_all(p, "stderr")
+    local code = p:wait()
+    sb.helpers[p] = nil
+    raise("read", id, head, code)
+  end
+  return p, tonumber(size)
+end
+
+--- files:write(id, path, src_file[, {mode}]) writes the bytes of the host file src_file (the
+-- service's upload temp file) to path inside the sandbox: parents made (0755), the file
+-- replaced atomically (a reader never sees half of it; a symlink at path is replaced, not
+-- written through), mode default 0600, owned by the sandbox's root. Raises (op
+-- "local.engine.write") is_directory, not_directory, io_error, helper_failed. [yields]
+function Files:write(id, path, src_file, opts)
+  check_path("write", id, path)
+  local mode = string.format("%o", (opts and opts.mode) or tonumber("600", 8))
+  self:run("write", id, "write", path, { "--mode=" .. mode }, { stdin = { file = src_file } })
+end
+
+--- files:unpack_records(id, path, records_file[, sb]) creates what records_file holds under the
+-- directory path (made if missing), replacing files and symlinks that are there. Raises (op
+-- "local.engine.unpack") not_directory, invalid, io_error, helper_failed. [yields]
+function Files:unpack_records(id, path, records_file, sb)
+  check_path("unpack", id, path)
+  self:run("unpack", id, "unpack", path, {}, { stdin = { file = records_file }, sb = sb })
+end
+
+--- files:pack_records(id, path, out_file[, {exclude, sb}]) -> bytes: writes the tree under the
+-- directory path as records to the host file out_file (symlinks as symlinks; devices, fifos,
+-- sockets left out; exclude names entries of path itself to leave out). Raises (op
+-- "local.engine.pack") not_found, not_directory, io_error, helper_failed. [yields]
+function Files:pack_records(id, path, out_file, opts)
+  opts = opts or {}
+  check_path("pack", id, path)
+  local args = {}
+  for _, n in ipairs(opts.exclude or {}) do args[#args + 1] = "--exclude=" .. n end
+  self:run("pack", id, "pack", path, args, { stdout = { file = out_file }, sb = opts.sb })
+  local f = io.open(out_file, "rb")
+  local size = f and f:seek("end") or 0
+  if f then f:close() end
+  return size
+end
+
+--- files:tar_in(id, path, archive_file[, opts]) extracts a client's (gzip'd) tar into the
+-- directory path inside the sandbox. Every member is checked first (moonbox.archive.to_records:
+-- no absolute names, no "..", symlinks that stay inside, no hard links or devices); a refused
+-- archive changes nothing. opts.max_bytes, opts.max_entries bound it. Raises the archive's
+-- errors (op "archive.to_records": unsafe_archive with member, corrupt_archive,
+-- archive_too_large) or unpack's. [yields]
+function Files:tar_in(id, path, archive_file, opts)
+  opts = opts or {}
+  local rec = self:temp("upload-records")
+  local ok, err = pcall(function()
+    require("moonbox.archive").to_records(archive_file, rec,
+      { max_bytes = opts.max_bytes, max_entries = opts.max_entries })
+    self:unpack_records(id, path, rec)
+  end)
+  os.remove(rec)
+  if not ok then error(err, 0) end
+end
+
+--- files:tar_out(id, path) -> archive_file: the directory path packed as a gzip'd tar in a
+-- temporary host file the caller serves and then removes (os.remove). Raises pack's errors and
+-- the archive's (op "archive.from_records"). [yields]
+function Files:tar_out(id, path)
+  local rec, out = self:temp("download-records"), self:temp("download") .. ".tar.gz"
+  local ok, err = pcall(function()
+    self:pack_records(id, path, rec)
+    require("moonbox.archive").from_records(rec, out)
+  end)
+  os.remove(rec)
+  if not ok then
+    os.remove(out)
+    error(err, 0)
+  end
+  return out
+end
+
+return Files

@@ -1,0 +1,108 @@
+--- moonbox.local.http.files — file tokens, the data-plane uploads and downloads they open, and
+-- the control-plane listing. Uploads of application/octet-stream (optionally gzip'd) become a
+-- file; application/x-tar or application/gzip bodies are archives extracted into a directory.
+-- Bodies reach these handlers only after the pre-body gate checked the token, streamed into a
+-- 0600 temporary file that is removed once the request ends.
+local ids = require "moonbox.local.ids"
+local json = require "moonbox.json"
+local route = require "moonbox.local.http.route"
+local wire = require "moonbox.local.wire"
+
+local M = {}
+local fail = route.fail
+
+--- POST /v1/sandboxes/:id/files/:op/token?path=P -> 201 {executionId, token, uri, method, expiresAt}.
+function M.token(b, req)
+  route.owner_optional(b, req)
+  local op = req.captures.op
+  if op ~= "upload" and op ~= "download" then fail("invalid", "operation must be upload or download, got "
+    .. tostring(op)) end
+  local rec = b.svc:find_sandbox(req.captures.id)
+  local path = req:query_param("path")
+  local abs = wire.sandbox_path(path)
+  local e, token, expires = b.svc:mint_file(rec, op, abs, path)
+  return 201, {
+    executionId = e.id, token = token, method = op == "upload" and "PUT" or "GET",
+    expiresAt = ids.iso(expires), uri = string.format("%s/proxy/%s/files/%s", b.url, rec.id, op),
+  }
+end
+
+-- Decompresses a gzip'd plain upload into a new temporary file (zlib via the archive module
+-- would also do; a gunzip process keeps memory flat for any size).
+local function gunzip(b, src)
+  local out = b.state_dir .. "/tmp/gunzip." .. ids.token():sub(1, 16)
+  local r = require("moonbox.proc").run { "gzip", "-dc", stdin = { file = src }, stdout = { file = out } }
+  if r.code ~= 0 then
+    os.remove(out)
+    fail("invalid", "the upload says Content-Encoding: gzip but is not gzip data")
+  end
+  return out
+end
+
+--- PUT /proxy/:id/files/upload -> 204.
+function M.upload(b, req)
+  local rec, info = b.svc:check_token(route.bearer(req), req.captures.id, "files/upload")
+  local ctype = (req.headers["content-type"] or ""):match("^%s*([^;%s]+)") or ""
+  local enc = (req.headers["content-encoding"] or "identity"):lower()
+  local is_archive = ctype == "application/x-tar" or ctype == "application/gzip"
+  if enc ~= "identity" and enc ~= "gzip" then
+    fail("unsupported_media", "Content-Encoding " .. enc .. " is not supported (gzip or identity)")
+  end
+  local body = req.body_file
+  local plain
+  if not is_archive and enc == "gzip" then
+    plain = gunzip(b, body)
+    body = plain
+  end
+  local ok, err = pcall(b.svc.upload, b.svc, rec, info, body, is_archive and "archive" or "file")
+  if plain then os.remove(plain) end
+  if not ok then error(err, 0) end
+  return 204
+end
+
+--- GET /proxy/:id/files/download -> 200 octet-stream (a file) or gzip'd x-tar (a directory).
+function M.download(b, req, ctx, res)
+  local rec, info = b.svc:check_token(route.bearer(req), req.captures.id, "files/download")
+  local d = b.svc:download(rec, info)
+  if d.kind == "directory" then
+    local ok = pcall(res.send_file, res, 200, d.file, { ["Content-Type"] = "application/x-tar",
+      ["Content-Encoding"] = "gzip", ["render-request-id"] = ctx.rid })
+    os.remove(d.file)
+    b.svc:end_run(rec)
+    ctx.entry.status = ok and 200 or 499
+    return nil
+  end
+  local w = res:stream(200, { ["Content-Type"] = "application/octet-stream", ["render-request-id"] = ctx.rid,
+    ["Content-Disposition"] = string.format('attachment; filename="%s"', (d.name:gsub('["\\%c]', "_"))) })
+  local p = d.stream
+  local ok = pcall(function()
+    for chunk in function() return p:read("stdout") end do w:write(chunk) end
+  end)
+  if not ok then p:kill("KILL") end
+  p:wait()
+  b.svc:end_run(rec)
+  w:close()
+  return nil
+end
+
+--- GET /v1/sandboxes/:id/files/list?path=P&depth=N -> 200 {path, entries}.
+function M.list(b, req)
+  local rec = b.svc:find_sandbox(req.captures.id)
+  local abs = wire.sandbox_path(req:query_param("path"))
+  local depth = route.query_int(req, "depth", 1, 0, 16)
+  local out = json.array()
+  for _, e in ipairs(b.svc:list_files(rec, abs, depth)) do
+    out[#out + 1] = { name = json.utf8_clean(e.name), type = e.type, size = e.size or 0,
+      modifiedAt = ids.iso(e.modifiedAt or 0), target = e.target and json.utf8_clean(e.target) }
+  end
+  return 200, { path = abs, entries = out }
+end
+
+function M.install(r, data, max_upload)
+  r("POST", "/v1/sandboxes/:id/files/:op/token", M.token)
+  r("GET", "/v1/sandboxes/:id/files/list", M.list)
+  data("PUT", "/proxy/:id/files/upload", M.upload, "files/upload", { body = "file", max_body = max_upload })
+  data("GET", "/proxy/:id/files/download", M.download, "files/download")
+end
+
+return M

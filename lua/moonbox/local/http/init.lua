@@ -1,0 +1,41 @@
+--- moonbox.local.http — every route of `moonbox local`, one module per resource:
+--   sandboxes  /v1/sandboxes (create, list, get, terminate, suspend)
+--   runs       run tokens, exec records, /proxy/:id/runs/{stream,sync}
+--   files      file tokens, /proxy/:id/files/{upload,download}, files/list
+--   snapshots  snapshot create/get/list/delete
+--   groups     /v1/sandbox-groups
+--   logs       /v1/sandboxes/:id/logs (SSE)
+--   control    /_moonbox (faults, journal, health)
+-- Routes under /v1 and /_moonbox require the API key, data-plane routes (/proxy) a connect
+-- token of their scope; the server checks both before reading a body (runtime/http_server.c).
+-- Handlers decode, call the service (moonbox.local.service) and encode; route.wrap adds what
+-- they share.
+local route = require "moonbox.local.http.route"
+
+local M = {}
+
+--- http.install(b): adds every route to b.srv. b carries svc, journal, faults, log, url,
+-- workspace, state_dir.
+function M.install(b)
+  local srv = b.srv
+  local function r(method, pattern, fn)
+    srv:route(method, pattern, route.wrap(b, fn), { auth = "key" })
+  end
+  local function control(method, pattern, fn)
+    srv:route(method, pattern, route.wrap(b, fn, { control = true }), { auth = "key" })
+  end
+  local function data(method, pattern, fn, scope, opts)
+    local o = { auth = "token", scope = scope }
+    for k, v in pairs(opts or {}) do o[k] = v end
+    srv:route(method, pattern, route.wrap(b, fn), o)
+  end
+  require("moonbox.local.http.sandboxes").install(r)
+  require("moonbox.local.http.runs").install(r, data)
+  require("moonbox.local.http.files").install(r, data, b.svc.limits.max_upload)
+  require("moonbox.local.http.snapshots").install(r)
+  require("moonbox.local.http.groups").install(r)
+  require("moonbox.local.http.logs").install(r)
+  require("moonbox.local.http.control").install(control)
+end
+
+return M

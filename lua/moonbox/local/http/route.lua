@@ -1,0 +1,237 @@
+--- moonbox.local.http.route — what every route of `moonbox local` shares.
+--
+-- route.wrap(b, fn, o) turns a handler function(b, req, ctx, res) -> status, body, headers into
+-- an httpd handler that: records the request in the journal (only authenticated requests get
+-- this far: the server's pre-body gate answers the others), applies injected faults (never to
+-- the control endpoint), turns ServiceErrors into Render's JSON errors {message, code}, and adds
+-- render-request-id and the ratelimit-* headers. Unexpected errors answer 500 with the request
+-- id only; their details (which name our source files) go to the backend's log, never to the
+-- client. Also here: strict decoding of JSON bodies and typed field access, so that every bad
+-- input is a 400 saying which field and why.
+local task = require "moonbox.task"
+local core = require "moonbox.core"
+local json = require "moonbox.json"
+local cjson = require "cjson"
+local ids = require "moonbox.local.ids"
+local service = require "moonbox.local.service"
+
+local M = {}
+local fail = service.fail
+M.fail = fail
+
+-- Status of each ServiceError kind.
+M.STATUS = { invalid = 400, unauthorized = 401, forbidden = 403, not_found = 404, conflict = 409,
+  too_large = 413, unsupported_media = 415, rate_limited = 429, internal = 500, unavailable = 503 }
+
+-- A decoder of its own: no NaN/Infinity/hex numbers, and nesting bounded (the wire never needs
+-- more than a few levels).
+local strict = cjson.new()
+strict.decode_invalid_numbers(false)
+strict.decode_max_depth(32)
+
+local function finite(v, depth)
+  if type(v) == "number" then return v == v and v ~= math.huge and v ~= -math.huge end
+  if type(v) == "table" then
+    for k, x in pairs(v) do
+      if not finite(x, depth + 1) or (type(k) == "number" and not finite(k, depth + 1)) then return false end
+    end
+  end
+  return true
+end
+
+--- route.decode(raw) -> value, or nil and a message: JSON as the wire accepts it.
+function M.decode(raw)
+  local ok, v = pcall(strict.decode, raw)
+  if not ok then
+    local msg = tostring(v):gsub("^.-: ", "")
+    if msg:find("too many nested") then msg = "it is nested more than 32 levels deep" end
+    return nil, msg
+  end
+  if not finite(v, 0) then return nil, "it holds a number out of range (NaN, Infinity or beyond a double)" end
+  if v == cjson.null then v = json.null end
+  return v
+end
+
+--- route.body_json(req, required) -> the request's JSON object (nil when empty and not
+-- required). Raises invalid with the reason. The decoded body is kept on req for the journal.
+function M.body_json(req, required)
+  if not req._json_done then
+    req._json_done = true
+    local raw = req.body or ""
+    if not raw:match("^%s*$") then
+      local v, err = M.decode(raw)
+      if v == nil then
+        req._json_error = "request body is not valid JSON: " .. err
+      elseif type(v) ~= "table" or (#v > 0) then
+        req._json_error = "request body must be a JSON object"
+      else
+        req._json = v
+      end
+    end
+  end
+  if req._json_error then fail("invalid", req._json_error) end
+  if req._json == nil and required then fail("invalid", "a JSON request body is required") end
+  return req._json
+end
+
+--- route.field(body, name, kind, where[, lo, hi]) -> the field's value or nil (absent or
+-- null). kind: "string", "boolean", "integer" (lo..hi inclusive when given), "object", "array".
+-- Raises invalid naming the field and what it must be.
+function M.field(body, name, kind, where, lo, hi)
+  local v = body[name]
+  if v == nil or v == json.null then return nil end
+  local ok
+  if kind == "integer" then
+    ok = math.type(v) == "integer" or (type(v) == "number" and v == math.floor(v) and math.abs(v) < 2 ^ 63)
+    if ok then
+      v = math.tointeger(v)
+      ok = v ~= nil
+    end
+    if ok and ((lo and v < lo) or (hi and v > hi)) then
+      fail("invalid", string.format("%s: field '%s' must be between %d and %d, got %d", where, name, lo,
+        hi, v))
+    end
+  elseif kind == "object" then
+    ok = type(v) == "table" and (next(v) == nil or #v == 0)
+  elseif kind == "array" then
+    ok = type(v) == "table" and (next(v) == nil or #v > 0)
+  else
+    ok = type(v) == kind
+  end
+  if not ok then
+    fail("invalid", string.format("%s: field '%s' must be %s %s%s", where, name, kind == "integer" and "an"
+      or "a",
+      kind, kind == "integer" and lo and string.format(" between %d and %d", lo, hi) or ""))
+  end
+  return v
+end
+
+--- route.query_int(req, name, default, lo, hi) -> an integer query parameter. Raises invalid.
+function M.query_int(req, name, default, lo, hi)
+  local raw = req:query_param(name)
+  if raw == nil then return default end
+  local n = raw:match("^%s*%-?[%d.eE+]+%s*$") and tonumber(raw)
+  local v = n and n == n and math.abs(n) < 2 ^ 63 and math.tointeger(n)
+  if not v or v < lo or v > hi then
+    fail("invalid", string.format("%s must be an integer between %d and %d", name, lo, hi))
+  end
+  return v
+end
+
+--- route.bearer(req) -> the bearer token of the Authorization header, or nil.
+function M.bearer(req)
+  local h = req.headers["authorization"]
+  return h and h:match("^[Bb]earer%s+(%S+)%s*$")
+end
+
+--- route.respond(res, status, body, headers): sends a table as JSON, or a string as is.
+function M.respond(res, status, body, headers)
+  headers = headers or {}
+  local text
+  if type(body) == "table" then
+    text = json.encode(body)
+    headers["Content-Type"] = headers["Content-Type"] or "application/json"
+  else
+    text = body
+  end
+  return res:send(status, text, headers)
+end
+
+-- Render's rate-limit headers, on every answer that reaches the application.
+local function ratelimit(h, retry_after)
+  h["RateLimit-Limit"] = h["RateLimit-Limit"] or "400"
+  h["RateLimit-Remaining"] = h["RateLimit-Remaining"] or (retry_after and "0" or "399")
+  h["RateLimit-Reset"] = h["RateLimit-Reset"] or tostring(retry_after or 60)
+end
+
+--- route.wrap(b, fn, o) -> an httpd handler (see the file header). o.control = true for the
+-- control endpoint (no faults). b is the backend: b.svc, b.journal, b.faults, b.log.
+function M.wrap(b, fn, o)
+  o = o or {}
+  return function(req, res)
+    -- Decode first so the journal can show the body; a bad body is still journaled as text.
+    pcall(M.body_json, req, false)
+    local entry = b.journal:record(req, req._json)
+    local rid = "req-" .. ids.token():sub(1, 20)
+    local latency, fault = 0, nil
+    if not o.control then latency, fault = b.faults:decide(req.method, req.path) end
+    if latency > 0 then task.sleep(latency / 1000) end
+    if fault and fault.fault == "status" then
+      local h = { ["render-request-id"] = rid }
+      if fault.retry_after then h["Retry-After"] = tostring(fault.retry_after) end
+      ratelimit(h, fault.retry_after)
+      entry.status, entry.fault = fault.status, "status"
+      return M.respond(res, fault.status, { message = fault.status == 429 and "rate limit exceeded"
+        or "injected fault" }, h)
+    end
+    if fault and fault.fault == "edge" then
+      -- Render's edge firewall: an HTML page, none of Render's own headers.
+      entry.status, entry.fault = 403, "edge"
+      return res:send(403, "<!DOCTYPE html><html><head><title>Attention Required! | Cloudflare</title>" ..
+        "</head><body>Sorry, you have been blocked</body></html>", { ["Content-Type"] = "text/html" })
+    end
+    local ctx = { rid = rid, entry = entry, fault = fault }
+    local ok, status, body, headers = xpcall(fn, core.msgh, b, req, ctx, res)
+    if not ok then
+      local err = status
+      if task.is_cancelled(err) then error(err, 0) end
+      if service.is_error(err) then
+        status, body = M.STATUS[err.kind] or 500, { message = err.message, code = err.code }
+        headers = err.retry_after and { ["Retry-After"] = tostring(err.retry_after) } or nil
+      else
+        b.log(string.format("%s %s (%s) failed: %s\n%s", req.method, req.path, rid, tostring(err),
+          core.traceback_of(err) or ""))
+        status, body = 500, { message = "internal error in moonbox local (request " .. rid ..
+          "); the backend's log has the details" }
+      end
+    end
+    if status == nil then -- answered itself (a stream)
+      entry.status = entry.status or 200
+      return
+    end
+    entry.status = status
+    if fault and fault.fault == "drop" then
+      entry.fault = "drop"
+      res:drop()
+      return
+    end
+    headers = headers or {}
+    headers["render-request-id"] = rid
+    if not o.control then ratelimit(headers, headers["Retry-After"] and tonumber(headers["Retry-After"])) end
+    return M.respond(res, status, body, headers)
+  end
+end
+
+--- route.owner_optional(b, req): ownerId as an optional query parameter: at most one value,
+-- and it must be the workspace.
+function M.owner_optional(b, req)
+  local all = req:query_all("ownerId")
+  if #all > 1 then fail("invalid", "ownerId accepts at most one value", "invalid_owner_id") end
+  if all[1] and all[1] ~= b.workspace then fail("not_found", "workspace not found") end
+end
+
+--- route.owner_exactly_one(b, req): ownerId required with exactly one value (group and
+-- snapshot lists).
+function M.owner_exactly_one(b, req)
+  local all = req:query_all("ownerId")
+  if #all == 0 then fail("invalid", "ownerId is required", "invalid_owner_id") end
+  if #all > 1 then fail("invalid", "ownerId accepts at most one value", "invalid_owner_id") end
+  if all[1] ~= b.workspace then fail("not_found", "workspace not found") end
+end
+
+--- route.statuses(req, allowed) -> a set of the status query values (repeated or
+-- comma-separated), or nil when there are none. Raises invalid invalid_status.
+function M.statuses(req, allowed)
+  local list = req:query_all("status")
+  if #list == 0 then return nil end
+  local want = {}
+  for _, s in ipairs(list) do
+    for one in s:gmatch("[^,]+") do
+      if not allowed[one] then fail("invalid", "invalid status " .. one, "invalid_status") end
+      want[one] = true
+    end
+  end
+  return want
+end
+
+return M

@@ -1,0 +1,113 @@
+--- moonbox.local.http.sandboxes — /v1/sandboxes: create, list, get, terminate, suspend.
+-- Decodes each request, calls the service, encodes the record (render-api.md's shapes).
+local route = require "moonbox.local.http.route"
+local wire = require "moonbox.local.wire"
+local json = require "moonbox.json"
+local service = require "moonbox.local.service"
+
+local M = {}
+local fail, field = route.fail, route.field
+
+-- Render accepts timeouts up to 30 days (0 = none); idle timeouts are 0 (off) or 300..86400.
+local TIMEOUT_MAX = 30 * 86400
+
+local function network(body)
+  local np = field(body, "networkPolicy", "object", "networkPolicy")
+  if np == nil then return "allow-all" end
+  local default = np.default
+  if default == nil then default = np.type end -- SDK 1.5.0 examples spell it `type`
+  if default == nil then default = "allow-all" end
+  if default ~= "allow-all" and default ~= "deny-all" and default ~= "allow-list" then
+    fail("invalid", "networkPolicy.default must be allow-all, deny-all or allow-list, got " .. tostring(
+      default))
+  end
+  local domains = np.allowedDomains
+  if default ~= "allow-list" and domains ~= nil and domains ~= json.null then
+    fail("invalid", "networkPolicy.allowedDomains is only valid with default allow-list")
+  end
+  return default
+end
+
+local function env(body)
+  local e = field(body, "env", "object", "POST /sandboxes")
+  if e == nil then return {} end
+  local count, size = 0, 0
+  for k, v in pairs(e) do
+    if type(k) ~= "string" or type(v) ~= "string" then fail("invalid",
+      "env must map names to string values") end
+    if not k:match("^[A-Za-z_][A-Za-z0-9_]*$") then
+      fail("invalid", string.format("env: %q is not a valid variable name", k))
+    end
+    count = count + 1
+    size = size + #k + #v
+  end
+  if count > 100 then fail("invalid", "env: at most 100 variables (got " .. count .. ")") end
+  if size > 256 * 1024 then fail("invalid", "env: at most 256 KB of names and values in total") end
+  return e
+end
+
+--- POST /v1/sandboxes -> 201 sandbox.
+function M.create(b, req)
+  local body = route.body_json(req, true)
+  local owner = body.ownerId
+  if owner == nil then fail("invalid", "ownerId is required", "invalid_owner_id") end
+  if type(owner) ~= "string" then fail("invalid", "ownerId must be a string", "invalid_owner_id") end
+  if owner ~= b.workspace then fail("not_found", "workspace not found") end
+  local where = "POST /sandboxes"
+  local idle = field(body, "idleTimeoutSeconds", "integer", where, 0, 86400)
+  if idle and idle ~= 0 and idle < 300 then fail("invalid",
+    "idleTimeoutSeconds must be 0 (off) or between 300 and 86400") end
+  local region = field(body, "region", "string", where)
+  if region and region ~= b.svc.limits.region then
+    fail("invalid", "unknown region " .. json.encode(region) .. " (only " .. b.svc.limits.region .. ")")
+  end
+  local rec = b.svc:create_sandbox {
+    plan = field(body, "plan", "string", where),
+    timeout = field(body, "timeoutSeconds", "integer", where, 0, TIMEOUT_MAX),
+    idle_timeout = idle, network = network(body), env = env(body),
+    name = field(body, "name", "string", where),
+    snapshot_id = field(body, "snapshotId", "string", where),
+    snapshot_name = field(body, "snapshotName", "string", where),
+    group_id = field(body, "sandboxGroupId", "string", where),
+  }
+  return 201, wire.sandbox(rec)
+end
+
+--- GET /v1/sandboxes -> 200 page.
+function M.list(b, req)
+  for _, o in ipairs(req:query_all("ownerId")) do
+    if o ~= b.workspace then fail("not_found", "workspace not found") end
+  end
+  local recs = b.svc:list_sandboxes { statuses = route.statuses(req, service.SANDBOX_STATUSES),
+    name = req:query_param("name"), group_id = req:query_param("sandboxGroupId") }
+  return 200, wire.page(req, "sbx", "sandbox", recs, wire.sandbox)
+end
+
+--- GET /v1/sandboxes/:id -> 200 sandbox.
+function M.get(b, req)
+  route.owner_optional(b, req)
+  return 200, wire.sandbox(b.svc:find_sandbox(req.captures.id))
+end
+
+--- POST /v1/sandboxes/:id/terminate -> 204 (idempotent).
+function M.terminate(b, req)
+  route.owner_optional(b, req)
+  b.svc:terminate(b.svc:find_sandbox(req.captures.id))
+  return 204
+end
+
+--- POST /v1/sandboxes/:id/suspend -> 202 sandbox.
+function M.suspend(b, req)
+  route.owner_optional(b, req)
+  return 202, wire.sandbox(b.svc:suspend(b.svc:find_sandbox(req.captures.id)))
+end
+
+function M.install(r)
+  r("POST", "/v1/sandboxes", M.create)
+  r("GET", "/v1/sandboxes", M.list)
+  r("GET", "/v1/sandboxes/:id", M.get)
+  r("POST", "/v1/sandboxes/:id/terminate", M.terminate)
+  r("POST", "/v1/sandboxes/:id/suspend", M.suspend)
+end
+
+return M

@@ -1,0 +1,850 @@
+--- moonbox.local.service — what `moonbox local` does, apart from how it is asked over HTTP.
+--
+-- The service owns the backend's records (moonbox.local.state: groups, sandboxes, snapshots,
+-- exec records), the isolation engine (moonbox.local.engine), connect tokens, per-sandbox log
+-- streams, and the lifecycle that ties them: create → boot → running; idle suspend and wake;
+-- timeouts; terminate and layer garbage collection; snapshot capture; recovery after a restart.
+-- Its callers (the handlers in moonbox.local.http.*) decode requests, call one method, and
+-- encode the result; they never touch records or the engine themselves.
+-- Errors are raised as ServiceError values {kind, message, code, retry_after}: kind is one of
+-- invalid, unauthorized, forbidden, not_found, conflict, too_large, rate_limited, unavailable,
+-- internal (the wire maps each to a status), code is Render's machine code where it has one.
+-- Messages name ids and sandbox paths, never a host path.
+-- Everything runs on the loop; long work (boot, capture, exec) runs in tasks of its own.
+local task = require "moonbox.task"
+local core = require "moonbox.core"
+local sys = require "moonbox.sys"
+local host = require "moonbox.local.engine.host"
+local ids = require "moonbox.local.ids"
+local image = require "moonbox.local.image"
+
+local M = {}
+local Service = {}
+Service.__index = Service
+M.Service = Service
+
+M.DEFAULTS = {
+  plan = "1c-2g",
+  region = "oregon",
+  timeout_seconds = 86400,
+  idle_timeout_seconds = 900,
+  concurrency_limit = 1000,
+  snapshot_lifetime = 30 * 86400,
+  token_ttl = 120,
+  keepalive = 15,
+  log_max = 5000,
+  log_bytes = 4 * 1024 * 1024,
+  sync_output_max = 1024 * 1024, -- bytes kept per stream of a runs/sync answer
+  max_upload = 8 * 1024 * 1024 * 1024,
+}
+
+-- Plans and what each limits: CPUs (a quota), memory (no swap beyond it), processes. Render's
+-- older names are accepted as the sizes that replaced them.
+local GiB = 1024 * 1024 * 1024
+M.PLANS = {
+  ["1c-2g"] = { cpus = 1, memory = 2 * GiB, pids = 1024 },
+  ["2c-4g"] = { cpus = 2, memory = 4 * GiB, pids = 2048 },
+  ["4c-8g"] = { cpus = 4, memory = 8 * GiB, pids = 4096 },
+  ["8c-16g"] = { cpus = 8, memory = 16 * GiB, pids = 8192 },
+}
+M.PLANS.starter, M.PLANS.standard, M.PLANS.pro = M.PLANS["1c-2g"], M.PLANS["2c-4g"], M.PLANS["4c-8g"]
+M.PLAN_NAMES = "1c-2g, 2c-4g, 4c-8g or 8c-16g (older names: starter, standard, pro)"
+
+M.SANDBOX_STATUSES = { creating = true, running = true, suspending = true, suspended = true,
+  resuming = true, errored = true, terminated = true }
+M.SNAPSHOT_STATUSES = { creating = true, available = true, failed = true }
+M.LIVE = { creating = true, running = true, suspending = true, suspended = true, resuming = true }
+
+-- ---- errors ------------------------------------------------------------------------------
+
+local ServiceError = { __name = "moonbox.local.ServiceError" }
+ServiceError.__index = ServiceError
+ServiceError.__tostring = function(e)
+  return string.format("%s: %s%s", e.kind, e.message, e.code and (" (" .. e.code .. ")") or "")
+end
+M.ServiceError = ServiceError
+
+--- service.fail(kind, message[, code[, retry_after]]): raises a ServiceError. Never returns.
+local function fail(kind, message, code, retry_after)
+  error(setmetatable({ kind = kind, message = message, code = code, retry_after = retry_after },
+    ServiceError), 0)
+end
+M.fail = fail
+
+--- service.is_error(v) -> whether v is a ServiceError.
+function M.is_error(v) return getmetatable(v) == ServiceError end
+
+local function now() return core.time() end
+
+local function message_of(err)
+  if type(err) == "table" and err.message then return tostring(err.message) end
+  return tostring(err)
+end
+
+-- ---- construction --------------------------------------------------------------------------
+
+--- Service.new(opts) -> Service. opts: st (an open moonbox.local.state), engine, state_dir,
+-- workspace, user, limits (overrides of DEFAULTS), log (function(line)), on_token (function(op,
+-- token, info): the wire's pre-body gate learns about tokens). Does not yield.
+function M.new(opts)
+  local self = setmetatable({
+    st = opts.st, engine = opts.engine, state_dir = opts.state_dir, workspace = opts.workspace,
+    user = opts.user, log = opts.log or function() end, on_token = opts.on_token or function() end,
+    limits = setmetatable({}, { __index = M.DEFAULTS }),
+    tokens = {}, runtime = {}, logs = {}, log_conds = {}, tasks = {}, closing = false,
+  }, Service)
+  for k, v in pairs(opts.limits or {}) do self.limits[k] = v end
+  -- Records of older versions kept create-env values; they are never written now.
+  for _, rec in pairs(self.st.sandboxes) do
+    if rec._env then
+      rec._env = nil
+      self.st:save("sandbox", rec)
+    end
+  end
+  return self
+end
+
+--- svc:start(): recovers what a previous backend left and starts the timers. [yields]
+function Service:start()
+  self:recover()
+  self.tasks.ticker = task.spawn(function() self:tick_loop() end)
+end
+
+--- svc:close(): stops the timers and every sandbox's processes (their records stay and are
+-- reported as a restart leaves them). [yields]
+function Service:close()
+  if self.closing then return end
+  self.closing = true
+  for _, t in pairs(self.tasks) do task.cancel(t) end
+  for id, rec in pairs(self.st.sandboxes) do
+    if M.LIVE[rec.status] then pcall(self.engine.terminate, self.engine, id) end
+  end
+  if self.engine.close then pcall(self.engine.close, self.engine) end
+end
+
+-- ---- logs ----------------------------------------------------------------------------------
+
+--- svc:emit(id, event, data): appends a log or lifecycle event to a sandbox's log stream
+-- (bounded by events and bytes: the oldest go first) and wakes its followers.
+function Service:emit(id, event, data)
+  local list = self.logs[id]
+  if not list then
+    list = {}
+    self.logs[id] = list
+  end
+  data.at = data.at or ids.iso(now())
+  local size = data.data and #data.data or 0
+  list.n = (list.n or 0) + 1
+  list[#list + 1] = { event = event, data = data, t = now(), size = size, n = list.n }
+  list.bytes = (list.bytes or 0) + size
+  while #list > self.limits.log_max or list.bytes > self.limits.log_bytes do
+    local old = table.remove(list, 1)
+    list.bytes = list.bytes - old.size
+  end
+  local c = self.log_conds[id]
+  if c then c:broadcast() end
+end
+
+--- svc:log_cond(id) -> the condition a log follower of sandbox id waits on.
+function Service:log_cond(id)
+  local c = self.log_conds[id] or core.cond()
+  self.log_conds[id] = c
+  return c
+end
+
+-- ---- sandbox lifecycle ---------------------------------------------------------------------
+
+local function set_status(self, rec, status, extra)
+  rec.status = status
+  for k, v in pairs(extra or {}) do rec[k] = v end
+  self.st:save("sandbox", rec)
+  if status ~= "suspending" then self:emit(rec.id, "lifecycle", { type = status }) end
+end
+
+-- The runtime (unpersisted) state of a sandbox: boot task, activity, execs.
+function Service:rt(id)
+  local r = self.runtime[id]
+  if not r then
+    r = { active = 0, last_activity = now(), ready = core.cond() }
+    self.runtime[id] = r
+  end
+  return r
+end
+
+--- service.plan(name) -> the plan's limits, or raises invalid naming the plans.
+function M.plan(name)
+  local p = M.PLANS[name]
+  if not p then
+    fail("invalid", "unknown plan " .. string.format("%q", tostring(name)) .. " (use " .. M.PLAN_NAMES .. ")")
+  end
+  return p
+end
+
+-- Boots a sandbox's namespaces and filesystem in its own task: creating → running or errored.
+function Service:boot(rec, env)
+  local r = self:rt(rec.id)
+  r.boot = task.spawn(function()
+    local snap = rec._snapshot and self.st.snapshots[rec._snapshot]
+    local ok, err = pcall(self.engine.create, self.engine, rec.id, {
+      lowers = rec._lowers or {}, network = rec.networkPolicy.default, env = env,
+      dev_records = snap and snap._dev_records, limits = M.PLANS[rec.plan],
+    })
+    r.boot = nil
+    if rec.status ~= "creating" then return end -- terminated meanwhile
+    if ok then
+      r.started = now()
+      r.last_activity = now()
+      set_status(self, rec, "running")
+    else
+      self.log("sandbox " .. rec.id .. " failed to boot: " .. message_of(err))
+      rec._error = message_of(err)
+      self:emit(rec.id, "log", { stream = "stderr", data = "the sandbox could not start: " .. message_of(
+        err) .. "\n" })
+      set_status(self, rec, "errored")
+    end
+    r.ready:broadcast()
+  end)
+end
+
+--- svc:ensure_running(rec) -> the runtime record. Waits until a sandbox can run commands:
+-- wakes it if suspended (resuming → running) and waits out a boot. Raises not_found for a
+-- terminated sandbox, conflict sandbox_not_running for an errored one, unavailable when a boot
+-- takes over two minutes. [yields]
+function Service:ensure_running(rec)
+  local r = self:rt(rec.id)
+  local deadline = now() + 120
+  while true do
+    local s = rec.status
+    if s == "running" then return r end
+    if s == "terminated" then fail("not_found", "sandbox " .. rec.id .. " is terminated") end
+    if s == "errored" then fail("conflict", "sandbox " .. rec.id .. " is errored", "sandbox_not_running") end
+    if s == "suspended" or s == "suspending" then
+      set_status(self, rec, "resuming")
+      local ok, err = pcall(self.engine.thaw, self.engine, rec.id)
+      if not ok then
+        self.log("waking " .. rec.id .. " failed: " .. message_of(err))
+        set_status(self, rec, "errored")
+        fail("internal", "could not wake sandbox " .. rec.id)
+      end
+      r.last_activity = now()
+      set_status(self, rec, "running")
+      return r
+    end
+    if now() > deadline then fail("unavailable", "sandbox " .. rec.id .. " is not ready yet", nil, 1) end
+    r.ready:wait()
+  end
+end
+
+--- svc:activity(id, delta): marks the start (+1) and end (-1) of an operation that keeps a
+-- sandbox awake.
+function Service:activity(id, delta)
+  local r = self:rt(id)
+  r.active = r.active + delta
+  r.last_activity = now()
+end
+
+--- svc:terminate(rec): terminates a sandbox (idempotent): stops its processes, frees its disk
+-- and the layers nothing needs any more, records the time. [yields]
+function Service:terminate(rec)
+  if rec.status == "terminated" then return end
+  local r = self:rt(rec.id)
+  if r.boot then task.cancel(r.boot) end
+  rec.terminatedAt = ids.iso(now())
+  set_status(self, rec, "terminated")
+  r.ready:broadcast()
+  local ok, err = pcall(self.engine.terminate, self.engine, rec.id)
+  if not ok then self.log("terminating " .. rec.id .. ": " .. message_of(err)) end
+  self.runtime[rec.id] = nil
+  self:gc_layers()
+end
+
+--- svc:suspend(rec) -> rec. Starts suspending a running sandbox (suspending → suspended in a
+-- task); idempotent for a suspended one. Raises conflict sandbox_not_running otherwise.
+function Service:suspend(rec)
+  if rec.status == "suspended" or rec.status == "suspending" then return rec end
+  if rec.status ~= "running" then
+    fail("conflict", "sandbox " .. rec.id .. " is " .. rec.status .. ", not running", "sandbox_not_running")
+  end
+  set_status(self, rec, "suspending")
+  task.spawn(function()
+    local ok, err = pcall(self.engine.freeze, self.engine, rec.id)
+    if rec.status ~= "suspending" then return end
+    if ok then
+      set_status(self, rec, "suspended")
+    else
+      self.log("suspending " .. rec.id .. ": " .. message_of(err))
+      set_status(self, rec, "running")
+    end
+  end)
+  return rec
+end
+
+--- svc:gc_layers(): removes layer directories (and /dev captures) no live sandbox and no kept
+-- snapshot needs. [yields]
+function Service:gc_layers()
+  local needed = {}
+  for _, s in pairs(self.st.sandboxes) do
+    if M.LIVE[s.status] then for _, l in ipairs(s._lowers or {}) do needed[l] = true end end
+  end
+  for _, s in pairs(self.st.snapshots) do
+    if not s._deleted then
+      for _, l in ipairs(s._layers or {}) do needed[l] = true end
+      if s._dev_records then needed[s._dev_records] = true end
+    end
+  end
+  local dir = self.state_dir .. "/layers"
+  local ok, names = pcall(sys.listdir, dir)
+  if not ok then return end
+  table.sort(names)
+  for _, name in ipairs(names) do
+    local path = dir .. "/" .. name
+    if not needed[path] then
+      local freed, err = pcall(host.remove_tree, path)
+      if not freed then self.log("cannot free layer " .. name .. ": " .. message_of(err)) end
+    end
+  end
+end
+
+--- svc:recover(): after a restart, the previous backend's sandboxes died with its keepers.
+-- Their records say so honestly (errored, with the reason in their log stream) and what is left
+-- of them on disk is freed. [yields]
+function Service:recover()
+  local stale = {}
+  for id, rec in pairs(self.st.sandboxes) do
+    if M.LIVE[rec.status] then stale[#stale + 1] = id end
+  end
+  if self.engine.recover then
+    local ok, err = pcall(self.engine.recover, self.engine)
+    if not ok then self.log("recovering the previous run's sandboxes: " .. message_of(err)) end
+  end
+  for _, id in ipairs(stale) do
+    local rec = self.st.sandboxes[id]
+    rec._error = "the moonbox local backend restarted; this sandbox's processes did not survive"
+    self:emit(id, "log", { stream = "stderr", data = rec._error .. "\n" })
+    set_status(self, rec, "errored")
+    pcall(self.engine.terminate, self.engine, id)
+  end
+  for _, snap in pairs(self.st.snapshots) do
+    if snap.status == "creating" then
+      snap.status, snap.error = "failed", "the backend restarted during capture"
+      self.st:save("snapshot", snap)
+    end
+  end
+end
+
+--- Once a second: idle suspend, lifetime timeouts, snapshot expiry, token expiry. [yields]
+function Service:tick_loop()
+  while true do
+    task.sleep(1)
+    local t = now()
+    for id, rec in pairs(self.st.sandboxes) do
+      local r = self.runtime[id]
+      if rec.status == "running" and r then
+        local idle = rec.idleTimeoutSeconds or self.limits.idle_timeout_seconds
+        if rec.timeoutSeconds and rec.timeoutSeconds > 0 and r.started
+          and t - r.started >= rec.timeoutSeconds then
+          self:emit(id, "log", { stream = "stderr", data = "sandbox reached its timeoutSeconds\n" })
+          self:terminate(rec)
+        elseif idle > 0 and r.active == 0 and t - r.last_activity >= idle then
+          set_status(self, rec, "suspending")
+          local ok, err = pcall(self.engine.freeze, self.engine, id)
+          if ok then
+            set_status(self, rec, "suspended")
+          else
+            self.log("suspending " .. id .. ": " .. message_of(err))
+            set_status(self, rec, "running")
+          end
+        end
+      end
+    end
+    local expired = false
+    for _, snap in pairs(self.st.snapshots) do
+      if not snap._deleted and snap.expiresAt and (ids.parse_iso(snap.expiresAt) or math.huge) <= t then
+        snap._deleted = true
+        self.st:save("snapshot", snap)
+        expired = true
+      end
+    end
+    if expired then self:gc_layers() end
+    for tok, info in pairs(self.tokens) do
+      if info.expires < t - 60 then
+        self.tokens[tok] = nil
+        self.on_token("drop", tok)
+      end
+    end
+  end
+end
+
+-- ---- groups ----------------------------------------------------------------------------------
+
+local function new_group(self, name, is_default, limit)
+  local t = ids.iso(now())
+  local g = {
+    id = ids.new("sbg"), ownerId = self.workspace, name = name, region = self.limits.region,
+    isDefault = is_default, environmentId = nil, concurrencyLimit = limit or self.limits.concurrency_limit,
+    createdAt = t, updatedAt = t,
+  }
+  self.st:save("group", g)
+  self.st.groups[g.id] = g
+  return g
+end
+
+--- svc:default_group() -> the workspace's default group, created with the first sandbox.
+function Service:default_group()
+  for _, g in pairs(self.st.groups) do
+    if g.isDefault and not g._deleted then return g end
+  end
+  return new_group(self, "Default", true)
+end
+
+--- svc:find_group(gid) -> group. Raises invalid invalid_sandbox_group_id, not_found.
+function Service:find_group(gid)
+  if not ids.valid("sbg", gid) then
+    fail("invalid", "invalid sandbox group id " .. tostring(gid), "invalid_sandbox_group_id")
+  end
+  local g = self.st.groups[gid]
+  if not g or g._deleted then fail("not_found", "sandbox group not found") end
+  return g
+end
+
+local function live_count(self, gid)
+  local n = 0
+  for _, s in pairs(self.st.sandboxes) do
+    if s.sandboxGroupId == gid and M.LIVE[s.status] then n = n + 1 end
+  end
+  return n
+end
+
+--- svc:list_groups() -> groups, newest first.
+function Service:list_groups()
+  return self.st.sorted(self.st.groups, function(g) return not g._deleted end)
+end
+
+--- svc:create_group{name, region, limit} -> group. Raises conflict at 10 groups.
+function Service:create_group(p)
+  local n = 0
+  for _, g in pairs(self.st.groups) do if not g._deleted then n = n + 1 end end
+  if n >= 10 then fail("conflict", "a workspace has at most 10 sandbox groups") end
+  return new_group(self, p.name, n == 0, p.limit)
+end
+
+--- svc:delete_group(g). Raises conflict while it has sandboxes or when it is the default.
+function Service:delete_group(g)
+  if live_count(self, g.id) > 0 then fail("conflict",
+    "sandbox group still has sandboxes that are not terminated") end
+  if g.isDefault then fail("conflict", "the default sandbox group cannot be deleted") end
+  g._deleted = true
+  self.st:save("group", g)
+end
+
+-- ---- sandboxes -----------------------------------------------------------------------------
+
+local SNAPSHOT_NAME_MAX = 64
+
+--- service.valid_snapshot_name(name) -> whether name is a snapshot name Render accepts.
+function M.valid_snapshot_name(name)
+  return type(name) == "string" and #name >= 1 and utf8.len(name) ~= nil and utf8.len(
+    name) <= SNAPSHOT_NAME_MAX
+    and name:sub(1, 4) ~= "snp-"
+end
+
+-- Resolves and checks the snapshot of a restore, in the order Render's fake does.
+local function restore_source(self, p, group)
+  local sid, sname = p.snapshot_id, p.snapshot_name
+  if sid ~= nil and sname ~= nil then fail("invalid",
+    "snapshotId and snapshotName are mutually exclusive") end
+  if sid == nil and sname == nil then return nil end
+  local snap
+  if sname ~= nil then
+    if not M.valid_snapshot_name(sname) then
+      fail("invalid", "invalid snapshot name " .. string.format("%q", sname), "invalid_snapshot_name")
+    end
+    for _, s in pairs(self.st.snapshots) do
+      if not s._deleted and s.name == sname and s.sandboxGroupId == group.id and s.status == "available"
+        and (not snap or s._seq > snap._seq) then
+        snap = s
+      end
+    end
+    if not snap then fail("not_found", "no available snapshot named " .. sname, "snapshot_not_found") end
+  else
+    snap = self.st.snapshots[sid]
+    if not snap or snap._deleted then fail("not_found", "snapshot " .. sid .. " not found",
+      "snapshot_not_found") end
+    if snap.sandboxGroupId ~= group.id then
+      fail("conflict", "snapshot " .. sid .. " belongs to another sandbox group", "snapshot_not_available")
+    end
+    if snap.status ~= "available" then
+      fail("conflict", "snapshot " .. sid .. " is " .. snap.status, "snapshot_not_available")
+    end
+  end
+  if snap.kind == "runtime" and p.plan and p.plan ~= snap.plan then
+    fail("conflict", string.format("runtime snapshot %s was captured on plan %s, not %s", snap.id, snap.plan,
+      p.plan), "snapshot_plan_mismatch")
+  end
+  return snap
+end
+
+--- svc:create_sandbox(p) -> rec (status creating; it boots in a task). p: plan, timeout,
+-- idle_timeout, network ("allow-all" | "deny-all"), env, name, snapshot_id, snapshot_name,
+-- group_id — decoded and type-checked by the caller. Raises invalid (plan, snapshot name),
+-- not_found (group, snapshot), conflict (snapshot rules), rate_limited (group at its limit).
+function Service:create_sandbox(p)
+  if p.plan then M.plan(p.plan) end
+  if p.network == "allow-list" then
+    fail("invalid", "networkPolicy allow-list is not supported by moonbox local: it cannot yet restrict " ..
+      "HTTP(S) egress to named domains, and it will not pretend to. Use deny-all or allow-all locally; " ..
+      "allow-list works against Render's cloud")
+  end
+  local group = p.group_id and self:find_group(p.group_id) or self:default_group()
+  local snap = restore_source(self, p, group)
+  if snap then
+    for _, l in ipairs(snap._layers or {}) do
+      if not host.exists(l) then
+        fail("conflict", "snapshot " .. snap.id .. " cannot be restored: its data is gone",
+          "snapshot_not_available")
+      end
+    end
+  end
+  if live_count(self, group.id) >= group.concurrencyLimit then
+    fail("rate_limited", string.format("sandbox group %s is at its concurrency limit (%d)", group.id,
+      group.concurrencyLimit), nil, 1)
+  end
+  local rec = {
+    id = ids.new("sbx"), status = "creating",
+    plan = p.plan or (snap and snap.plan) or self.limits.plan,
+    networkPolicy = { default = p.network or "allow-all" }, region = self.limits.region,
+    timeoutSeconds = p.timeout or self.limits.timeout_seconds,
+    idleTimeoutSeconds = p.idle_timeout or self.limits.idle_timeout_seconds,
+    createdAt = ids.iso(now()), terminatedAt = nil,
+    sandboxGroupId = group.id, name = p.name,
+    _lowers = snap and snap._layers or {}, _snapshot = snap and snap.id,
+  }
+  self.st.sandboxes[rec.id] = rec
+  set_status(self, rec, "creating")
+  self:boot(rec, p.env or {})
+  return rec
+end
+
+--- svc:find_sandbox(id) -> rec. Raises not_found.
+function Service:find_sandbox(id)
+  local s = self.st.sandboxes[id]
+  if not s then fail("not_found", "sandbox not found") end
+  return s
+end
+
+--- svc:list_sandboxes{statuses = set|nil, name, group_id} -> records newest first. Without
+-- statuses, terminated sandboxes are left out.
+function Service:list_sandboxes(q)
+  return self.st.sorted(self.st.sandboxes, function(s)
+    if q.statuses then
+      if not q.statuses[s.status] then return false end
+    elseif s.status == "terminated" then
+      return false
+    end
+    if q.name and s.name ~= q.name then return false end
+    if q.group_id and s.sandboxGroupId ~= q.group_id then return false end
+    return true
+  end)
+end
+
+-- ---- tokens and exec records ------------------------------------------------------------------
+
+local function new_exec(self, rec, typ, operation, command)
+  local e = {
+    id = ids.new("exe"), sandboxId = rec.id, type = typ, operation = operation,
+    command = command and (#command > 4096 and command:sub(1, 4096) or command) or nil,
+    userId = self.user, startedAt = ids.iso(now()),
+  }
+  self.st.execs[e.id] = e
+  self.st:save("exec", e)
+  return e
+end
+
+local function mint(self, rec, exec, scope, path)
+  local token = ids.token()
+  local expires = now() + self.limits.token_ttl
+  local info = { sandbox = rec.id, op = scope, path = path, exec = exec.id, expires = expires }
+  self.tokens[token] = info
+  self.on_token("put", token, info, self.limits.token_ttl)
+  return token, expires
+end
+
+--- svc:mint_run(rec, op, command) -> exec, token, expires. op is "stream" or "sync". Wakes a
+-- suspended sandbox. Raises not_found (terminated), conflict (errored). [yields]
+function Service:mint_run(rec, op, command)
+  if rec.status == "terminated" then fail("not_found", "sandbox " .. rec.id .. " is terminated") end
+  self:ensure_running(rec)
+  local e = new_exec(self, rec, "runs", op, command)
+  return e, mint(self, rec, e, "runs/" .. op, nil)
+end
+
+--- svc:mint_file(rec, op, path, shown) -> exec, token, expires. op is "upload" or "download";
+-- path the absolute path inside, shown the path as the client sent it. [yields]
+function Service:mint_file(rec, op, path, shown)
+  if rec.status == "terminated" then fail("not_found", "sandbox " .. rec.id .. " is terminated") end
+  self:ensure_running(rec)
+  local e = new_exec(self, rec, "files", op, shown)
+  return e, mint(self, rec, e, "files/" .. op, path)
+end
+
+--- svc:check_token(token, sandbox_id, scope) -> rec, info. The wire's gate has checked the
+-- token before the body was read; this is the second look, with the records. Raises
+-- unauthorized, forbidden, not_found.
+function Service:check_token(token, sandbox_id, scope)
+  local info = token and self.tokens[token]
+  if not info then fail("unauthorized", "invalid or missing connect token") end
+  if info.expires < now() then fail("unauthorized", "connect token expired; mint a new one") end
+  if info.sandbox ~= sandbox_id or info.op ~= scope then
+    fail("forbidden", "this connect token is for another sandbox or operation")
+  end
+  local rec = self.st.sandboxes[info.sandbox]
+  if not rec or rec.status == "terminated" then fail("not_found", "sandbox is gone") end
+  return rec, info
+end
+
+--- svc:list_execs(rec) -> exec records, newest first.
+function Service:list_execs(rec)
+  return self.st.sorted(self.st.execs, function(e) return e.sandboxId == rec.id end)
+end
+
+--- svc:find_exec(rec, eid) -> exec record. Raises not_found.
+function Service:find_exec(rec, eid)
+  local e = self.st.execs[eid]
+  if not e or e.sandboxId ~= rec.id then fail("not_found", "execution not found") end
+  return e
+end
+
+--- svc:finish_exec(e, code): records an exec's exit code and stop time.
+function Service:finish_exec(e, code)
+  e.exitCode = code
+  e.stoppedAt = e.stoppedAt or ids.iso(now())
+  self.st:save("exec", e)
+end
+
+-- ---- runs ---------------------------------------------------------------------------------------
+
+--- svc:start_run(rec, command) -> h: starts `bash -c command` (an engine exec handle:
+-- read/wait/kill/detach), the sandbox kept awake until svc:end_run(rec). Raises internal when
+-- it cannot start. [yields]
+function Service:start_run(rec, command)
+  self:ensure_running(rec)
+  self:activity(rec.id, 1)
+  local ok, h = pcall(self.engine.exec, self.engine, rec.id, command)
+  if not ok then
+    self:activity(rec.id, -1)
+    fail("internal", "could not start the command in sandbox " .. rec.id .. ": " .. message_of(h))
+  end
+  return h
+end
+
+--- svc:end_run(rec): the run started by start_run no longer keeps the sandbox awake.
+function Service:end_run(rec) self:activity(rec.id, -1) end
+
+--- svc:run_sync(rec, info, command) -> {stdout, stderr, exit_code, truncated}. Runs a command
+-- to its end and answers with its output, at most limits.sync_output_max bytes per stream (the
+-- rest is read and dropped, truncated says so): a command printing a gigabyte costs the
+-- backend a megabyte. Both streams go to the sandbox's log, tagged with the exec id. [yields]
+function Service:run_sync(rec, info, command)
+  local h = self:start_run(rec, command)
+  local cap = self.limits.sync_output_max
+  local got = { stdout = { n = 0 }, stderr = { n = 0 } }
+  local cut = false
+  local readers = {}
+  for _, stream in ipairs({ "stdout", "stderr" }) do
+    readers[#readers + 1] = task.spawn(function()
+      local into = got[stream]
+      for chunk in function() return h:read(stream) end do
+        if into.n < cap then
+          local part = chunk:sub(1, cap - into.n)
+          into[#into + 1] = part
+          self:emit(rec.id, "log", { stream = stream, data = part, execId = info.exec })
+        end
+        if into.n + #chunk > cap then cut = true end
+        into.n = into.n + #chunk
+      end
+    end)
+  end
+  local ok, code = pcall(h.wait, h)
+  if ok then pcall(task.timeout, 0.2, function() for _, t in ipairs(readers) do task.join(t) end end) end
+  for _, t in ipairs(readers) do
+    if task.result(t) == nil then task.cancel(t) end
+    pcall(task.join, t)
+  end
+  h:detach()
+  self:end_run(rec)
+  if not ok then fail("internal", "the command failed to run: " .. message_of(code)) end
+  return { stdout = table.concat(got.stdout), stderr = table.concat(got.stderr), exit_code = code,
+    truncated = cut }
+end
+
+-- ---- files --------------------------------------------------------------------------------------
+
+-- Maps an engine or archive error of a file operation to a ServiceError. The engine's messages
+-- name the sandbox and the path inside it; the archive's name its temporary file, which is
+-- replaced by "the upload".
+local function file_error(err, what)
+  if M.is_error(err) or task.is_cancelled(err) then error(err, 0) end
+  local code = type(err) == "table" and err.code
+  local msg = message_of(err)
+  if type(err) == "table" and err.path then msg = msg:gsub(host.trim(err.path):gsub("%p", "%%%0"),
+    "the upload") end
+  msg = msg:gsub("/[^%s:]*/tmp/[^%s:]+", "the upload")
+  if code == "not_found" and (err.op or ""):match("^local%.engine%.") and not msg:find("not running") then
+    fail("not_found", "no file or directory at path", "file_not_found")
+  end
+  if code == "not_running" then fail("conflict", msg, "sandbox_not_running") end
+  if code == "is_directory" then fail("conflict", "path is a directory") end
+  if code == "not_directory" then fail("invalid", (msg:gsub("^sandbox %S+: ", ""))) end
+  if code == "not_regular" then
+    fail("invalid", "path is not a regular file or directory (a device, fifo or socket cannot be " .. what
+      .. ")",
+      "not_regular_file")
+  end
+  if code == "too_many" then fail("invalid", (msg:gsub("^sandbox %S+: ", ""))) end
+  if code == "unsafe_archive" then fail("invalid", msg .. "; nothing was extracted", "unsafe_archive") end
+  if code == "corrupt_archive" then
+    fail("invalid", "the upload is not a readable (gzip'd) tar archive: " .. (msg:gsub("^the upload ",
+      "")), "invalid_archive")
+  end
+  if code == "archive_too_large" then fail("too_large", msg) end
+  if code == "invalid_path" then fail("invalid", "path contains a NUL byte or a newline") end
+  fail("internal", what .. " failed: " .. msg)
+end
+M.file_error = file_error
+
+--- svc:upload(rec, info, body_file, kind) writes an upload to the token's path: kind "file"
+-- (the bytes become the file, mode 0600) or "archive" (a gzip'd or plain tar extracted into the
+-- directory). Raises invalid (unsafe_archive, invalid_archive, not a directory), conflict (a
+-- directory), too_large. [yields]
+function Service:upload(rec, info, body_file, kind)
+  self:ensure_running(rec)
+  self:activity(rec.id, 1)
+  local ok, err = pcall(function()
+    if kind == "archive" then
+      self.engine.files:tar_in(rec.id, info.path, body_file)
+    else
+      self.engine.files:write(rec.id, info.path, body_file, { mode = tonumber("600", 8) })
+    end
+  end)
+  self:activity(rec.id, -1)
+  if not ok then file_error(err, "the upload") end
+end
+
+--- svc:download(rec, info) -> {kind = "file", stream = p, size, name} or {kind = "directory",
+-- file = a temporary .tar.gz the caller serves and removes}. The sandbox is kept awake until
+-- svc:end_run(rec). Raises not_found file_not_found, invalid not_regular_file. [yields]
+function Service:download(rec, info)
+  self:ensure_running(rec)
+  self:activity(rec.id, 1)
+  local ok, res = pcall(function()
+    local st = self.engine.files:stat(rec.id, info.path, { follow = true })
+    if not st then fail("not_found", "no file or directory at path", "file_not_found") end
+    if st.type == "directory" then
+      return { kind = "directory", file = self.engine.files:tar_out(rec.id, info.path) }
+    end
+    local p, size = self.engine.files:read(rec.id, info.path)
+    return { kind = "file", stream = p, size = size, name = info.path:match("([^/]+)$") or "download" }
+  end)
+  if not ok then
+    self:activity(rec.id, -1)
+    file_error(res, "downloaded")
+  end
+  return res
+end
+
+--- svc:list_files(rec, path, depth) -> entries. Raises conflict sandbox_not_running unless the
+-- sandbox runs, not_found file_not_found, invalid. [yields]
+function Service:list_files(rec, path, depth)
+  if rec.status ~= "running" then
+    fail("conflict", "sandbox " .. rec.id .. " is " .. rec.status .. ", not running", "sandbox_not_running")
+  end
+  local ok, entries = pcall(self.engine.files.list, self.engine.files, rec.id, path, depth)
+  if not ok then file_error(entries, "listed") end
+  if not entries then fail("not_found", "no file or directory at path", "file_not_found") end
+  return entries
+end
+
+-- ---- snapshots -------------------------------------------------------------------------------
+
+--- svc:create_snapshot(rec, p) -> snap (status creating; captured in a task). p: kind, name,
+-- expires (epoch seconds), fail_capture (fault injection: the capture fails as a full disk
+-- would make it). Raises conflict sandbox_not_running.
+function Service:create_snapshot(rec, p)
+  if rec.status ~= "running" then fail("conflict", "sandbox is " .. rec.status, "sandbox_not_running") end
+  local t = now()
+  local snap = {
+    id = ids.new("snp"), sandboxGroupId = rec.sandboxGroupId, sourceSandboxId = rec.id,
+    kind = p.kind, status = "creating", plan = rec.plan, requestedAt = ids.iso(t),
+    expiresAt = ids.iso(p.expires or (t + self.limits.snapshot_lifetime)), name = p.name,
+    capturedAt = nil, sizeBytes = nil, error = nil,
+  }
+  self.st.snapshots[snap.id] = snap
+  self.st:save("snapshot", snap)
+  self:activity(rec.id, 1)
+  local r = self:rt(rec.id)
+  r.capture_lock = r.capture_lock or task.semaphore(1)
+  task.spawn(function()
+    local layer = self.state_dir .. "/layers/" .. snap.id
+    if p.fail_capture then
+      task.sleep(0.05)
+      self:activity(rec.id, -1)
+      snap.status, snap.error = "failed", "injected capture failure (disk full)"
+      self.st:save("snapshot", snap)
+      return
+    end
+    -- Captures of one sandbox take turns: each freezes it, and a thaw by one must not land in
+    -- the middle of another's copy.
+    local ok, result = pcall(r.capture_lock.with, r.capture_lock, self.engine.capture, self.engine, rec.id,
+      layer, { kind = p.kind })
+    if not ok then self.log("snapshot " .. snap.id .. " of " .. rec.id .. " failed: " .. message_of(
+      result)) end
+    self:activity(rec.id, -1)
+    if ok then
+      snap.status, snap.capturedAt, snap.sizeBytes = "available", ids.iso(now()), result.size
+      snap._layers = result.layers
+      snap._dev_records = result.dev_records
+      if p.kind == "runtime" then
+        snap.note = "moonbox local keeps the filesystem and /dev of a runtime snapshot; " ..
+          "processes and memory are not restored"
+      end
+    else
+      snap.status = "failed"
+      snap.error = "the capture failed: " .. (message_of(result):gsub("/[^%s:]+", ""))
+    end
+    self.st:save("snapshot", snap)
+    if snap.status == "failed" then self:gc_layers() end
+  end)
+  return snap
+end
+
+--- svc:find_snapshot(group, sid) -> snap (deleted ones included). Raises invalid
+-- invalid_snapshot_id, not_found snapshot_not_found.
+function Service:find_snapshot(group, sid)
+  if not ids.valid("snp", sid) then fail("invalid", "invalid snapshot id " .. tostring(sid),
+    "invalid_snapshot_id") end
+  local snap = self.st.snapshots[sid]
+  if not snap or snap.sandboxGroupId ~= group.id then fail("not_found", "snapshot not found",
+    "snapshot_not_found") end
+  return snap
+end
+
+--- svc:list_snapshots(group, statuses) -> snapshots of the group, newest first.
+function Service:list_snapshots(group, statuses)
+  return self.st.sorted(self.st.snapshots, function(s)
+    return s.sandboxGroupId == group.id and not s._deleted and (not statuses or statuses[s.status])
+  end)
+end
+
+--- svc:delete_snapshot(snap). Idempotent. Raises conflict snapshot_creating. [yields]
+function Service:delete_snapshot(snap)
+  if snap.status == "creating" then fail("conflict", "snapshot is still being captured",
+    "snapshot_creating") end
+  if not snap._deleted then
+    snap._deleted = true
+    self.st:save("snapshot", snap)
+    self:gc_layers()
+  end
+end
+
+M.image = image
+return M

@@ -1,0 +1,177 @@
+/*
+ * enter.c — `moonbox-sandbox exec` and `files`: a process joins a running sandbox.
+ *
+ * enter_sandbox does, in this order: join the sandbox's cgroups (so everything we start is
+ * born inside, counted and frozen with it); open the init's namespaces and root from /proc —
+ * all before entering any, so no host path is resolved after the switch; check that the pid
+ * still is that sandbox's init (its uid map names the sandbox's id range: a recycled pid
+ * would not); enter the user namespace first (from then on our capabilities are those of its
+ * root, in it only), then IPC, UTS, network, cgroup, PID and mount; become root of the user
+ * namespace (host id = the range's base); chroot into the init's root. The next fork lands in
+ * the sandbox's PID namespace. The caller then forks: the child confines itself like any
+ * process inside and runs the command (exec) or our own file code (files); the parent stays
+ * outside the PID namespace, invisible inside, relays signals to the child and its exit status
+ * to the backend (as nsenter does).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "sandbox.h"
+
+static const struct {
+    const char *name;
+    int type;
+} ns_order[] = {
+    {"user", CLONE_NEWUSER}, {"ipc", CLONE_NEWIPC},       {"uts", CLONE_NEWUTS},
+    {"net", CLONE_NEWNET},   {"cgroup", CLONE_NEWCGROUP}, {"pid", CLONE_NEWPID},
+    {"mnt", CLONE_NEWNS},
+};
+#define NS_COUNT (sizeof ns_order / sizeof ns_order[0])
+
+static void check_target(const struct spec *s)
+{
+    char path[64], buf[128];
+    snprintf(path, sizeof path, "/proc/%d/uid_map", (int)s->target);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        fail_msg("gone", "sandbox %s: its init (pid %d) is gone", s->id ? s->id : "?",
+                 (int)s->target);
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    buf[n > 0 ? n : 0] = 0;
+    unsigned long inside, outside, count;
+    if (sscanf(buf, "%lu %lu %lu", &inside, &outside, &count) != 3 || inside != 0 ||
+        outside != s->uid_base || count != SANDBOX_ID_RANGE)
+        fail_msg("gone", "sandbox %s: pid %d is not its init any more", s->id ? s->id : "?",
+                 (int)s->target);
+}
+
+void enter_sandbox(const struct spec *s)
+{
+    if (s->target <= 1 || !s->uid_base)
+        fail_msg("arguments", "--target and --uid-base are required");
+    char pidbuf[32], path[4096];
+    snprintf(pidbuf, sizeof pidbuf, "%d\n", (int)getpid());
+    for (int i = 0; i < s->cgroups.n; i++) {
+        snprintf(path, sizeof path, "%s/cgroup.procs", s->cgroups.v[i]);
+        int e = write_file(path, pidbuf);
+        if (e == ENOENT) fail_msg("gone", "sandbox %s: its cgroup is gone", s->id ? s->id : "?");
+        if (e) die("joining", path, e);
+    }
+    int fds[NS_COUNT];
+    for (size_t i = 0; i < NS_COUNT; i++) {
+        snprintf(path, sizeof path, "/proc/%d/ns/%s", (int)s->target, ns_order[i].name);
+        if ((fds[i] = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+            fail_msg("gone", "sandbox %s: its init (pid %d) is gone", s->id ? s->id : "?",
+                     (int)s->target);
+    }
+    snprintf(path, sizeof path, "/proc/%d/root", (int)s->target);
+    int root = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (root < 0)
+        fail_msg("gone", "sandbox %s: its init (pid %d) is gone", s->id ? s->id : "?",
+                 (int)s->target);
+    check_target(s);
+    for (size_t i = 0; i < NS_COUNT; i++) {
+        if (setns(fds[i], ns_order[i].type) < 0) die("entering namespace", ns_order[i].name, errno);
+        close(fds[i]);
+    }
+    if (setresgid(0, 0, 0) < 0 || setgroups(0, NULL) < 0 || setresuid(0, 0, 0) < 0)
+        die("becoming root of the sandbox's user namespace", NULL, errno);
+    if (fchdir(root) < 0 || chroot(".") < 0) die("entering the sandbox's root", NULL, errno);
+    close(root);
+    /* Our memory came from the host: nothing inside may ptrace or read it. */
+    prctl(PR_SET_DUMPABLE, 0);
+}
+
+static pid_t child;
+
+static void forward(int sig)
+{
+    if (child > 0) kill(child, sig);
+}
+
+/* Waits for the child and ends like it: its exit status, or death by its signal. */
+static int relay(void)
+{
+    struct sigaction sa = {.sa_handler = forward};
+    int sigs[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++)
+        sigaction(sigs[i], &sa, NULL);
+    int st;
+    while (waitpid(child, &st, 0) < 0)
+        if (errno != EINTR) die("waiting", NULL, errno);
+    if (WIFEXITED(st)) return WEXITSTATUS(st);
+    signal(WTERMSIG(st), SIG_DFL);
+    kill(getpid(), WTERMSIG(st));
+    return 128 + WTERMSIG(st);
+}
+
+static void reset_signals(void)
+{
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    for (int i = 1; i < 65; i++)
+        if (i != SIGKILL && i != SIGSTOP) signal(i, SIG_DFL);
+}
+
+int cmd_exec(struct spec *s)
+{
+    if (!s->argv || !s->argv[0]) fail_msg("arguments", "exec needs -- PROGRAM ARG...");
+    /* The command's environment: our MBENV_ variables without the prefix, and nothing else. */
+    size_t n = 0;
+    for (char **e = environ; *e; e++)
+        n++;
+    char **env = calloc(n + 1, sizeof *env);
+    if (!env) die("environment", NULL, ENOMEM);
+    size_t k = 0;
+    for (char **e = environ; *e; e++)
+        if (strncmp(*e, "MBENV_", 6) == 0) env[k++] = *e + 6;
+    enter_sandbox(s);
+    const char *cwd = s->cwd ? s->cwd : "/root";
+    if (chdir(cwd) < 0 && chdir("/") < 0) die("chdir", cwd, errno);
+    child = fork();
+    if (child < 0) die("fork", NULL, errno);
+    if (child == 0) {
+        reset_signals();
+        if (s->setsid && setsid() < 0) die("setsid", NULL, errno);
+        const char *step = NULL;
+        int e = confine(&step);
+        if (e < 0) die(step, NULL, -e);
+        syscall(SYS_close_range, 3, ~0U, 0);
+        execve(s->argv[0], s->argv, env);
+        e = errno;
+        fprintf(stderr, "moonbox-sandbox: cannot run %s: %s\n", s->argv[0], strerror(e));
+        _exit(e == ENOENT ? 127 : 126);
+    }
+    const char *step = NULL;
+    if (confine(&step) < 0) { /* the relay needs nothing; a failure here is harmless */
+    }
+    return relay();
+}
+
+int cmd_files(struct spec *s)
+{
+    enter_sandbox(s);
+    if (chdir("/") < 0) die("chdir /", NULL, errno);
+    child = fork();
+    if (child < 0) die("fork", NULL, errno);
+    if (child == 0) {
+        reset_signals();
+        const char *step = NULL;
+        int e = confine(&step);
+        if (e < 0) die(step, NULL, -e);
+        _exit(fileops_run(s));
+    }
+    return relay();
+}
