@@ -149,13 +149,17 @@ function Cgroup:procs(id)
   return pids
 end
 
---- cg:oom_kills(id) -> how many processes the kernel's OOM killer ended in the sandbox (nil
--- when the hierarchy does not say).
+--- cg:oom_kills(id) -> how many processes the kernel's OOM killer ended in the sandbox, both
+-- leaves (v1 counts a kill in the victim's own cgroup); nil when the hierarchy does not say.
 function Cgroup:oom_kills(id)
-  local f = self.version == 1 and (self:path(id, nil, "memory") .. "/memory.oom_control")
-    or (self:path(id) .. "/memory.events")
-  local s = host.read(f)
-  return s and tonumber(s:match("oom_kill (%d+)"))
+  local n, known = 0, false
+  for _, leaf in ipairs({ false, "sandbox", "helper" }) do
+    local f = self.version == 1 and (self:path(id, leaf or nil, "memory") .. "/memory.oom_control")
+      or ((leaf and self:path(id, leaf) or self:path(id)) .. "/memory.events")
+    local k = tonumber((host.read(f) or ""):match("oom_kill (%d+)"))
+    if k then n, known = n + k, true end
+  end
+  return known and n or nil
 end
 
 --- cg:frozen(id) -> boolean: whether the sandbox leaf is frozen or being frozen.
