@@ -252,11 +252,14 @@ local function absolute(p)
 end
 
 command("local", "serve Render's sandbox API on this machine",
-  "moonbox local [--port N] [--state DIR] [--image DIR] [--faults SPEC] [--api-key KEY]\n" ..
-  "                     [--workspace tea-...] [--concurrency-limit N] [--seed N]",
+  "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
+  "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]",
   [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and runs real, isolated sandboxes on
-this machine: namespaces, an overlay root filesystem over the host's root (or --image DIR),
-snapshots as layers. Prints the lines that point a client at it:
+this machine: each in its own user namespace (root inside is an unprivileged id on the host),
+with a seccomp filter, its plan's cgroup limits, and an overlay root over a Debian 12 image
+(built once per machine with mmdebstrap; --image DIR for your own root filesystem; --host-root
+for the host's own /, discouraged). Snapshots are layers. Prints the lines that point a client
+at it:
 
   RENDER_LOCAL_DEV_URL=http://127.0.0.1:8120
   RENDER_API_KEY=...            (generated at first start, kept 0600 in the state dir)
@@ -268,10 +271,13 @@ snapshots as layers. Prints the lines that point a client at it:
 Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
   function(args)
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
-      faults = "value", ["api-key"] = "value", workspace = "value", ["concurrency-limit"] = "value",
+      ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
+        ["concurrency-limit"] = "value",
       seed = "value", host = "value", quiet = "flag" })
     if not opts then return usage_error("local: %s", rest) end
     if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
+    if opts.image and opts["host-root"] then return usage_error(
+      "local: --image and --host-root exclude each other") end
     local port = tonumber(opts.port or "8120")
     if not port or port < 0 or port > 65535 or port % 1 ~= 0 then
       return usage_error("local: --port must be 0..65535")
@@ -290,7 +296,9 @@ Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
     local code, err = M.run_root_opts({ quiet_signals = true }, function()
       local backend = require("moonbox.local").start {
         host = opts.host, port = port, state_dir = absolute(opts.state) or (M.state_home() .. "/local"),
-        image = absolute(opts.image), faults = faults, api_key = opts["api-key"], workspace = opts.workspace,
+        image = absolute(opts.image), host_root = opts["host-root"], faults = faults,
+        on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
+          api_key = opts["api-key"], workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
       }
       local _close <close> = setmetatable({}, { __close = function() backend:close() end })

@@ -1,4 +1,4 @@
---- moonbox.local.faults — fault injection for `moonbox local` (DESIGN.md §5).
+--- moonbox.local.faults — fault injection for `moonbox local` (docs/local.md, "Fault injection").
 --
 -- A rule matches requests by method and path and, at a given rate, makes the backend answer an
 -- error status (429 with Retry-After, 500, 503, ...), drop the response of a request it has

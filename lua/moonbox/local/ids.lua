@@ -1,4 +1,5 @@
---- moonbox.local.ids — ids, tokens and timestamps in Render's formats (render-api.md §1.3-1.4).
+--- moonbox.local.ids — ids, tokens and timestamps in Render's formats: prefixed base32hex ids, random
+--- tokens, RFC 3339 UTC timestamps.
 --
 -- Ids are a prefix and lowercase base32hex characters (0-9a-v) from the kernel's random source:
 -- sbx- + 25, and tea-/sbg-/snp-/exe-/usr- + 20. Tokens and API keys are 32 random bytes in hex.

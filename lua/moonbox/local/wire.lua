@@ -1,4 +1,5 @@
---- moonbox.local.wire — Render's wire conventions for the local backend (render-api.md §1).
+--- moonbox.local.wire — Render's wire conventions for the local backend: errors, record shapes, pages and
+--- cursors, paths.
 --
 -- What every route shares: the JSON error body {message, code?}, the public shape of each
 -- record (private fields start with "_" and never leave the process), list pages of

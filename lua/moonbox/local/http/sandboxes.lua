@@ -1,5 +1,5 @@
 --- moonbox.local.http.sandboxes — /v1/sandboxes: create, list, get, terminate, suspend.
--- Decodes each request, calls the service, encodes the record (render-api.md's shapes).
+-- Decodes each request, calls the service, encodes the record in Render's JSON shapes (docs/local.md).
 local route = require "moonbox.local.http.route"
 local wire = require "moonbox.local.wire"
 local json = require "moonbox.json"
