@@ -550,6 +550,42 @@ exit 0
       sleeper:wait()
     end))
 
+    it("cannot reach the host's abstract unix sockets, path unix sockets or SysV IPC", async(function()
+      local name = "moonbox-host-" .. RUN
+      local server = proc.spawn { H.PYTHON, "-c", [[
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind("\0" + sys.argv[1])
+s.listen(8)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    c.sendall(b"host-abstract-secret")
+    c.close()
+]], name }
+      cleanup(function() server:kill("KILL") end)
+      assert.are.equal("ready", server:lines("stdout")())
+      local shm = proc.run { "ipcmk", "-M", "4096" }
+      local shmid = shm.stdout:match("(%d+)")
+      assert(shmid, "ipcmk on the host failed: " .. shm.stderr)
+      cleanup(function() proc.run { "ipcrm", "-m", shmid } end)
+      local id = new_sandbox("host-ipc", { network = "allow-all" })
+      local r = py(id, [[
+import socket, subprocess, sys
+for addr in ("\0" + sys.argv[1], "/run/systemd/private", "/var/run/docker.sock", "/tmp/.X11-unix/X0"):
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(addr)
+        print("REACHED", repr(addr), s.recv(100))
+    except OSError:
+        pass
+print("shm", subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdout.count("0x"))
+]], { name })
+      server:kill("KILL")
+      server:wait()
+      assert.are.equal("shm 0\n", r.stdout, r.stderr)
+    end))
+
     it("cannot ptrace, read the memory of, or steal fds from the init, a file helper, the keeper " ..
       "or the server", async(function()
         local id = new_sandbox("ptrace")
