@@ -1,0 +1,208 @@
+--- spec/support/isolation_host.lua — host-side fixtures of spec/local_isolation_spec.lua: the
+-- things an attacker inside a sandbox aims at, set up on the host by the spec itself.
+--
+--   listener(addr, secret)  a TCP listener on the host that logs every connection it accepts
+--                           (and sends secret to it), so a spec can prove that nothing reached it
+--   test_host()             a network namespace of the spec's own (a veth pair in a private range,
+--                           a tiny HTTP server inside): a machine "outside" that allow-all may
+--                           reach; never an address outside this machine
+--   processes_in_range(base) / mounts_naming(text)   what a terminated sandbox may have left
+--
+-- Every fixture is removed by its close(); the spec calls them in teardown. Host programs come
+-- from Debian (python3, iproute2); a missing one raises a sentence naming the package, because
+-- the spec must fail loudly in CI rather than skip.
+local proc = require "moonbox.proc"
+local task = require "moonbox.task"
+local sys = require "moonbox.sys"
+
+local M = {}
+
+M.PYTHON = "/usr/bin/python3"
+M.IP = "/usr/sbin/ip"
+
+local function exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+local function read(path)
+  local f = io.open(path, "rb")
+  if not f then return nil end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+M.read = read
+
+--- M.require_host_tools(): raises unless python3 and ip (Debian python3, iproute2) are there.
+function M.require_host_tools()
+  assert(exists(M.PYTHON), "the isolation spec needs " .. M.PYTHON .. " on the host (Debian package " ..
+    "python3) for its listeners and its test host")
+  assert(exists(M.IP), "the isolation spec needs " .. M.IP .. " on the host (Debian package iproute2) " ..
+    "to make its test network namespace")
+end
+
+local function run(argv, what)
+  local r = proc.run(argv)
+  assert(r.code == 0, (what or table.concat(argv, " ")) .. " failed (exit " .. tostring(r.code) .. "): " ..
+    r.stderr .. r.stdout)
+  return r.stdout
+end
+
+-- Accepts connections forever; prints "conn <peer port>" for each, sends the secret and closes.
+local LISTENER = [[
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 0))
+s.listen(128)
+print("port", s.getsockname()[1], flush=True)
+while True:
+    c, a = s.accept()
+    print("conn", a[1], flush=True)
+    try:
+        c.sendall(sys.argv[2].encode())
+    except OSError:
+        pass
+    c.close()
+]]
+
+-- Connects once and prints its own port: the sentinel that orders a listener's log.
+local SENTINEL = [[
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+print(c.getsockname()[1], flush=True)
+c.recv(100)
+]]
+
+local Listener = {}
+Listener.__index = Listener
+
+--- M.listener(addr, secret) -> listener {addr, port, secret}: a host TCP listener on addr
+-- (127.0.0.1, or an address of the host) that logs every accepted connection. [yields]
+function M.listener(addr, secret)
+  local p = proc.spawn { M.PYTHON, "-c", LISTENER, addr, secret }
+  local lines = p:lines("stdout")
+  local first = lines()
+  local port = first and tonumber(first:match("^port (%d+)"))
+  assert(port, "the host listener on " .. addr .. " did not start: " .. tostring(first))
+  return setmetatable({ p = p, lines = lines, addr = addr, port = port, secret = secret }, Listener)
+end
+
+--- listener:connections_before_sentinel() -> array of peer ports the listener accepted before
+-- a connection the spec makes now. Anything a sandbox did earlier that reached the listener is
+-- in the accept queue ahead of this sentinel (the kernel accepts in order), so an empty array
+-- proves that nothing reached it, without a sleep. [yields]
+function Listener:connections_before_sentinel()
+  local r = proc.run { M.PYTHON, "-c", SENTINEL, self.addr, tostring(self.port) }
+  assert(r.code == 0, "the sentinel could not reach the host listener: " .. r.stderr)
+  local mine = r.stdout:match("(%d+)")
+  local others = {}
+  while true do
+    local line = self.lines()
+    assert(line, "the host listener on " .. self.addr .. " ended")
+    local peer = line:match("^conn (%d+)")
+    if peer == mine then return others end
+    others[#others + 1] = peer
+  end
+end
+
+function Listener:close()
+  self.p:kill("KILL")
+  pcall(self.p.wait, self.p)
+end
+
+local TestHost = {}
+TestHost.__index = TestHost
+
+--- M.test_host() -> host {ns, addr, host_addr, port, marker}: a network namespace made by the
+-- spec, joined to the host by a veth pair in 10.213.N.0/30 (host side .1, namespace side .2),
+-- with an HTTP server at http://addr:port/ that serves /marker (the text marker). [yields]
+function M.test_host()
+  local tag = string.format("%06x", math.random(0, 0xffffff))
+  local self = setmetatable({ ns = "mbiso-" .. tag, veth = "mbi" .. tag .. "h", peer = "mbi" .. tag .. "n",
+    marker = "test-host-" .. tag .. "-" .. math.random(1e9), port = 18000 + math.random(0, 999) }, TestHost)
+  -- a /30 no interface of this machine uses yet
+  local used = run({ M.IP, "-4", "-o", "addr", "show" }, "listing the host's addresses")
+  for _ = 1, 50 do
+    local n = math.random(0, 255)
+    if not used:find("10%.213%." .. n .. "%.") then
+      self.net = "10.213." .. n
+      break
+    end
+  end
+  assert(self.net, "no free 10.213.N.0/30 on this machine")
+  self.host_addr, self.addr = self.net .. ".1", self.net .. ".2"
+  self.dir = os.tmpname()
+  os.remove(self.dir)
+  sys.mkdir_p(self.dir, tonumber("755", 8))
+  local f = assert(io.open(self.dir .. "/marker", "wb"))
+  f:write(self.marker)
+  f:close()
+  run { M.IP, "netns", "add", self.ns }
+  self.made = true
+  run { M.IP, "link", "add", self.veth, "type", "veth", "peer", "name", self.peer }
+  run { M.IP, "link", "set", self.peer, "netns", self.ns }
+  run { M.IP, "addr", "add", self.host_addr .. "/30", "dev", self.veth }
+  run { M.IP, "link", "set", self.veth, "up" }
+  run { M.IP, "-n", self.ns, "addr", "add", self.addr .. "/30", "dev", self.peer }
+  run { M.IP, "-n", self.ns, "link", "set", self.peer, "up" }
+  run { M.IP, "-n", self.ns, "link", "set", "lo", "up" }
+  self.server = proc.spawn { M.IP, "netns", "exec", self.ns, M.PYTHON, "-m", "http.server", "--bind",
+    self.addr, "--directory", self.dir, tostring(self.port), stdout = "null", stderr = "null" }
+  -- ready once the host can fetch the marker through the veth (polled, with a deadline)
+  local deadline = task.now() + 20
+  while true do
+    local r = proc.run { "curl", "-s", "--max-time", "2", "http://" .. self.addr .. ":" .. self.port .. "/marker" }
+    if r.stdout == self.marker then break end
+    assert(task.now() < deadline, "the test host in namespace " .. self.ns .. " did not answer at " ..
+      self.addr .. ":" .. self.port)
+    task.sleep(0.05)
+  end
+  return self
+end
+
+function TestHost:close()
+  if self.server then
+    self.server:kill("KILL")
+    pcall(self.server.wait, self.server)
+  end
+  if self.made then
+    proc.run { M.IP, "link", "del", self.veth }
+    proc.run { M.IP, "netns", "del", self.ns }
+  end
+  if self.dir then proc.run { "rm", "-rf", "--", self.dir } end
+end
+
+--- M.processes_in_range(base) -> array of "pid uid comm" of host processes whose real uid is in
+-- [base, base + 65536): a sandbox's id range (all its processes, its slirp4netns and helpers).
+function M.processes_in_range(base)
+  local out = {}
+  for _, name in ipairs(sys.listdir("/proc")) do
+    if name:match("^%d+$") then
+      local st = read("/proc/" .. name .. "/status")
+      local uid = st and tonumber(st:match("\nUid:%s+(%d+)"))
+      if uid and uid >= base and uid < base + 65536 then
+        out[#out + 1] = name .. " " .. uid .. " " .. (st:match("^Name:%s+([^\n]*)") or "?")
+      end
+    end
+  end
+  return out
+end
+
+--- M.mounts_naming(text) -> array of "pid: mountinfo line" for every mount, in any process's
+-- mount namespace on the host, whose line contains text.
+function M.mounts_naming(text)
+  local out = {}
+  for _, name in ipairs(sys.listdir("/proc")) do
+    if name:match("^%d+$") then
+      for line in (read("/proc/" .. name .. "/mountinfo") or ""):gmatch("[^\n]+") do
+        if line:find(text, 1, true) then out[#out + 1] = name .. ": " .. line end
+      end
+    end
+  end
+  return out
+end
+
+return M
