@@ -414,10 +414,10 @@ echo done
           end
         end
         local st = sh(id, "grep -E '^(CapEff|CapBnd|CapAmb|NoNewPrivs|Seccomp):' /proc/self/status")
-        -- Docker's default set: chown dac_override fowner fsetid kill setgid setuid setpcap
-        -- net_bind_service net_raw sys_chroot mknod audit_write setfcap
-        assert.matches("CapEff:%s+00000000a80425fb", st)
-        assert.matches("CapBnd:%s+00000000a80425fb", st)
+        -- Docker's default set without net_raw: chown dac_override fowner fsetid kill setgid
+        -- setuid setpcap net_bind_service sys_chroot mknod audit_write setfcap
+        assert.matches("CapEff:%s+00000000a80405fb", st)
+        assert.matches("CapBnd:%s+00000000a80405fb", st)
         assert.matches("CapAmb:%s+0000000000000000", st)
         assert.matches("NoNewPrivs:%s+1", st)
         assert.matches("Seccomp:%s+2", st)
@@ -614,7 +614,7 @@ print("shm", subprocess.run(["ipcs", "-m"], capture_output=True, text=True).stdo
         end
       end))
 
-    it("KNOWN WEAKNESS: names no host path in a file helper's /proc/PID/cmdline", async(function()
+    it("names no host path in a file helper's /proc/PID/cmdline", async(function()
       -- A file helper (`moonbox-sandbox files ...`) lives in the sandbox's PID namespace while it
       -- works, and /proc/PID/cmdline is readable by anyone there: today it carries the helper's
       -- install path, the cgroup paths with the engine's tag, and the init's host pid.
@@ -735,24 +735,32 @@ PLANT
         assert.are.same({}, loop:connections_before_sentinel())
       end))
 
-    it("KNOWN WEAKNESS: allow-all cannot reach the host's loopback with hand-made frames to " ..
-      "slirp4netns (CAP_NET_RAW)", async(function()
+    it("keeps allow-all off the host's loopback twice: no packet sockets to hand-make frames to " ..
+      "slirp4netns, and the host refuses its ids' connections to the host's own addresses",
+      async(function()
         -- slirp4netns --disable-host-loopback only refuses its host alias 10.0.2.2; a frame
-        -- addressed to 127.0.0.1 itself, written to tap0 through an AF_PACKET socket, makes
+        -- addressed to 127.0.0.1 itself, written to tap0 through an AF_PACKET socket, would make
         -- slirp4netns connect() to the host's 127.0.0.1 from the host's network namespace.
         local id = new_sandbox("net-raw", { network = "allow-all" })
         local r = py(id, RAW_SYN_PROBE, { "127.0.0.1", loop.port,
           "http://" .. net.addr .. ":" .. net.port .. "/marker" })
-        assert.are.equal("frames sent\n", r.stdout, r.stderr)
-        local reached = loop:connections_before_sentinel()
-        assert.are.same({}, reached, "the sandbox reached the host's 127.0.0.1:" .. loop.port .. " " ..
-          #reached .. " times")
+        assert.matches("Operation not permitted", r.stderr) -- no CAP_NET_RAW: no packet socket
+        assert.are.same({}, loop:connections_before_sentinel())
+        -- and should a frame get through, slirp4netns connects as the sandbox's host uid, whose
+        -- connections to the host's own addresses the host's firewall refuses
+        local base = eng:info(id).uid_base
+        local probe = proc.run { "setpriv", "--reuid=" .. base, "--regid=" .. base, "--clear-groups", H.PYTHON,
+          "-c", "import socket, sys\ntry:\n  socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5)\n" ..
+          "  print('connected')\nexcept OSError as e:\n  print('refused', e)", loop.port }
+        assert.matches("^refused", probe.stdout, probe.stderr)
+        assert.are.same({}, loop:connections_before_sentinel())
       end))
 
-    it("KNOWN WEAKNESS: allow-all cannot reach a service bound to one of the host's own addresses",
+    it("keeps allow-all off services bound to the host's own non-loopback addresses",
       async(function()
-        -- Every service the host binds to 0.0.0.0 or to an interface address is reachable from
-        -- allow-all through slirp4netns, which connects from the host's network namespace.
+        -- slirp4netns connects from the host's network namespace, so without the host's firewall
+        -- rule on the sandbox's ids every service bound to 0.0.0.0 or to an interface address
+        -- would be reachable (as from a container on Docker's default bridge).
         local on_host = H.listener(net.host_addr, "host-interface-secret-" .. RUN)
         cleanup(function() on_host:close() end)
         local id = new_sandbox("net-hostaddr", { network = "allow-all" })
@@ -794,14 +802,14 @@ exit 0
         local pids = eng:processes(id)
         assert.is_true(#pids >= 6, "expected the init, slirp4netns and 4 daemons, got " .. #pids)
         assert.is_true(#H.processes_in_range(info.uid_base) >= 6)
-        assert.is_true(#H.mounts_naming(eng:dir(id)) >= 1) -- the keeper's namespace holds the root
+        assert.is_true(#H.mounts_naming(eng:root_dir(id)) >= 1) -- the keeper's namespace holds the root
         eng:terminate(id)
         for _, pid in ipairs(pids) do
           local st = H.read("/proc/" .. pid .. "/stat")
           assert.is_true(st == nil or st:match("^%d+ %b() ([ZX])") ~= nil, "pid " .. pid .. " survived")
         end
         assert.are.same({}, H.processes_in_range(info.uid_base))
-        assert.are.same({}, H.mounts_naming(eng:dir(id)))
+        assert.are.same({}, H.mounts_naming(eng:root_dir(id)))
         assert.is_nil(H.read("/proc/" .. info.keeper_pid .. "/mountinfo"))
         assert.is_false(exists(eng:dir(id)))
       end))
@@ -936,7 +944,7 @@ exit 0
           " bytes with no allowance of its own (it sees " .. inside .. " bytes)")
       end))
 
-    it("KNOWN WEAKNESS: a sandbox cannot use up host root's per-user kernel limits (inotify instances, " ..
+    it("a sandbox cannot use up host root's per-user kernel limits (inotify instances, " ..
       "POSIX message queue bytes)", async(function()
         -- A sandbox's user namespace is created by host root, so the kernel charges what its
         -- users hold (inotify instances and watches, message queue bytes, ...) to host root's
@@ -984,10 +992,11 @@ if q >= 0:
           " (inotify instances, queues), host root got: " .. r.stdout)
       end))
 
-    it("KNOWN WEAKNESS: a sandbox cannot take the machine-wide pool of AIO events (io_setup)",
+    it("keeps a sandbox from taking the machine-wide pool of AIO events (io_setup)",
       async(function()
-        -- fs.aio-max-nr is one pool for the whole machine, and the filter allows io_setup (as
-        -- Docker's does): a sandbox that reserves it all makes io_setup fail everywhere else.
+        -- fs.aio-max-nr is one pool for the whole machine: a sandbox that reserved it all would
+        -- make io_setup fail everywhere else. The seccomp filter refuses io_setup (Docker's
+        -- allows it).
         local id = new_sandbox("aio")
         sh(id, [[
 cat > /tmp/aio.py <<'EOF'

@@ -27,11 +27,14 @@
 #include "sandbox.h"
 #include "seccomp_filter.h"
 
-/* Docker's default capability set. */
+/* Docker's default capability set without CAP_NET_RAW: raw and packet sockets would let a
+ * sandbox hand-craft packets to slirp4netns (a SYN addressed to the host's 127.0.0.1 passes
+ * its --disable-host-loopback, which only guards the 10.0.2.2 alias). ping still works: the
+ * init opens ICMP datagram sockets to every group (net.ipv4.ping_group_range). */
 static const int keep_caps[] = {
-    CAP_CHOWN,      CAP_DAC_OVERRIDE, CAP_FOWNER,      CAP_FSETID,           CAP_KILL,
-    CAP_SETGID,     CAP_SETUID,       CAP_SETPCAP,     CAP_NET_BIND_SERVICE, CAP_NET_RAW,
-    CAP_SYS_CHROOT, CAP_MKNOD,        CAP_AUDIT_WRITE, CAP_SETFCAP,
+    CAP_CHOWN,  CAP_DAC_OVERRIDE, CAP_FOWNER,  CAP_FSETID,           CAP_KILL,
+    CAP_SETGID, CAP_SETUID,       CAP_SETPCAP, CAP_NET_BIND_SERVICE, CAP_SYS_CHROOT,
+    CAP_MKNOD,  CAP_AUDIT_WRITE,  CAP_SETFCAP,
 };
 
 static int drop_caps(void)

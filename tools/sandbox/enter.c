@@ -94,6 +94,27 @@ void enter_sandbox(const struct spec *s)
 }
 
 static pid_t child;
+static int g_argc;
+static char **g_argv;
+
+/* Overwrites our argument strings: a child inside the sandbox's PID namespace is visible there,
+ * and /proc/PID/cmdline is readable by anyone; ours name host paths (the helper, cgroups) and
+ * the init's host pid. */
+static void wipe_args(void)
+{
+    if (!g_argv || !g_argv[0]) return;
+    char *hi = g_argv[0];
+    for (int i = 0; i < g_argc; i++)
+        if (g_argv[i] + strlen(g_argv[i]) > hi) hi = g_argv[i] + strlen(g_argv[i]);
+    memset(g_argv[0], 0, (size_t)(hi - g_argv[0]));
+    strcpy(g_argv[0], "moonbox-helper");
+}
+
+void enter_set_args(int argc, char **argv)
+{
+    g_argc = argc;
+    g_argv = argv;
+}
 
 static void forward(int sig)
 {
@@ -144,14 +165,25 @@ int cmd_exec(struct spec *s)
     if (child < 0) die("fork", NULL, errno);
     if (child == 0) {
         reset_signals();
+        /* Copy what execve needs before the argument strings are gone. */
+        int n = 0;
+        while (s->argv[n])
+            n++;
+        char **argv = calloc((size_t)n + 1, sizeof *argv);
+        if (!argv) die("exec", NULL, ENOMEM);
+        for (int i = 0; i < n; i++)
+            if (!(argv[i] = strdup(s->argv[i]))) die("exec", NULL, ENOMEM);
+        for (size_t i = 0; env[i]; i++)
+            if (!(env[i] = strdup(env[i]))) die("exec", NULL, ENOMEM);
+        wipe_args();
         if (s->setsid && setsid() < 0) die("setsid", NULL, errno);
         const char *step = NULL;
         int e = confine(&step);
         if (e < 0) die(step, NULL, -e);
         syscall(SYS_close_range, 3, ~0U, 0);
-        execve(s->argv[0], s->argv, env);
+        execve(argv[0], argv, env);
         e = errno;
-        fprintf(stderr, "moonbox-sandbox: cannot run %s: %s\n", s->argv[0], strerror(e));
+        fprintf(stderr, "moonbox-sandbox: cannot run %s: %s\n", argv[0], strerror(e));
         _exit(e == ENOENT ? 127 : 126);
     }
     const char *step = NULL;
@@ -168,10 +200,17 @@ int cmd_files(struct spec *s)
     if (child < 0) die("fork", NULL, errno);
     if (child == 0) {
         reset_signals();
+        struct spec copy = *s; /* the strings it points to are duplicated below */
+        const char **fields[] = {&copy.op, &copy.path, &copy.mode, &copy.id};
+        for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+            if (*fields[i] && !(*fields[i] = strdup(*fields[i]))) die("files", NULL, ENOMEM);
+        for (int i = 0; i < copy.excludes.n; i++)
+            if (!(copy.excludes.v[i] = strdup(copy.excludes.v[i]))) die("files", NULL, ENOMEM);
+        wipe_args();
         const char *step = NULL;
         int e = confine(&step);
         if (e < 0) die(step, NULL, -e);
-        _exit(fileops_run(s));
+        _exit(fileops_run(&copy));
     }
     return relay();
 }

@@ -174,6 +174,7 @@ int main(int argc, char **argv)
     struct spec s;
     parse(&s, argc, argv);
     if (strcmp(s.cmd, "start") == 0) return cmd_start(&s, argc, argv);
+    enter_set_args(argc, argv);
     if (strcmp(s.cmd, "exec") == 0) return cmd_exec(&s);
     if (strcmp(s.cmd, "files") == 0) return cmd_files(&s);
     if (strcmp(s.cmd, "capture") == 0) return cmd_capture(&s);

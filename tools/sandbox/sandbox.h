@@ -84,6 +84,8 @@ int cmd_start(struct spec *s, int argc, char **argv);
  * of its user namespace in all its namespaces and its root directory, still in the host's PID
  * namespace (the next fork is in the sandbox's). Dies on failure. */
 void enter_sandbox(const struct spec *s);
+/* Lets the exec and files children overwrite the argument strings (see enter.c). */
+void enter_set_args(int argc, char **argv);
 int cmd_exec(struct spec *s);
 int cmd_files(struct spec *s);
 

@@ -11,7 +11,9 @@
  * profile, written from the kernel's list of calls rather than copied, and is stricter where
  * Docker is lenient for compatibility: no io_uring, no userfaultfd, no name_to_handle_at, no
  * kcmp, no AF_VSOCK sockets (vsock is not network-namespaced and reaches the hypervisor), no
- * other architecture's calls (x32 and i386 entry points are killed by libseccomp's arch check).
+ * kernel AIO (io_setup and friends draw on one machine-wide pool, fs.aio-max-nr, that a sandbox
+ * could take whole; glibc's POSIX AIO uses threads and does not need them), no other
+ * architecture's calls (x32 and i386 entry points are killed by libseccomp's arch check).
  * docs/local-isolation.md compares it with Docker's point by point.
  */
 #include <errno.h>
@@ -127,15 +129,9 @@ static const char *const allowed[] = {
     "inotify_init",
     "inotify_init1",
     "inotify_rm_watch",
-    "io_cancel",
     "ioctl",
-    "io_destroy",
-    "io_getevents",
-    "io_pgetevents",
     "ioprio_get",
     "ioprio_set",
-    "io_setup",
-    "io_submit",
     "kill",
     "landlock_add_rule",
     "landlock_create_ruleset",

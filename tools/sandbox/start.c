@@ -298,6 +298,10 @@ static void init_main(const struct spec *s, int go_fd, int argc, char **argv)
      * the root onto itself is a mount of our own (the copy is locked), which pivot_root takes. */
     if (unshare(CLONE_NEWNS | CLONE_NEWCGROUP) < 0)
         init_fail("mount and cgroup namespaces", NULL, errno);
+    /* Without CAP_NET_RAW (see confine.c), ping works through ICMP datagram sockets, which
+     * this (namespaced) setting opens to every group inside. */
+    int e0 = write_file("/proc/sys/net/ipv4/ping_group_range", "0 65535");
+    if (e0) init_fail("allowing ping", NULL, e0);
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
         init_fail("making mounts private", NULL, errno);
     if (mount(s->root, s->root, NULL, MS_BIND | MS_REC, NULL) < 0)
@@ -457,18 +461,44 @@ int cmd_start(struct spec *s, int argc, char **argv)
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
         die("making mounts private", NULL, errno);
 
-    int go[2], report[2];
-    if (pipe2(go, O_CLOEXEC) < 0 || pipe2(report, O_CLOEXEC) < 0) die("pipe", NULL, errno);
-    long flags =
-        CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | SIGCHLD;
-    pid_t init = (pid_t)syscall(SYS_clone, flags, 0, 0, 0, 0);
-    if (init < 0) die("creating the namespaces", NULL, errno);
-    if (init == 0) {
-        close(go[1]);
-        close(report[0]);
-        report_fd = report[1];
-        init_main(s, go[0], argc, argv);
+    int go[2], report[2], launched[2];
+    if (pipe2(go, O_CLOEXEC) < 0 || pipe2(report, O_CLOEXEC) < 0 || pipe2(launched, O_CLOEXEC) < 0)
+        die("pipe", NULL, errno);
+    /* A user namespace belongs to the host uid that created it, and what its processes hold
+     * (inotify instances, message queue bytes, ...) is also charged to that uid's limits. So the
+     * init is cloned by a launcher that first became the sandbox's own base uid, with
+     * CLONE_PARENT so that the init is our child all the same. */
+    pid_t launcher = fork();
+    if (launcher < 0) die("fork", NULL, errno);
+    if (launcher == 0) {
+        close(launched[0]);
+        if (setgroups(0, NULL) < 0 || setresgid((gid_t)base, (gid_t)base, (gid_t)base) < 0 ||
+            setresuid((uid_t)base, (uid_t)base, (uid_t)base) < 0)
+            die("becoming the sandbox's host uid", NULL, errno);
+        long flags = CLONE_PARENT | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS |
+                     CLONE_NEWNET | SIGCHLD;
+        pid_t child = (pid_t)syscall(SYS_clone, flags, 0, 0, 0, 0);
+        if (child < 0) die("creating the namespaces", NULL, errno);
+        if (child == 0) {
+            close(go[1]);
+            close(report[0]);
+            close(launched[1]);
+            report_fd = report[1];
+            init_main(s, go[0], argc, argv);
+        }
+        if (write_all(launched[1], &child, sizeof child)) _exit(EXIT_HELPER);
+        _exit(0);
     }
+    close(launched[1]);
+    pid_t init = 0;
+    ssize_t got;
+    while ((got = read(launched[0], &init, sizeof init)) < 0 && errno == EINTR) {
+    }
+    close(launched[0]);
+    while (waitpid(launcher, NULL, 0) < 0 && errno == EINTR) {
+    }
+    if (got != (ssize_t)sizeof init || init <= 0)
+        fail_msg("creating the namespaces", "the launcher failed");
     close(go[0]);
     close(report[1]);
     write_id_maps(init, base);

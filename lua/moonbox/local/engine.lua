@@ -48,6 +48,25 @@ local HOST_ENV = { PATH = DEFAULT_PATH, LC_ALL = "C" }
 M.ID_BASE = 1073741824
 M.ID_SLOTS = 16384
 M.SLOTS_DIR = "/run/moonbox/id-slots"
+-- Where sandbox roots are mounted (inside their keepers' mount namespaces; on the host these
+-- are empty directories). Its parents are 0711: the init, an unprivileged host uid from its
+-- first instant, must be able to reach its root whatever the state directory's permissions.
+M.ROOTS_DIR = "/run/moonbox/roots"
+
+-- The host's firewall rule for sandbox traffic: slirp4netns runs as the sandbox's own host
+-- uid, so a rule on those uids keeps every allow-all sandbox off the host's own addresses
+-- (loopback and the rest) while it goes anywhere else. DNS (port 53) is let through: slirp4netns
+-- forwards the sandbox's queries to the host's resolver, which may listen on a local address.
+local NFT_RULES = string.format([[
+table inet moonbox
+delete table inet moonbox
+table inet moonbox {
+  chain output {
+    type filter hook output priority 0; policy accept;
+    meta skuid %d-%d fib daddr type local th dport != 53 reject
+  }
+}
+]], 1073741824, 2147483647)
 
 -- Paths hidden from sandboxes whose base is the host's root (an explicit, discouraged mode),
 -- besides the state directory: other programs' temporary files and home directories.
@@ -154,6 +173,9 @@ end
 --- eng:dir(id) -> the sandbox directory of id.
 function Engine:dir(id) return self.state_dir .. "/sandboxes/" .. id end
 
+--- eng:root_dir(id) -> the (host-side, empty) mount point of sandbox id's root.
+function Engine:root_dir(id) return M.ROOTS_DIR .. "/" .. self.tag .. "-" .. id end
+
 local function check_id(fn, id)
   if type(id) ~= "string" or not id:match("^[%w][%w._-]*$") or #id > 63 then
     error("local.engine." .. fn .. ": a sandbox id is 1-63 letters, digits, '.', '_' or '-', got " ..
@@ -245,7 +267,14 @@ function Engine:prepare()
         .. " has no /bin/sh (build one with " ..
         "`moonbox image build`, or point --image at a Debian root filesystem)")
     end
-    self.tools = { helper = helper, slirp = find_program("slirp4netns") }
+    self.tools = { helper = helper, slirp = find_program("slirp4netns"), nft = find_program("nft") }
+    sys.mkdir_p(M.ROOTS_DIR, tonumber("711", 8))
+    if self.tools.nft then
+      -- One transaction that replaces the table whole: several backends may do it at once.
+      local r = proc.run { self.tools.nft, "-f", "-", input = NFT_RULES, env = HOST_ENV, env_mode = "replace" }
+      self.firewall = r.code == 0
+      self.firewall_error = r.code ~= 0 and host.trim(r.stderr) or nil
+    end
     if self.host_root then
       local mok, merr = pcall(self.prepare_host_root, self)
       if not mok then
@@ -281,6 +310,10 @@ function Engine:check()
   if not find_helper() then
     problem("moonbox-sandbox, the helper built next to moonbox, is missing: sandboxes cannot be " ..
       "started or entered without it (rebuild, or install it with moonbox)")
+  end
+  if not find_program("nft") then
+    problem("the host has no nft (Debian package nftables): allow-all sandboxes can reach services " ..
+      "bound to the host's own non-loopback addresses")
   end
   if not find_program("slirp4netns") then
     problem("the host has no slirp4netns (Debian package slirp4netns): sandboxes with network " ..
@@ -446,9 +479,10 @@ function Engine:start(sb, opts)
   end
   local dir = self:dir(id)
   local mok, merr = pcall(function()
-    for _, d in ipairs({ dir .. "/upper", dir .. "/work", dir .. "/root" }) do
+    for _, d in ipairs({ dir .. "/upper", dir .. "/work" }) do
       sys.mkdir_p(d, tonumber("755", 8))
     end
+    sys.mkdir_p(self:root_dir(id), tonumber("755", 8))
     self.cg:create(id, opts.limits)
   end)
   if not mok then
@@ -456,7 +490,7 @@ function Engine:start(sb, opts)
       .. ": preparing its directories and cgroups failed: " ..
       tostring(type(merr) == "table" and merr.message or merr))
   end
-  local argv = { self.tools.helper, "start", "--id=" .. id, "--root=" .. dir .. "/root",
+  local argv = { self.tools.helper, "start", "--id=" .. id, "--root=" .. self:root_dir(id),
     "--upper=" .. dir .. "/upper", "--work=" .. dir .. "/work",
     "--slots=" .. self.slots_dir, "--slot-hint=" .. (tonumber(host.hash(id):sub(1, 6), 16) % M.ID_SLOTS),
     "--slot-count=" .. M.ID_SLOTS, "--id-base=" .. M.ID_BASE,
@@ -799,6 +833,7 @@ function Engine:teardown(id, sb)
         .. tostring(err))
     end
   end
+  os.remove(self:root_dir(id)) -- rmdir: empty once the keeper's namespaces are gone
   local dir = self:dir(id)
   if host.exists(dir) then
     if host.mounted(dir .. "/root") then pcall(host.umount, dir .. "/root", true) end -- an older backend's
