@@ -271,7 +271,8 @@ function Engine:prepare()
     sys.mkdir_p(M.ROOTS_DIR, tonumber("711", 8))
     if self.tools.nft then
       -- One transaction that replaces the table whole: several backends may do it at once.
-      local r = proc.run { self.tools.nft, "-f", "-", input = NFT_RULES, env = HOST_ENV, env_mode = "replace" }
+      local r = proc.run { self.tools.nft, "-f", "-", input = NFT_RULES, env = HOST_ENV,
+        env_mode = "replace" }
       self.firewall = r.code == 0
       self.firewall_error = r.code ~= 0 and host.trim(r.stderr) or nil
     end
