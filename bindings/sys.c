@@ -19,7 +19,6 @@
 #include <errno.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
@@ -294,24 +293,158 @@ static void job_unref(sys_job *j)
     }
 }
 
-/* nftw has no user pointer; the callback reports through thread-local state. */
-static _Thread_local sys_job *tl_job;
-static _Thread_local dev_t tl_dev;
+/* Directory levels whose open stream is kept while their children are removed; deeper ones
+ * are closed on the way down and scanned again on the way up (only what is left, since every
+ * entry seen was removed). A tree of any depth is removed with at most this many descriptors. */
+#define REMOVE_KEEP_OPEN 64
 
-static int remove_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw)
+typedef struct rm_level {
+    char *name; /* the directory's name in its parent */
+    DIR *dir;   /* the parent's open stream, or NULL once closed (deep levels) */
+} rm_level;
+
+/* Records the failure at name in the directory the stack leads to: its whole path when that
+ * fits in j->failed, else the top, an ellipsis and the name. */
+static void rm_fail(sys_job *j, int err, const rm_level *stack, size_t depth, const char *name)
 {
-    (void)ftw;
-    if (flag == FTW_NS) { /* could not stat it: st is not valid */
-        tl_job->err = EACCES;
-    } else if (st->st_dev != tl_dev) { /* another filesystem below: never cross it */
-        tl_job->err = EXDEV;
-    } else if ((flag == FTW_DP ? rmdir(p) : unlink(p)) == 0) {
-        return 0;
-    } else {
-        tl_job->err = errno;
+    j->err = err;
+    size_t len = (size_t)snprintf(j->failed, sizeof j->failed, "%s", j->path);
+    for (size_t i = 0; i < depth && len < sizeof j->failed; i++)
+        len += (size_t)snprintf(j->failed + len, sizeof j->failed - len, "/%s", stack[i].name);
+    if (name && len < sizeof j->failed)
+        len += (size_t)snprintf(j->failed + len, sizeof j->failed - len, "/%s", name);
+    if (len >= sizeof j->failed)
+        snprintf(j->failed, sizeof j->failed, "%s/.../%s", j->path, name ? name : "");
+}
+
+/* Removes the tree at j->path without ever building a path longer than one name: each directory
+ * is entered with openat(O_NOFOLLOW | O_DIRECTORY) from its parent's descriptor, emptied, left
+ * through "..", and removed with unlinkat relative to its parent, so depth and name lengths are
+ * unbounded (nftw builds whole paths and fails past PATH_MAX, which a sandbox can nest beyond).
+ * Never follows a symlink and never crosses onto another filesystem (EXDEV, as
+ * rm --one-file-system). Meant for trees nobody writes to meanwhile (a terminated sandbox's).
+ * O(entries), plus rescans of what is left in levels deeper than REMOVE_KEEP_OPEN. */
+static void remove_tree(sys_job *j, dev_t dev)
+{
+    int top = open(j->path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (top < 0) {
+        if (errno == ENOTDIR || errno == ELOOP) {
+            if (unlink(j->path) != 0) rm_fail(j, errno, NULL, 0, NULL);
+        } else if (errno != ENOENT) {
+            rm_fail(j, errno, NULL, 0, NULL);
+        }
+        return;
     }
-    snprintf(tl_job->failed, sizeof tl_job->failed, "%s", p);
-    return 1;
+    rm_level *stack = NULL;
+    size_t depth = 0, cap = 0;
+    DIR *cur = fdopendir(top);
+    if (!cur) {
+        rm_fail(j, errno, NULL, 0, NULL);
+        close(top);
+        return;
+    }
+    for (;;) {
+        struct dirent *de;
+        int descended = 0, read_err = 0;
+        while (!descended) {
+            errno = 0;
+            if (!(de = readdir(cur))) {
+                read_err = errno;
+                break;
+            }
+            const char *n = de->d_name;
+            if (strcmp(n, ".") == 0 || strcmp(n, "..") == 0) continue;
+            struct stat st;
+            int fd = dirfd(cur);
+            if (fstatat(fd, n, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+                if (errno == ENOENT) continue;
+                rm_fail(j, errno, stack, depth, n);
+                goto out;
+            }
+            if (st.st_dev != dev) {
+                rm_fail(j, EXDEV, stack, depth, n);
+                goto out;
+            }
+            if (!S_ISDIR(st.st_mode)) {
+                if (unlinkat(fd, n, 0) != 0 && errno != ENOENT) {
+                    rm_fail(j, errno, stack, depth, n);
+                    goto out;
+                }
+                continue;
+            }
+            int sub = openat(fd, n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            DIR *d = sub >= 0 ? fdopendir(sub) : NULL;
+            if (!d) {
+                if (sub >= 0) close(sub);
+                rm_fail(j, errno, stack, depth, n);
+                goto out;
+            }
+            if (depth == cap) {
+                size_t nc = cap ? cap * 2 : 64;
+                rm_level *ns = realloc(stack, nc * sizeof *ns);
+                if (!ns) {
+                    closedir(d);
+                    rm_fail(j, ENOMEM, stack, depth, n);
+                    goto out;
+                }
+                stack = ns;
+                cap = nc;
+            }
+            stack[depth].name = strdup(n);
+            stack[depth].dir = cur;
+            if (!stack[depth].name) {
+                closedir(d);
+                rm_fail(j, ENOMEM, stack, depth, n);
+                goto out;
+            }
+            if (depth >= REMOVE_KEEP_OPEN) { /* deep: let go of the parent's stream */
+                closedir(cur);
+                stack[depth].dir = NULL;
+            }
+            depth++;
+            cur = d;
+            descended = 1;
+        }
+        if (descended) continue;
+        if (read_err) {
+            rm_fail(j, read_err, stack, depth, NULL);
+            goto out;
+        }
+        /* cur is empty: go up and remove it from its parent */
+        if (depth == 0) break;
+        rm_level lv = stack[--depth];
+        DIR *parent = lv.dir;
+        if (!parent) {
+            int up = openat(dirfd(cur), "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+            parent = up >= 0 ? fdopendir(up) : NULL;
+            if (!parent) {
+                if (up >= 0) close(up);
+                rm_fail(j, errno, stack, depth, lv.name);
+                free(lv.name);
+                goto out;
+            }
+        }
+        closedir(cur);
+        cur = parent;
+        if (unlinkat(dirfd(cur), lv.name, AT_REMOVEDIR) != 0 && errno != ENOENT) {
+            rm_fail(j, errno, stack, depth, lv.name);
+            free(lv.name);
+            goto out;
+        }
+        free(lv.name);
+        if (!lv.dir) rewinddir(cur); /* a reopened stream starts over: only what is left */
+    }
+    closedir(cur);
+    cur = NULL;
+    if (rmdir(j->path) != 0 && errno != ENOENT) rm_fail(j, errno, NULL, 0, NULL);
+out:
+    if (cur) closedir(cur);
+    while (depth > 0) {
+        depth--;
+        if (stack[depth].dir) closedir(stack[depth].dir);
+        free(stack[depth].name);
+    }
+    free(stack);
 }
 
 static void *job_main(void *arg)
@@ -332,14 +465,7 @@ static void *job_main(void *arg)
         if (lstat(j->path, &st) != 0) {
             if (errno != ENOENT) j->err = errno; /* already gone: done, as rm -rf */
         } else {
-            tl_job = j;
-            tl_dev = st.st_dev;
-            /* Depth first, never following links. Not FTW_MOUNT: glibc would skip a mount point
-             * silently, and the error would name its parent ("not empty"); walking into it, the
-             * first entry on the other filesystem fails the st_dev check (rm --one-file-system)
-             * before anything there is removed, and the error names it. */
-            int r = nftw(j->path, remove_entry, 32, FTW_DEPTH | FTW_PHYS);
-            if (r != 0 && j->err == 0) j->err = errno ? errno : EIO;
+            remove_tree(j, st.st_dev);
         }
     }
     atomic_store_explicit(&j->done, 1, memory_order_release);

@@ -1945,6 +1945,14 @@ static int rec_read_field(FILE *f, char *out, size_t cap)
     return 0;
 }
 
+/* Bounds of a sparse file in records: its segments (the helper merges beyond this), and its
+ * logical size (holes cost loop turns of ZERO_BLOCK bytes each, so a size the sandbox set with
+ * truncate must not be unbounded). */
+#define SPARSE_SEGMENTS_MAX 4096
+#define SPARSE_LOGICAL_MAX  (1LL << 40)
+#define ZERO_BLOCK          (1 << 20)
+static const unsigned char zero_block[ZERO_BLOCK];
+
 static int from_records_run(archive_job *j)
 {
     char *tmp = NULL, *buf = NULL;
@@ -1988,7 +1996,7 @@ static int from_records_run(archive_job *j)
             rec_read_field(in, uid, sizeof uid) || rec_read_field(in, gid, sizeof gid) ||
             rec_read_field(in, mtime, sizeof mtime) || rec_read_field(in, size, sizeof size) ||
             rec_read_field(in, name, sizeof name) || rec_read_field(in, target, sizeof target) ||
-            (ty[0] != 'f' && ty[0] != 'd' && ty[0] != 'l') || ty[1] || !*name) {
+            !strchr("fdlhs", ty[0]) || !ty[0] || ty[1] || !*name) {
             rc = job_fail(j, ARCHIVE_JOB_CORRUPT, NULL, NULL,
                           "the sandbox's file helper sent a malformed record");
             break;
@@ -1999,44 +2007,115 @@ static int from_records_run(archive_job *j)
                           (unsigned long long)j->max_entries);
             break;
         }
-        long long sz = ty[0] == 'f' ? strtoll(size, NULL, 10) : 0;
+        long long sz = (ty[0] == 'f' || ty[0] == 's') ? strtoll(size, NULL, 10) : 0;
         if (sz < 0) sz = 0;
+        /* A sparse file's map: segments of data (offset, length), ascending, inside its size. */
+        long long(*seg)[2] = NULL;
+        size_t nseg = 0;
+        if (ty[0] == 's') {
+            char num[32];
+            if (sz > SPARSE_LOGICAL_MAX) {
+                rc = job_fail(j, ARCHIVE_JOB_TOO_LARGE, name, "sparse_size",
+                              "%s is a sparse file of %lld bytes; at most %lld can be packed", name,
+                              sz, (long long)SPARSE_LOGICAL_MAX);
+                break;
+            }
+            if (rec_read_field(in, num, sizeof num) ||
+                (nseg = strtoul(num, NULL, 10)) > SPARSE_SEGMENTS_MAX ||
+                !(seg = (long long(*)[2])calloc(nseg ? nseg : 1, sizeof *seg))) {
+                rc = job_fail(j, ARCHIVE_JOB_CORRUPT, name, NULL,
+                              "the sparse map of %s is malformed", name);
+                break;
+            }
+            long long end = 0;
+            for (size_t i = 0; i < nseg && rc == ARCHIVE_JOB_OK; i++) {
+                char a[32], b[32];
+                if (rec_read_field(in, a, sizeof a) || rec_read_field(in, b, sizeof b)) {
+                    rc = job_fail(j, ARCHIVE_JOB_CORRUPT, name, NULL,
+                                  "the sparse map of %s is malformed", name);
+                    break;
+                }
+                seg[i][0] = strtoll(a, NULL, 10);
+                seg[i][1] = strtoll(b, NULL, 10);
+                if (seg[i][0] < end || seg[i][1] < 0 || seg[i][0] + seg[i][1] > sz)
+                    rc = job_fail(j, ARCHIVE_JOB_CORRUPT, name, NULL,
+                                  "the sparse map of %s is malformed", name);
+                end = seg[i][0] + seg[i][1];
+            }
+            if (rc != ARCHIVE_JOB_OK) {
+                free(seg);
+                break;
+            }
+        }
         struct archive_entry *e = archive_entry_new();
         if (!e) {
+            free(seg);
             rc = fail_nomem(j);
             break;
         }
         archive_entry_copy_pathname(e, name);
-        archive_entry_set_filetype(e, ty[0] == 'f' ? AE_IFREG : ty[0] == 'd' ? AE_IFDIR : AE_IFLNK);
+        archive_entry_set_filetype(e, ty[0] == 'd' ? AE_IFDIR : ty[0] == 'l' ? AE_IFLNK : AE_IFREG);
         archive_entry_set_perm(e, (mode_t)(strtoul(mode, NULL, 8) & 07777));
         archive_entry_set_uid(e, strtoll(uid, NULL, 10));
         archive_entry_set_gid(e, strtoll(gid, NULL, 10));
         archive_entry_set_mtime(e, (time_t)strtoll(mtime, NULL, 10), 0);
         archive_entry_set_size(e, sz);
         if (ty[0] == 'l') archive_entry_copy_symlink(e, target);
+        if (ty[0] == 'h') archive_entry_copy_hardlink(e, target);
+        for (size_t i = 0; i < nseg; i++)
+            archive_entry_sparse_add_entry(e, seg[i][0], seg[i][1]);
         int r = archive_write_header(a, e);
         archive_entry_free(e);
         if (r < ARCHIVE_WARN) {
+            free(seg);
             rc = job_fail(j, ARCHIVE_JOB_IO_ERROR, name, NULL, "writing the entry %s: %s", name,
                           archive_error_string(a));
             break;
         }
-        while (sz > 0) {
-            size_t want = sz > COPY_BLOCK ? COPY_BLOCK : (size_t)sz;
-            size_t n = fread(buf, 1, want, in);
-            if (n == 0) {
-                rc = job_fail(j, ARCHIVE_JOB_CORRUPT, name, NULL, "the records of %s end early",
-                              name);
-                break;
+        /* The data: a plain file's bytes; a sparse file's holes as zeros (the pax writer skips
+         * them, so they cost loop turns, not output) and its segments' bytes from the records. */
+        long long pos = 0;
+        size_t next = 0;
+        while (rc == ARCHIVE_JOB_OK && pos < sz) {
+            long long run, hole;
+            if (ty[0] == 's') {
+                hole = next < nseg ? seg[next][0] - pos : sz - pos;
+                run = next < nseg && hole == 0 ? seg[next][1] : 0;
+            } else {
+                hole = 0;
+                run = sz;
             }
-            if (archive_write_data(a, buf, n) < 0) {
-                rc = job_fail(j, ARCHIVE_JOB_IO_ERROR, NULL, NULL, "writing %s: %s", j->dst,
-                              archive_error_string(a));
-                break;
+            if (hole > 0) {
+                long long k = hole > ZERO_BLOCK ? ZERO_BLOCK : hole;
+                if (archive_write_data(a, zero_block, (size_t)k) < 0) {
+                    rc = job_fail(j, ARCHIVE_JOB_IO_ERROR, NULL, NULL, "writing %s: %s", j->dst,
+                                  archive_error_string(a));
+                    break;
+                }
+                pos += k;
+                if (cancelled(j)) rc = fail_cancelled(j);
+                continue;
             }
-            sz -= (long long)n;
-            j->res.bytes += n;
+            while (run > 0) {
+                size_t want = run > COPY_BLOCK ? COPY_BLOCK : (size_t)run;
+                size_t n = fread(buf, 1, want, in);
+                if (n == 0) {
+                    rc = job_fail(j, ARCHIVE_JOB_CORRUPT, name, NULL, "the records of %s end early",
+                                  name);
+                    break;
+                }
+                if (archive_write_data(a, buf, n) < 0) {
+                    rc = job_fail(j, ARCHIVE_JOB_IO_ERROR, NULL, NULL, "writing %s: %s", j->dst,
+                                  archive_error_string(a));
+                    break;
+                }
+                run -= (long long)n;
+                pos += (long long)n;
+                j->res.bytes += n;
+            }
+            next++;
         }
+        free(seg);
         if (rc != ARCHIVE_JOB_OK) break;
     }
     if (rc == ARCHIVE_JOB_OK && archive_write_close(a) != ARCHIVE_OK)

@@ -12,15 +12,18 @@
  * atomically pack   PATH [--exclude=NAME]...  the tree as records on stdout (see below) unpack PATH
  * records on stdin are created under PATH (made if missing)
  *
- * Records of pack/unpack: 'H', then NUL-terminated decimal/text fields type (f, d, l, or h for a
- * hard link to a file made earlier in the same stream, unpack only), mode
+ * Records of pack/unpack: 'H', then NUL-terminated decimal/text fields type (f, d, l; h for a
+ * hard link to a file earlier in the same stream; s, pack only, for a sparse file), mode
  * (octal), uid, gid, mtime, size, name (relative, '/'-separated), link target; then, for f,
- * exactly size bytes. 'E' ends the stream. The backend turns tar archives into records and
+ * exactly size bytes; an s record's size is its logical size and is followed by the number of
+ * data segments and each segment's offset and length (decimal fields), then only the segments'
+ * bytes. 'E' ends the stream. The backend turns tar archives into records and
  * back with libarchive, so one parser (libarchive's, with the backend's safety checks) reads
  * what clients send; this file only follows records, and checks each name again.
  *
  * Failures: one line "CODE message" on stderr and an exit status the engine maps: 2 not_found,
- * 20 not_directory, 21 is_directory, 22 not_regular, 23 invalid, 27 too_many, 1 io_error.
+ * 20 not_directory, 21 is_directory, 22 not_regular, 23 invalid, 24 too_large, 27 too_many,
+ * 1 io_error.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -45,11 +48,17 @@
 #define EX_NOT_REGULAR 22
 #define EX_INVALID     23
 #define EX_TOO_MANY    27
+#define EX_TOO_LARGE   24
 #define EX_IO          1
 
-/* Bounds: entries one list answers with, directory levels a walk descends (one fd each). */
-#define LIST_MAX  100000
-#define DEPTH_MAX 256
+/* Bounds: entries and bytes one list answers with, directory levels a walk descends (one fd
+ * each), data a pack carries by default (--max-bytes), and the segments of one sparse file
+ * (more are merged, holes between them sent as zeros). */
+#define LIST_MAX            100000
+#define LIST_BYTES_MAX      (8u << 20)
+#define DEPTH_MAX           256
+#define PACK_MAX_BYTES      (8ULL << 30)
+#define SPARSE_SEGMENTS_MAX 4096
 
 static int fail_op(int code, const char *word, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -80,6 +89,7 @@ static int errno_fail(const char *what, const char *path, int e)
 
 static char obuf[1 << 16];
 static size_t olen;
+static unsigned long long obytes; /* everything written so far */
 
 static int oflush(void)
 {
@@ -90,6 +100,7 @@ static int oflush(void)
 
 static int oput(const void *p, size_t n)
 {
+    obytes += n;
     if (olen + n > sizeof obuf) {
         int e = oflush();
         if (e) return e;
@@ -179,7 +190,7 @@ static int list_dir(int dfd, const char *rel, long depth)
         struct stat st;
         if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
             continue; /* gone meanwhile */
-        if (++listed > LIST_MAX) {
+        if (++listed > LIST_MAX || obytes > LIST_BYTES_MAX) {
             rc = -1;
             break;
         }
@@ -215,9 +226,11 @@ static int op_list(const struct spec *s)
     if (dfd < 0) return errno_fail("open", s->path, errno);
     int rc = list_dir(dfd, "", s->depth);
     if (rc == -1)
-        return fail_op(EX_TOO_MANY, "too_many",
-                       "more than %d entries under %s; list a deeper path or a smaller depth",
-                       LIST_MAX, s->path);
+        return fail_op(
+            EX_TOO_MANY, "too_many",
+            "the listing of %s is larger than %d entries or %u MiB; list a deeper path or "
+            "a smaller depth",
+            s->path, LIST_MAX, LIST_BYTES_MAX >> 20);
     if (rc || oflush()) return fail_op(EX_IO, "io_error", "writing the answer failed");
     return 0;
 }
@@ -428,6 +441,89 @@ static int excluded(const struct spec *s, const char *name)
     return 0;
 }
 
+/* Regular files with several links, by device and inode: the first path packed, so later ones
+ * go as hard links (open addressing, grown at half full; O(1) per file). */
+typedef struct link_slot {
+    dev_t dev;
+    ino_t ino;
+    char *path;
+} link_slot;
+static link_slot *links;
+static size_t links_cap, links_n;
+
+static const char *link_seen(const struct stat *st, const char *rel)
+{
+    if (links_n * 2 >= links_cap) {
+        size_t ncap = links_cap ? links_cap * 2 : 256;
+        link_slot *nl = calloc(ncap, sizeof *nl);
+        if (!nl) return NULL; /* no memory: packed as a copy */
+        for (size_t i = 0; i < links_cap; i++)
+            if (links[i].path) {
+                size_t h = ((size_t)links[i].ino * 31u + (size_t)links[i].dev) % ncap;
+                while (nl[h].path)
+                    h = (h + 1) % ncap;
+                nl[h] = links[i];
+            }
+        free(links);
+        links = nl;
+        links_cap = ncap;
+    }
+    size_t h = ((size_t)st->st_ino * 31u + (size_t)st->st_dev) % links_cap;
+    for (; links[h].path; h = (h + 1) % links_cap)
+        if (links[h].dev == st->st_dev && links[h].ino == st->st_ino) return links[h].path;
+    links[h].dev = st->st_dev;
+    links[h].ino = st->st_ino;
+    links[h].path = strdup(rel);
+    if (links[h].path) links_n++;
+    return NULL;
+}
+
+static unsigned long long pack_bytes, pack_max;
+
+/* The data segments of fd (size bytes): SEEK_DATA/SEEK_HOLE, at most SPARSE_SEGMENTS_MAX (the
+ * last one is extended over what follows). Returns the count, 0 for a file without holes (or a
+ * filesystem that cannot say). */
+static size_t segments(int fd, off_t size, off_t (*seg)[2])
+{
+    size_t n = 0;
+    off_t pos = 0;
+    while (pos < size) {
+        off_t d = lseek(fd, pos, SEEK_DATA);
+        if (d < 0) break; /* ENXIO: only a hole is left */
+        off_t h = lseek(fd, d, SEEK_HOLE);
+        if (h < 0 || h > size) h = size;
+        if (n == SPARSE_SEGMENTS_MAX) {
+            seg[n - 1][1] = h - seg[n - 1][0];
+        } else {
+            seg[n][0] = d;
+            seg[n][1] = h - d;
+            n++;
+        }
+        pos = h;
+    }
+    return n;
+}
+
+static int copy_range(int fd, off_t off, long long len)
+{
+    static char buf[1 << 16];
+    int e = 0;
+    while (len > 0) {
+        ssize_t n =
+            fd >= 0 ? pread(fd, buf, len < (long long)sizeof buf ? (size_t)len : sizeof buf, off)
+                    : 0;
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) { /* it shrank meanwhile: zeros keep the record's promise */
+            memset(buf, 0, sizeof buf);
+            n = len < (long long)sizeof buf ? (ssize_t)len : (ssize_t)sizeof buf;
+        }
+        if ((e = oput(buf, (size_t)n))) break;
+        len -= n;
+        off += n;
+    }
+    return e;
+}
+
 static int pack_entry(int dirfd, const char *name, const char *rel, const struct stat *st)
 {
     char ty[2] = {type_letter(st->st_mode), 0}, target[4096] = "";
@@ -435,31 +531,57 @@ static int pack_entry(int dirfd, const char *name, const char *rel, const struct
         ssize_t n = readlinkat(dirfd, name, target, sizeof target - 1);
         target[n > 0 ? n : 0] = 0;
     }
-    long long size = S_ISREG(st->st_mode) ? (long long)st->st_size : 0;
+    int fd = -1;
+    long long size = 0;
+    static off_t seg[SPARSE_SEGMENTS_MAX][2];
+    size_t nseg = 0;
+    if (S_ISREG(st->st_mode)) {
+        const char *first = st->st_nlink > 1 ? link_seen(st, rel) : NULL;
+        if (first) {
+            ty[0] = 'h';
+            snprintf(target, sizeof target, "%s", first);
+        } else {
+            size = (long long)st->st_size;
+            fd = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+            /* fewer blocks than bytes: it has holes, which cross as a map, not as zeros */
+            if (fd >= 0 && (long long)st->st_blocks * 512 < size) {
+                nseg = segments(fd, st->st_size, seg);
+                if (nseg == 0 || nseg > 1 || seg[0][0] != 0 || seg[0][1] != st->st_size)
+                    ty[0] = 's';
+            }
+        }
+    }
+    unsigned long long data = 0;
+    if (ty[0] == 'f') data = (unsigned long long)size;
+    for (size_t i = 0; ty[0] == 's' && i < nseg; i++)
+        data += (unsigned long long)seg[i][1];
+    if (pack_bytes + data > pack_max) {
+        if (fd >= 0) close(fd);
+        fail_op(EX_TOO_LARGE, "too_large", "the directory holds more than %llu bytes of file data",
+                pack_max);
+        return -EX_TOO_LARGE; /* negative: never an errno of oput */
+    }
+    pack_bytes += data;
     int e = oput("H", 1);
     if (!e) e = ofield(ty);
     if (!e) e = ofieldf("%o", (unsigned)(st->st_mode & 07777));
     if (!e) e = ofieldf("%u", (unsigned)st->st_uid);
     if (!e) e = ofieldf("%u", (unsigned)st->st_gid);
     if (!e) e = ofieldf("%lld", (long long)st->st_mtim.tv_sec);
-    if (!e) e = ofieldf("%lld", size);
+    if (!e) e = ofieldf("%lld", ty[0] == 'h' ? 0LL : size);
     if (!e) e = ofield(rel);
     if (!e) e = ofield(target);
-    if (e || !S_ISREG(st->st_mode)) return e;
-    /* Exactly size bytes: a file that grew is cut, one that shrank is padded with zeros. */
-    int fd = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    static char buf[1 << 16];
-    long long left = size;
-    while (left > 0) {
-        ssize_t n =
-            fd >= 0 ? read(fd, buf, left < (long long)sizeof buf ? (size_t)left : sizeof buf) : 0;
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            memset(buf, 0, sizeof buf);
-            n = left < (long long)sizeof buf ? (ssize_t)left : (ssize_t)sizeof buf;
+    if (!e && ty[0] == 's') {
+        e = ofieldf("%zu", nseg);
+        for (size_t i = 0; !e && i < nseg; i++) {
+            e = ofieldf("%lld", (long long)seg[i][0]);
+            if (!e) e = ofieldf("%lld", (long long)seg[i][1]);
         }
-        if ((e = oput(buf, (size_t)n))) break;
-        left -= n;
+        for (size_t i = 0; !e && i < nseg; i++)
+            e = copy_range(fd, seg[i][0], (long long)seg[i][1]);
+    } else if (!e && ty[0] == 'f') {
+        /* Exactly size bytes: a file that grew is cut, one that shrank is padded with zeros. */
+        e = copy_range(fd, 0, size);
     }
     if (fd >= 0) close(fd);
     return e;
@@ -496,11 +618,14 @@ static int pack_dir(const struct spec *s, int dfd, const char *rel, int level)
 
 static int op_pack(const struct spec *s)
 {
+    pack_max = s->max_bytes ? s->max_bytes : PACK_MAX_BYTES;
     int dfd = open(s->path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0) return errno_fail("open", s->path, errno);
     fputs("ok\n", stderr);
     fflush(stderr);
-    if (pack_dir(s, dfd, "", 0) || oput("E", 1) || oflush()) return EX_IO;
+    int e = pack_dir(s, dfd, "", 0);
+    if (e == -EX_TOO_LARGE) return EX_TOO_LARGE;
+    if (e || oput("E", 1) || oflush()) return EX_IO;
     return 0;
 }
 

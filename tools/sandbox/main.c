@@ -155,6 +155,8 @@ static void parse(struct spec *s, int argc, char **argv)
             s->mode = v;
         else if (KEY("depth"))
             s->depth = number("depth", v);
+        else if (KEY("max-bytes"))
+            s->max_bytes = (unsigned long long)number("max-bytes", v);
         else if (KEY("exclude"))
             add(&s->excludes, v, "exclude");
         else if (KEY("src"))

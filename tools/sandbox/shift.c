@@ -13,10 +13,10 @@
  * every step is relative to an open directory fd, never follows a symlink (O_NOFOLLOW,
  * AT_SYMLINK_NOFOLLOW), stays on the source filesystem, and bounds its depth. The copy goes to
  * LAYER.partial and is renamed to LAYER at the end, so a layer either does not exist or is
- * complete. Regular files are cloned when the filesystem can (FICLONE), else copied with
- * copy_file_range. Hard links within the layer stay hard links. Prints the bytes of file data
- * copied. The alternative, cp -a followed by a chown walk, reads the tree twice and clears
- * setuid bits that must then be restored.
+ * complete. Regular files are cloned when the filesystem can (FICLONE), else their data ranges
+ * are copied with copy_file_range, holes kept. Hard links within the layer stay hard links. Prints
+ * the bytes of file data copied. The alternative, cp -a followed by a chown walk, reads the tree
+ * twice and clears setuid bits that must then be restored.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -92,41 +92,79 @@ static void finish(int dfd, const char *name, const struct stat *st, const char 
     utimensat(dfd, name, ts, AT_SYMLINK_NOFOLLOW);
 }
 
-static void copy_data(int sfd, int dfd, const struct stat *st, const char *rel)
+/* Copies one byte range with copy_file_range (in-kernel; reflinks where the filesystem can). */
+static void copy_range(int sfd, int dfd, off_t off, off_t len, const char *rel)
 {
-    if (ioctl(dfd, FICLONE, sfd) == 0) {
-        g_bytes += (unsigned long long)st->st_size;
-        return;
-    }
-    off_t left = st->st_size;
-    while (left > 0) {
-        ssize_t n = copy_file_range(sfd, NULL, dfd, NULL, (size_t)left, 0);
+    loff_t in = off, out = off;
+    while (len > 0) {
+        ssize_t n = copy_file_range(sfd, &in, dfd, &out, (size_t)len, 0);
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) die("capture: copying", rel, errno);
         if (n == 0) break; /* it shrank: the sandbox is frozen, so only by our own race */
-        left -= n;
+        len -= n;
         g_bytes += (unsigned long long)n;
     }
 }
 
+/* Copies a file's data keeping its holes: only the ranges SEEK_DATA finds are copied and the
+ * size is set with ftruncate, so a sparse file stays sparse (copying the zeros of a 4 GiB hole
+ * would write 4 GiB to the host). A whole-file clone (FICLONE) keeps holes by itself. */
+static void copy_data(int sfd, int dfd, const struct stat *st, const char *rel)
+{
+    if (ioctl(dfd, FICLONE, sfd) == 0) {
+        g_bytes += (unsigned long long)st->st_blocks * 512;
+        return;
+    }
+    off_t pos = 0;
+    while (pos < st->st_size) {
+        off_t d = lseek(sfd, pos, SEEK_DATA);
+        if (d < 0) {
+            if (errno == ENXIO) break; /* only a hole is left */
+            d = pos;                   /* no SEEK_DATA here: copy the rest as it is */
+        }
+        off_t h = lseek(sfd, d, SEEK_HOLE);
+        if (h < 0 || h > st->st_size) h = st->st_size;
+        copy_range(sfd, dfd, d, h - d, rel);
+        pos = h;
+    }
+    if (ftruncate(dfd, st->st_size) < 0) die("capture: setting the size of", rel, errno);
+}
+
+/* Regular files with several links, by device and inode, and the path of the first copy:
+ * open addressing, grown at half full, O(1) per file (a list made a layer of many links
+ * quadratic). */
 static const char *seen_link(const struct stat *st)
 {
-    for (size_t i = 0; i < nlinks; i++)
-        if (links[i].dev == st->st_dev && links[i].ino == st->st_ino) return links[i].path;
+    if (!caplinks) return NULL;
+    size_t h = ((size_t)st->st_ino * 31u + (size_t)st->st_dev) % caplinks;
+    for (; links[h].path; h = (h + 1) % caplinks)
+        if (links[h].dev == st->st_dev && links[h].ino == st->st_ino) return links[h].path;
     return NULL;
 }
 
 static void remember_link(const struct stat *st, const char *rel)
 {
-    if (nlinks == caplinks) {
-        caplinks = caplinks ? caplinks * 2 : 64;
-        links = realloc(links, caplinks * sizeof *links);
-        if (!links) die("capture", NULL, ENOMEM);
+    if (nlinks * 2 >= caplinks) {
+        size_t ncap = caplinks ? caplinks * 2 : 256;
+        struct link_seen *nl = calloc(ncap, sizeof *nl);
+        if (!nl) die("capture", NULL, ENOMEM);
+        for (size_t i = 0; i < caplinks; i++)
+            if (links[i].path) {
+                size_t h = ((size_t)links[i].ino * 31u + (size_t)links[i].dev) % ncap;
+                while (nl[h].path)
+                    h = (h + 1) % ncap;
+                nl[h] = links[i];
+            }
+        free(links);
+        links = nl;
+        caplinks = ncap;
     }
-    links[nlinks].dev = st->st_dev;
-    links[nlinks].ino = st->st_ino;
-    links[nlinks].path = strdup(rel);
-    if (!links[nlinks].path) die("capture", NULL, ENOMEM);
+    size_t h = ((size_t)st->st_ino * 31u + (size_t)st->st_dev) % caplinks;
+    while (links[h].path)
+        h = (h + 1) % caplinks;
+    links[h].dev = st->st_dev;
+    links[h].ino = st->st_ino;
+    if (!(links[h].path = strdup(rel))) die("capture", NULL, ENOMEM);
     nlinks++;
 }
 

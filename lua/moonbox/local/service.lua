@@ -8,7 +8,8 @@
 -- encode the result; they never touch records or the engine themselves.
 -- Errors are raised as ServiceError values {kind, message, code, retry_after}: kind is one of
 -- invalid, unauthorized, forbidden, not_found, conflict, too_large, rate_limited, unavailable,
--- internal (the wire maps each to a status), code is Render's machine code where it has one.
+-- insufficient_storage, internal (the wire maps each to a status), code is Render's machine code where it
+-- has one.
 -- Messages name ids and sandbox paths, never a host path.
 -- Everything runs on the loop; long work (boot, capture, exec) runs in tasks of its own.
 local task = require "moonbox.task"
@@ -706,8 +707,12 @@ local function file_error(err, what)
     fail("invalid", "the upload is not a readable (gzip'd) tar archive: " .. (msg:gsub("^the upload ",
       "")), "invalid_archive")
   end
-  if code == "archive_too_large" then fail("too_large", msg) end
+  if code == "archive_too_large" or code == "too_large" then fail("too_large", (msg:gsub("^sandbox %S+: ",
+    ""))) end
   if code == "invalid_path" then fail("invalid", "path contains a NUL byte or a newline") end
+  if msg:find("No space left on device", 1, true) then
+    fail("insufficient_storage", "the backend's disk is full; nothing was written")
+  end
   fail("internal", what .. " failed: " .. msg)
 end
 M.file_error = file_error
@@ -721,7 +726,7 @@ function Service:upload(rec, info, body_file, kind)
   self:activity(rec.id, 1)
   local ok, err = pcall(function()
     if kind == "archive" then
-      self.engine.files:tar_in(rec.id, info.path, body_file)
+      self.engine.files:tar_in(rec.id, info.path, body_file, { max_bytes = self.limits.max_upload })
     else
       self.engine.files:write(rec.id, info.path, body_file, { mode = tonumber("600", 8) })
     end

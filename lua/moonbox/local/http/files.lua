@@ -27,13 +27,27 @@ function M.token(b, req)
   }
 end
 
--- Decompresses a gzip'd plain upload into a new temporary file (zlib via the archive module
--- would also do; a gunzip process keeps memory flat for any size).
-local function gunzip(b, src)
+-- Decompresses a gzip'd plain upload into a new temporary file, after a first pass that only
+-- counts the inflated bytes: a small body that inflates past limit (a decompression bomb) is
+-- refused with 413 before a byte of it is written to the host's disk. Two passes cost twice the
+-- decompression CPU; trusting gzip's own length field would not do (it is the length modulo
+-- 4 GiB, of the last member only).
+local function gunzip(b, src, limit)
+  local proc = require "moonbox.proc"
+  local count = proc.run { "bash", "-c", 'set -o pipefail; gzip -dc < "$1" | wc -c', "moonbox-gunzip", src }
+  if count.code ~= 0 then fail("invalid", "the upload says Content-Encoding: gzip but is not gzip data") end
+  local n = tonumber(count.stdout:match("%d+"))
+  if not n or n > limit then
+    fail("too_large", string.format("the upload inflates to %s bytes, more than the limit of %d",
+      n and tostring(n) or "too many", limit))
+  end
   local out = b.state_dir .. "/tmp/gunzip." .. ids.token():sub(1, 16)
-  local r = require("moonbox.proc").run { "gzip", "-dc", stdin = { file = src }, stdout = { file = out } }
+  local r = proc.run { "gzip", "-dc", stdin = { file = src }, stdout = { file = out } }
   if r.code ~= 0 then
     os.remove(out)
+    if r.stderr:find("No space left", 1, true) then
+      fail("insufficient_storage", "the backend's disk is full; the upload was not written")
+    end
     fail("invalid", "the upload says Content-Encoding: gzip but is not gzip data")
   end
   return out
@@ -51,7 +65,7 @@ function M.upload(b, req)
   local body = req.body_file
   local plain
   if not is_archive and enc == "gzip" then
-    plain = gunzip(b, body)
+    plain = gunzip(b, body, b.svc.limits.max_upload)
     body = plain
   end
   local ok, err = pcall(b.svc.upload, b.svc, rec, info, body, is_archive and "archive" or "file")

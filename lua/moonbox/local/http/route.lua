@@ -21,7 +21,8 @@ M.fail = fail
 
 -- Status of each ServiceError kind.
 M.STATUS = { invalid = 400, unauthorized = 401, forbidden = 403, not_found = 404, conflict = 409,
-  too_large = 413, unsupported_media = 415, rate_limited = 429, internal = 500, unavailable = 503 }
+  too_large = 413, unsupported_media = 415, rate_limited = 429, internal = 500, unavailable = 503,
+  insufficient_storage = 507 }
 
 -- A decoder of its own: no NaN/Infinity/hex numbers, and nesting bounded (the wire never needs
 -- more than a few levels).
