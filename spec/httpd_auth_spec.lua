@@ -94,8 +94,9 @@ describe("the credential gate", function()
     local srv, seen, dir, _c <close> = gated_server()
     local file = dir .. "-body"
     proc.run { "sh", "-c", 'head -c 1048576 /dev/zero > "$1"', "sh", file }
-    local argv = { "curl", "-sS", "--parallel", "--parallel-max", "8", "-o", "/dev/null", "-w", "%{http_code}\\n", "-X", "PUT", "-H", "Expect:",
-      "-H", "Authorization: Bearer wrong", "--data-binary", "@" .. file }
+    local argv = { "curl", "-sS", "--parallel", "--parallel-max", "8", "-o", "/dev/null",
+      "-w", "%{http_code}\\n", "-X", "PUT", "-H", "Expect:", "-H", "Authorization: Bearer wrong",
+      "--data-binary", "@" .. file }
     for _ = 1, 400 do argv[#argv + 1] = srv.url .. "/proxy/box1/upload" end
     local p = proc.spawn(argv)
     local out, err = {}, {}
