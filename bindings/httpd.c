@@ -995,7 +995,11 @@ static const char *opt_string(lua_State *L, int t, const char *key, const char *
  * string), "file" (req.body_file, a 0600 temporary file in opts.upload_dir or the server's, removed
  * when the handler returns unless it moved it) or "none" (the body is read and dropped);
  * opts.max_body: bytes (default the server's); a larger body is answered 413 without reaching the
- * handler. Raises on a malformed pattern or option, or when the server is closed. Does not yield.
+ * handler. opts.auth: "none" (default), "key" (Authorization: Bearer <srv:set_key's key>) or
+ * "token" (a bearer token given to srv:token_put for opts.scope and this request's ":id"); a
+ * request without them is answered 401 (403 for a token of another id or scope) by the server,
+ * before any of its body is kept, and never reaches the handler. Raises on a malformed pattern
+ * or option, or when the server is closed. Does not yield.
  */
 static int srv_route(lua_State *L)
 {

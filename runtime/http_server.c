@@ -36,9 +36,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* Bytes read and dropped after a body passed its limit before the connection is cut: enough to
- * answer 413 to a client that sent a modest excess without Expect: 100-continue, small enough
- * that an endless chunked upload cannot keep the server busy. */
+/* Bytes read and dropped after a body passed its limit, or of a request refused by its
+ * credentials, before the connection is cut: enough to answer 413 or 401 to a client that sent
+ * a modest body without Expect: 100-continue (a reply to a connection whose unread bytes are
+ * then dropped reaches the client as a reset, not as the reply), small enough that an endless
+ * chunked upload cannot keep the server busy. */
 #define HS_DISCARD_MAX    (1024u * 1024)
 #define HS_STREAM_BLOCK   (16u * 1024)
 #define HS_LISTEN_BACKLOG 1024u
@@ -138,6 +140,8 @@ struct hs_request {
     size_t discarded;
     int too_large;
     int store_errno;
+    unsigned deny_status; /* refused by its credentials: answered once the body is drained */
+    char deny_msg[128];
     char *body;
     size_t body_cap;
     int body_fd;
@@ -833,6 +837,27 @@ static int hs_open_body_file(hs_request *r, const char *dir)
     return 0;
 }
 
+/* Whether a refused request's body should be read and dropped before the answer: only when
+ * one is coming (a length, or chunks), the client is not waiting for 100 Continue (it then never
+ * sends the body), and a declared length is small enough to be worth draining. */
+static int hs_body_to_drain(struct MHD_Connection *conn)
+{
+    const char *expect = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT);
+    if (expect && strcasecmp(expect, "100-continue") == 0) return 0;
+    const char *cl =
+        MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    if (cl) {
+        char *end;
+        errno = 0;
+        unsigned long long n = strtoull(cl, &end, 10);
+        return *cl >= '0' && *cl <= '9' && *end == '\0' && errno == 0 && n > 0 &&
+               n <= HS_DISCARD_MAX;
+    }
+    const char *te =
+        MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_TRANSFER_ENCODING);
+    return te && strcasestr(te, "chunked") != NULL;
+}
+
 /* The first access-handler call: headers are complete. Copies what the handler will read,
  * routes, and decides the body's fate before any of it is read. */
 static enum MHD_Result hs_begin(hs_server *s, hs_request *r, struct MHD_Connection *conn,
@@ -904,10 +929,16 @@ static enum MHD_Result hs_begin(hs_server *s, hs_request *r, struct MHD_Connecti
     r->view.body_mode = rt->body_mode;
     r->route = rt;
     r->max_body = rt->max_body;
-    unsigned denied = hs_check_auth(s, rt, r, msg, sizeof msg);
+    unsigned denied = hs_check_auth(s, rt, r, r->deny_msg, sizeof r->deny_msg);
     if (denied) {
         s->stats.rejected_auth++;
-        return hs_answer_now(r, denied, msg, MHD_HTTP_HEADER_CONNECTION, "close");
+        if (!hs_body_to_drain(conn))
+            return hs_answer_now(r, denied, r->deny_msg, MHD_HTTP_HEADER_CONNECTION, "close");
+        /* Nothing of the body is kept: it is read and dropped (at most HS_DISCARD_MAX bytes),
+         * then refused, so that the client, still sending, gets the answer and not a reset. */
+        r->deny_status = denied;
+        r->phase = PH_BODY;
+        return MHD_YES;
     }
 
     /* A declared length above the limit is refused before a byte of it is read: a client that
@@ -950,7 +981,7 @@ static enum MHD_Result hs_begin(hs_server *s, hs_request *r, struct MHD_Connecti
 /* Takes n body bytes. Past the limit, what was kept is freed and the rest only counted. */
 static void hs_take_body(hs_server *s, hs_request *r, const char *data, size_t n)
 {
-    if (r->too_large || r->store_errno) {
+    if (r->deny_status || r->too_large || r->store_errno) {
         r->discarded += n;
         return;
     }
@@ -995,10 +1026,12 @@ static void hs_take_body(hs_server *s, hs_request *r, const char *data, size_t n
     r->received += n;
 }
 
-/* The body is complete: answer 413/500 here, or suspend and hand the request over. */
+/* The body is complete: answer 401/403/413/500 here, or suspend and hand the request over. */
 static enum MHD_Result hs_complete(hs_server *s, hs_request *r, struct MHD_Connection *conn)
 {
     char msg[300];
+    if (r->deny_status)
+        return hs_answer_now(r, r->deny_status, r->deny_msg, MHD_HTTP_HEADER_CONNECTION, "close");
     if (r->too_large) {
         s->stats.rejected_large++;
         snprintf(msg, sizeof msg, "request body exceeds the limit of %zu bytes", r->max_body);

@@ -35,8 +35,10 @@ enum hs_body_mode {
 };
 
 /* Who may send a route's requests, checked by the server itself as soon as the headers are in,
- * before a byte of the body is read, buffered or written anywhere: an unauthenticated request
- * costs no memory beyond its headers and is answered 401 (or 403) at once. */
+ * before a byte of the body is buffered or written anywhere: an unauthenticated request costs no
+ * memory beyond its headers and is answered 401 (or 403) at once, or, when a body of up to 1 MiB
+ * is already on its way (no Expect: 100-continue), once that body has been read and dropped, so
+ * that the client reads the answer instead of a reset connection. */
 enum hs_auth_mode {
     HS_AUTH_NONE = 0, /* anyone */
     HS_AUTH_KEY,      /* "Authorization: Bearer <the server's key>" (hs_server_set_key) */
