@@ -22,8 +22,8 @@
  * what clients send; this file only follows records, and checks each name again.
  *
  * Failures: one line "CODE message" on stderr and an exit status the engine maps: 2 not_found,
- * 20 not_directory, 21 is_directory, 22 not_regular, 23 invalid, 24 too_large, 27 too_many,
- * 1 io_error.
+ * 13 permission_denied, 20 not_directory, 21 is_directory, 22 not_regular, 23 invalid,
+ * 24 too_large, 27 too_many, 1 io_error.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -36,6 +36,8 @@
 #include <string.h>
 #include <sys/sendfile.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
+#include <linux/magic.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -49,6 +51,7 @@
 #define EX_INVALID     23
 #define EX_TOO_MANY    27
 #define EX_TOO_LARGE   24
+#define EX_DENIED      13
 #define EX_IO          1
 
 /* Bounds: entries and bytes one list answers with, directory levels a walk descends (one fd
@@ -81,6 +84,11 @@ static int errno_fail(const char *what, const char *path, int e)
     if (e == EISDIR) return fail_op(EX_IS_DIR, "is_directory", "%s is a directory", path);
     if (e == ELOOP)
         return fail_op(EX_NOT_FOUND, "not_found", "too many symbolic links at %s", path);
+    if (e == EACCES || e == EPERM)
+        return fail_op(EX_DENIED, "permission_denied",
+                       "%s %s: permission denied inside the sandbox", what, path);
+    if (e == ENXIO || e == ENODEV)
+        return fail_op(EX_NOT_REGULAR, "not_regular", "%s is a device that cannot be opened", path);
     return fail_op(EX_IO, "io_error", "%s %s: %s", what, path, strerror(e));
 }
 
@@ -138,11 +146,19 @@ static char type_letter(mode_t m)
     return 'b';
 }
 
+/* Whether dirfd is on procfs, whose symlinks are magic links: /proc/<pid>/exe of this very
+ * helper would name its host path, so their targets are not reported. */
+static int on_procfs(int dirfd)
+{
+    struct statfs sf;
+    return fstatfs(dirfd, &sf) == 0 && sf.f_type == PROC_SUPER_MAGIC;
+}
+
 /* One entry record as find -printf '%f\0%y\0%s\0%T@\0%l\0%m\0' would print it. */
 static int entry_record(int dirfd, const char *name, const char *shown, const struct stat *st)
 {
     char ty[2] = {type_letter(st->st_mode), 0}, target[4096] = "";
-    if (S_ISLNK(st->st_mode)) {
+    if (S_ISLNK(st->st_mode) && !on_procfs(dirfd)) {
         ssize_t n = readlinkat(dirfd, name, target, sizeof target - 1);
         target[n > 0 ? n : 0] = 0;
     }

@@ -701,6 +701,7 @@ local function file_error(err, what)
       .. ")",
       "not_regular_file")
   end
+  if code == "permission_denied" then fail("forbidden", (msg:gsub("^sandbox %S+: ", ""))) end
   if code == "too_many" then fail("invalid", (msg:gsub("^sandbox %S+: ", ""))) end
   if code == "unsafe_archive" then fail("invalid", msg .. "; nothing was extracted", "unsafe_archive") end
   if code == "corrupt_archive" then
@@ -713,7 +714,7 @@ local function file_error(err, what)
   if msg:find("No space left on device", 1, true) then
     fail("insufficient_storage", "the backend's disk is full; nothing was written")
   end
-  fail("internal", what .. " failed: " .. msg)
+  fail("internal", "the file operation failed: " .. msg)
 end
 M.file_error = file_error
 
@@ -732,7 +733,7 @@ function Service:upload(rec, info, body_file, kind)
     end
   end)
   self:activity(rec.id, -1)
-  if not ok then file_error(err, "the upload") end
+  if not ok then file_error(err, "uploaded") end
 end
 
 --- svc:download(rec, info) -> {kind = "file", stream = p, size, name} or {kind = "directory",
