@@ -64,11 +64,11 @@ struct spec {
     const char *mode;       /* files: octal mode of a written file */
     long depth;             /* files: list depth */
     int follow;             /* files: stat follows a final symlink */
-    struct str_list excludes; /* files: names left out of a pack of its top directory */
+    struct str_list excludes;     /* files: names left out of a pack of its top directory */
     unsigned long long max_bytes; /* files: file data a pack may carry (0: the default) */
-    const char *src, *dst;    /* capture: upper directory and new layer */
-    int setsid;               /* exec: make the command a session leader */
-    char **argv;              /* exec: the program and its arguments */
+    const char *src, *dst;        /* capture: upper directory and new layer */
+    int setsid;                   /* exec: make the command a session leader */
+    char **argv;                  /* exec: the program and its arguments */
 };
 
 /* main.c */
