@@ -54,13 +54,12 @@ local fleet <close> = render.restore(snap, { count = %d, concurrency = %d })
 task.map(fleet, function(s) return s:exec("echo $EXTRA", { env = { EXTRA = "%s" } }):check().code end)
 ]]
 
--- Schema of the Chrome trace event format (the JSON Object Format), as Perfetto reads it.
+-- Schema of the Chrome trace event format (the JSON Array Format), as Perfetto reads it.
 local PHASES = { X = true, B = true, E = true, b = true, e = true, n = true, i = true, C = true, M = true }
-local function check_schema(doc)
-  assert.is_table(doc)
-  assert.is_table(doc.traceEvents, "traceEvents must be an array")
-  assert.is_true(#doc.traceEvents > 0)
-  for k, ev in ipairs(doc.traceEvents) do
+local function check_schema(events)
+  assert.is_table(events)
+  assert.is_true(#events > 0)
+  for k, ev in ipairs(events) do
     local where = "event " .. k .. ": " .. json.encode(ev)
     assert.is_string(ev.name, where)
     assert.is_true(PHASES[ev.ph] == true, where)
@@ -114,6 +113,8 @@ describe("moonbox run --trace and --json", function()
       local code, out, err = run { "--trace", trace_file, "--json", "--progress", recipe }
       assert.are.equal(0, code, err)
       local text = assert(read(trace_file))
+      assert.matches("^%[\n", text)
+      assert.matches("\n%]\n$", text) -- a trace that stopped normally has its closing bracket
       local doc = json.decode(text)
       check_schema(doc)
 
@@ -123,7 +124,7 @@ describe("moonbox run --trace and --json", function()
         if not r.path:match("^/_moonbox") then requests = requests + 1 end
       end
       local api_spans, tasks, sb_begin, sb_end = 0, 0, {}, {}
-      for _, ev in ipairs(doc.traceEvents) do
+      for _, ev in ipairs(doc) do
         if ev.cat == "api" and ev.ph == "X" then
           api_spans = api_spans + 1
           assert.matches("^[%w_.:]+$", ev.name)
@@ -212,7 +213,7 @@ assert(#fleet == 24)
     local doc = json.decode(assert(read(trace_file)))
     check_schema(doc)
     local sizes, throttled = {}, 0
-    for _, ev in ipairs(doc.traceEvents) do
+    for _, ev in ipairs(doc) do
       if ev.ph == "C" and ev.name == "concurrency render.restore" then sizes[#sizes + 1] = ev.args.window end
       if ev.name == "throttled" then throttled = throttled + 1 end
     end

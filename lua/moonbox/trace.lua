@@ -93,8 +93,8 @@ function M.start(p, opts)
   f:setvbuf("no")
   f:write("[")
   M.on = true
-  write { name = "process_name", ph = "M", tid = 0, args = { name = (opts and opts.name) or "moonbox" } }
-  write { name = "process_labels", ph = "M", tid = 0, args = { labels = "moonbox " .. core.version } }
+  write { name = "process_name", ph = "M", tid = 0,
+    args = { name = ((opts and opts.name) or "moonbox") .. " (moonbox " .. core.version .. ")" } }
   local ok, render = pcall(require, "moonbox.render")
   if ok and render.observe then
     unobserve = render.observe(function(event, subject, info)
