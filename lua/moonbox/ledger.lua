@@ -63,8 +63,9 @@ local MIGRATIONS = {
 
 local state_home = require("moonbox.path").state_home
 
---- The start time of process pid (field 22 of /proc/PID/stat), so a reused pid is not mistaken
--- for the run that died.
+--- ledger.pid_start(pid) -> the start time of process pid (field 22 of /proc/PID/stat), so a
+-- reused pid is not mistaken for the run that died; nil when no such process runs. A zombie
+-- (state Z: it has ended, nobody has collected its status yet) counts as ended.
 local function pid_start(pid)
   local f = io.open("/proc/" .. pid .. "/stat")
   if not f then return nil end
@@ -75,6 +76,7 @@ local function pid_start(pid)
   local i = 2 -- rest starts at field 3
   for field in rest:gmatch("%S+") do
     i = i + 1
+    if i == 3 and field == "Z" then return nil end
     if i == 22 then return field end
   end
 end

@@ -9,7 +9,8 @@
 --                   drops it when the process ends, SIGKILL included;
 --   embedded.pid    "PID START" of a backend started this way (written by the backend itself,
 --                   `moonbox local --embedded`), which tells it from a `moonbox local` a person
---                   started by hand (that one is used, never stopped).
+--                   started by hand (that one is used, never stopped);
+--   embedded.log    the backend's stderr (its complaints), rewritten at each start.
 -- The backend's own watcher (lua/moonbox/cli.lua, `moonbox local --embedded`) takes the start
 -- lock every 0.2 s and, when it can also take embedded.users exclusively — no process uses it
 -- any more, e.g. its last user was SIGKILLed — stops the backend, keeping both locks until its
@@ -35,6 +36,7 @@ local M = {}
 M.START_LOCK = "embedded.lock"
 M.USERS_LOCK = "embedded.users"
 M.PID_FILE = "embedded.pid"
+M.LOG_FILE = "embedded.log"
 
 -- How long a process waits for the start lock before it gives up (another process is starting
 -- or stopping a backend on the same directory; stopping one with many sandboxes takes a while).
@@ -98,17 +100,22 @@ local function say(fmt, ...)
   io.stderr:write("moonbox: ", string.format(fmt, ...), "\n")
 end
 
---- Starts `moonbox local --embedded` on dir and returns its URL, key and workspace. [yields]
+--- Starts `moonbox local --embedded` on dir and returns its URL, key and workspace. Its stderr
+-- goes to dir/embedded.log, not to ours: a backend that outlives this process must not hold the
+-- pipe a caller may be reading our output from until its end. [yields]
 local function start_backend(dir)
+  local log = dir .. "/" .. M.LOG_FILE
   local p <close> = proc.spawn { "setsid", "-f", build.exe, "local", "--embedded", "--quiet", "--port", "0",
-    "--state", dir, stderr = "inherit" }
+    "--state", dir, stderr = { file = log } }
   local lines = p:lines("stdout")
   local env = {}
   for _ = 1, 3 do
     local line = lines()
     if not line then
+      local tail = (read_file(log) or ""):sub(-2000):gsub("%s+$", "")
       error(core.Error.new { op = "render.connect", code = "backend_failed", state_dir = dir,
-        message = "could not start the embedded local backend on " .. dir .. " (its error is above)" }, 0)
+        message = "could not start the embedded local backend on " .. dir ..
+          (tail ~= "" and (": " .. tail) or " (" .. log .. " is empty)") }, 0)
     end
     local k, v = line:match("^([%w_]+)=(.*)$")
     if k then env[k] = v end
@@ -143,8 +150,8 @@ local function join_process(dir)
       return { dir = dir, url = url, key = key, workspace = ws, users = users, managed = pid ~= nil }
     end
     url, key, ws = start_backend(dir)
-    say("no backend configured (no RENDER_API_KEY); started an embedded local backend at %s " ..
-      "(state in %s); it stops when the last run using it ends", url, dir)
+    say("started an embedded local backend at %s (state in %s); it stops when the last moonbox " ..
+      "process using it ends", url, dir)
     return { dir = dir, url = url, key = key, workspace = ws, users = users, managed = true, started = true }
   end)
   if not ok then
