@@ -115,13 +115,17 @@ function M.count(set)
 end
 
 --- runs.journal(b, since) -> the backend's journal entries after seq `since` (b: a local_backend,
--- or {url, key} of an embedded one). [yields]
+-- or {url, key} of an embedded one), leaving out the control endpoint's own (/_moonbox). [yields]
 function M.journal(b, since)
   local http = require "moonbox.http"
   local r = http.request { url = b.url .. "/_moonbox/journal?since=" .. (since or 0),
     headers = { Authorization = "Bearer " .. b.key } }
   assert(r.status == 200, "journal: " .. r.status)
-  return json.decode(r.body)
+  local out = {}
+  for _, e in ipairs(json.decode(r.body)) do
+    if not e.path:match("^/_moonbox") then out[#out + 1] = e end
+  end
+  return out
 end
 
 --- runs.settled(b, since): waits until the backend has answered every request it received after
@@ -131,7 +135,7 @@ function M.settled(b, since)
   for _ = 1, 600 do
     local pending = false
     for _, e in ipairs(M.journal(b, since)) do
-      if e.status == nil and not e.path:match("^/_moonbox") then pending = true end
+      if e.status == nil then pending = true end
     end
     if not pending then return end
     task.sleep(0.1)
@@ -153,7 +157,9 @@ end
 
 --- runs.last_seq(b) -> the seq of the backend's newest journal entry (0 when empty). [yields]
 function M.last_seq(b)
-  local j = M.journal(b, 0)
+  local http = require "moonbox.http"
+  local r = http.request { url = b.url .. "/_moonbox/journal?since=0", headers = { Authorization = "Bearer " .. b.key } }
+  local j = json.decode(r.body)
   return #j > 0 and j[#j].seq or 0
 end
 
