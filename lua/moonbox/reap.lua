@@ -143,10 +143,14 @@ local function new_result()
 end
 M.new_result = new_result
 
+-- Failures that say the backend itself cannot be reached (after the retries): the run's other
+-- entries would meet them too.
+local UNREACHABLE = { connect_failed = true, dns_failed = true, tls_failed = true }
+
 --- Settles what run r holds over connection c; counts go into tally. [yields]
 local function settle(L, r, c, opts, out, tally)
   local l
-  for _, i in ipairs(r.held) do
+  for n, i in ipairs(r.held) do
     local id = i.sandbox_id
     local step_ok, step_err = pcall(function()
       if not id then
@@ -184,6 +188,13 @@ local function settle(L, r, c, opts, out, tally)
     end)
     if not step_ok then
       if api.is_interruption(step_err) then error(step_err, 0) end
+      if type(step_err) == "table" and UNREACHABLE[step_err.code] then
+        local left = #r.held - n + 1
+        tally.failed = tally.failed + left
+        out(string.format("run %d: cannot reach its %s: %s (%d left for the next reap)", r.id,
+          describe_backend(r), describe_error(step_err), left))
+        return
+      end
       tally.failed = tally.failed + 1
       out(string.format("run %d: could not settle %s: %s (left for the next reap)", r.id,
         id or held_line(i), describe_error(step_err)))

@@ -19,6 +19,12 @@ function M.home(backend)
   return setmetatable({ dir = dir, B = backend, n = 0 }, Home)
 end
 
+--- home:on(backend) -> the same home (same ledger, same recipes directory) with its commands
+-- pointed at another backend.
+function Home:on(backend)
+  return setmetatable({ dir = self.dir, B = backend, n = self.n + 1000 }, Home)
+end
+
 --- home:state_dir() -> the embedded backend's state dir of this home.
 function Home:state_dir() return self.dir .. "/.local/state/moonbox/local" end
 
