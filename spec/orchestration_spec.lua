@@ -195,6 +195,48 @@ sb:exec("exit 3"):check()
   end))
 end)
 
+describe("a --trace whose run is SIGKILLed", function()
+  it("holds whole events: it parses as a Chrome trace after appending ] at most (10 kills)", T.async(function()
+    local runs = require "spec.support.runs"
+    local recipe = tmp .. "/killed-trace.lua"
+    write(recipe, [[
+local render = require "moonbox.render"
+local task = require "moonbox.task"
+local items = {}
+for i = 1, 12 do items[i] = i end
+task.map(items, function(i)
+  local sb <close> = render.sandboxes.create {}
+  for _ = 1, 3 do sb:exec("echo " .. i):check() end
+end, { concurrency = 6 })
+]])
+    math.randomseed(5)
+    local env = { RENDER_LOCAL_DEV_URL = B.url, RENDER_API_KEY = B.key, RENDER_WORKSPACE_ID = B.workspace,
+      XDG_STATE_HOME = tmp .. "/state", PATH = os.getenv("PATH") }
+    local cut = 0
+    for i = 1, 10 do
+      local trace_file = string.format("%s/killed-%d.trace.json", tmp, i)
+      local mark = runs.last_seq(B)
+      local p = proc.spawn { L.BIN, "run", "--trace", trace_file, recipe, env = env, stderr = "null" }
+      runs.until_requests(B, mark, math.random(1, 100), p)
+      p:kill("KILL")
+      p:wait()
+      local text = assert(read(trace_file))
+      if not text:match("%]\n$") then
+        cut = cut + 1
+        text = text .. "]"
+      end
+      local ok, doc = pcall(json.decode, text)
+      assert.is_true(ok and type(doc) == "table", "kill " .. i .. ": not JSON after appending ]: " .. text:sub(-300))
+      check_schema(doc)
+      runs.settled(B, mark)
+      local reap = proc.run { L.BIN, "reap", env = env }
+      assert.are.equal(0, reap.code, reap.stdout .. reap.stderr)
+    end
+    assert.is_true(cut >= 5, "only " .. cut .. " of 10 kills landed before the trace was closed")
+    assert.are.equal(0, B:live())
+  end))
+end)
+
 describe("adaptive concurrency", function()
   it("halves the window under injected 429s, honours Retry-After, and grows back", T.async(function()
     local recipe = tmp .. "/aimd.lua"
