@@ -9,7 +9,7 @@ local runs = require "spec.support.runs"
 
 local B, home
 
-local TIMES = 20
+local TIMES = runs.TIMES
 
 setup(T.async(function()
   B = L.start()
@@ -54,7 +54,7 @@ local function repeat_run(recipe_text, fault_spec, failure)
 end
 
 describe("a create in a task.map whose sibling fails", function()
-  it("terminates its sandbox when cancelled while it waits for running (20 runs)", T.async(function()
+  it("terminates its sandbox when cancelled while it waits for running (" .. TIMES .. " runs)", T.async(function()
     local answered = repeat_run([[
 local render = require "moonbox.render"
 local task = require "moonbox.task"
@@ -67,7 +67,7 @@ end)
     assert.is_true(answered >= TIMES * 3, "creates answered: " .. answered)
   end))
 
-  it("terminates its sandbox when cancelled while the create is in flight (20 runs)", T.async(function()
+  it("terminates its sandbox when cancelled while the create is in flight (" .. TIMES .. " runs)", T.async(function()
     -- The issue's repro: the sibling fails 10 ms in.
     repeat_run([[
 local render = require "moonbox.render"
@@ -89,7 +89,7 @@ end)
     assert.are.equal(TIMES * 3, answered)
   end))
 
-  it("terminates its sandbox when the wait for running fails (20 runs)", T.async(function()
+  it("terminates its sandbox when the wait for running fails (" .. TIMES .. " runs)", T.async(function()
     local answered = repeat_run([[
 local render = require "moonbox.render"
 local task = require "moonbox.task"

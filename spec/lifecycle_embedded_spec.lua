@@ -24,14 +24,17 @@ local function count(text, pattern)
   return n
 end
 
--- Waits until no embedded backend serves dir (its process has ended); polls its pid file and
--- the process: there is no event for another process's end. At most 60 s. [yields]
-local function until_stopped(dir)
+-- Waits until the embedded backend's process pid (started at `start`; its pid file removes
+-- itself before the process has quite ended) is gone; polls: there is no event for another
+-- process's end. At most 60 s. [yields]
+local function until_stopped(pid, start)
+  if not pid then return end
+  local ledger = require "moonbox.ledger"
   for _ = 1, 600 do
-    if not embedded.backend_pid(dir) then return end
+    if ledger.pid_start(pid) ~= start then return end
     task.sleep(0.1)
   end
-  error("the embedded backend on " .. dir .. " did not stop within 60 s")
+  error("the embedded backend (pid " .. pid .. ") did not stop within 60 s")
 end
 
 -- The backends (moonbox local --embedded) running on dir, by their command lines.
@@ -156,7 +159,7 @@ task.map(fleet, function(sb, i) sb:exec("echo " .. i):check() end, { concurrency
 ]],
   }
   local SEED = tonumber(os.getenv("MOONBOX_KILL_SEED") or "") or 12
-  local TIMES = 20
+  local TIMES = runs.TIMES
 
   it("takes its backend down with it; the next run starts a fresh one, and says so", T.async(function()
     local home = runs.home()
@@ -168,11 +171,11 @@ require("moonbox.task").sleep(600)
 ]])
     local p = home:spawn("run", recipe)
     assert.are.equal("ready", p:lines()())
-    local pid = embedded.backend_pid(home:state_dir())
+    local pid, start = embedded.backend_pid(home:state_dir())
     assert.is_number(pid)
     p:kill("KILL")
     p:wait()
-    until_stopped(home:state_dir())
+    until_stopped(pid, start)
     assert.are.equal(0, backend_processes(home:state_dir()))
     local r = home:moonbox("run", home:recipe('print(require("moonbox.render").connection().base)'))
     assert.are.equal(0, r.code, r.stderr)
@@ -185,7 +188,7 @@ require("moonbox.task").sleep(600)
   end))
 
   for _, kind in ipairs { "task.map", "render.restore" } do
-    it("at a random point of a " .. kind .. " fan-out: ps lists exactly what runs, one reap ends it (20 kills)",
+    it("at a random point of a " .. kind .. " fan-out: ps lists exactly what runs, one reap ends it (" .. TIMES .. " kills)",
       T.async(function()
         local home = runs.home()
         local dir = home:state_dir()
@@ -196,15 +199,16 @@ require("moonbox.task").sleep(600)
           local at = i % 2 == 1 and math.random(1, 30) or math.random(1, 150)
           local p = home:spawn("run", recipe)
           -- The backend this run starts serves the journal the kill point is counted in.
-          local b
+          local b, pid, start
           while not b and p:kill(0) do
-            b = embedded.backend_pid(dir) and backend_of(dir)
+            pid, start = embedded.backend_pid(dir)
+            b = pid and backend_of(dir)
             if not b then task.sleep(0.01) end
           end
           local running = b and pcall(runs.until_requests, b, 0, at, p)
           p:kill("KILL")
           p:wait()
-          until_stopped(dir)
+          until_stopped(pid, start)
           local what = string.format("%s kill %d (after %d requests%s, seed %d)", kind, i, at,
             running and "" or "; the run had ended", SEED)
           -- This spec brings the backend up again and holds it while ps and reap look at it.

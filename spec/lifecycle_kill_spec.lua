@@ -9,7 +9,7 @@ local runs = require "spec.support.runs"
 
 local B, home
 
-local TIMES = 20
+local TIMES = runs.TIMES
 local SEED = tonumber(os.getenv("MOONBOX_KILL_SEED") or "") or 12
 
 setup(T.async(function()
@@ -59,7 +59,7 @@ end
 
 for _, kind in ipairs { "task.map", "render.restore" } do
   describe("a " .. kind .. " fan-out SIGKILLed at a random point", function()
-    it("is listed exactly by moonbox ps and cleaned up by one moonbox reap (20 kills)", T.async(function()
+    it("is listed exactly by moonbox ps and cleaned up by one moonbox reap (" .. TIMES .. " kills)", T.async(function()
       local recipe = home:recipe(RECIPES[kind])
       local whole = requests_of(recipe)
       math.randomseed(SEED)

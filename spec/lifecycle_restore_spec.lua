@@ -10,7 +10,7 @@ local proc = require "moonbox.proc"
 
 local B, home
 
-local TIMES = 20
+local TIMES = runs.TIMES
 
 setup(T.async(function()
   B = L.start()
@@ -45,7 +45,7 @@ local function answered_since(mark)
 end
 
 describe("render.restore cancelled midway", function()
-  it("terminates every sandbox it made, in flight or booting (20 runs)", T.async(function()
+  it("terminates every sandbox it made, in flight or booting (" .. TIMES .. " runs)", T.async(function()
     local recipe = home:recipe([[
 local render = require "moonbox.render"
 local task = require "moonbox.task"
@@ -70,7 +70,7 @@ end)
 end)
 
 describe("render.snapshots.rebuild cancelled while its builder boots", function()
-  it("terminates the builder (20 runs)", T.async(function()
+  it("terminates the builder (" .. TIMES .. " runs)", T.async(function()
     local recipe = home:recipe([[
 local render = require "moonbox.render"
 local task = require "moonbox.task"
@@ -95,7 +95,7 @@ end)
 end)
 
 describe("a REPL chunk whose creates are cancelled", function()
-  it("leaves nothing running once the chunk has failed (20 sessions)", T.async(function()
+  it("leaves nothing running once the chunk has failed (" .. TIMES .. " sessions)", T.async(function()
     local session = [[
 task.map({ 1, 2, 3 }, function(i) if i == 1 then task.sleep(0.15) error("x") end local sb <close> = render.sandboxes.create {} end)
 n = 0; for _ in render.sandboxes.list {} do n = n + 1 end; print("live after the chunk: " .. n)

@@ -8,6 +8,14 @@ local L = require "spec.support.local_backend"
 
 local M = {}
 
+--- runs.TIMES: how many times the lifecycle specs repeat each repro: 20 (issue 12). A sanitized
+-- build (./dev test --asan) is there to check the C underneath for memory errors, which a few
+-- repetitions exercise as well as twenty; it runs 5, and the specs print that they did.
+M.TIMES = require("moonbox.build").sanitized and 5 or 20
+if M.TIMES ~= 20 then
+  io.stderr:write("spec: sanitized build: each lifecycle repro runs ", M.TIMES, " times (20 in the plain build)\n")
+end
+
 local Home = {}
 Home.__index = Home
 
