@@ -91,8 +91,7 @@ describe("a cancellation", function()
       started = true
       where = here(); sb:exec("sleep 100")
     end)
-    while not started do task.yield() end
-    task.sleep(0.3) -- let it reach its wait for the command (any wait inside sb:exec would do)
+    while not started do task.yield() end -- it ran up to its first wait, inside sb:exec
     task.cancel(t)
     local ok, err = pcall(task.join, t)
     assert.is_false(ok)

@@ -22,15 +22,17 @@ teardown(T.async(function()
   if B then B:destroy() end
 end))
 
--- The rules, in order; `fatal` marks those whose firing must fail the run.
+-- The rules, in order; `fatal` marks those whose firing must fail the run; `per_run` is about
+-- how often each fires in a run (its rate times the matching requests a run makes: 4 creates,
+-- ~8 sandbox reads, up to 4 execs, a listing only after a lost create answer).
 local RULES = {
-  { "POST /v1/sandboxes=500@0.025", fatal = true },
-  { "POST /v1/sandboxes=503@0.025", fatal = true },
-  { "POST /v1/sandboxes=drop@0.05" },
-  { "* /v1/sandboxes/*=503@0.05" },
-  { "GET /v1/sandboxes=429:1@0.02" },
-  { "POST /v1/sandboxes/*/runs/stream/token=429:1@0.02" },
-  { "POST /proxy/*/runs/stream=cut@0.05", fatal = true },
+  { "POST /v1/sandboxes=500@0.025", fatal = true, per_run = 0.1 },
+  { "POST /v1/sandboxes=503@0.025", fatal = true, per_run = 0.1 },
+  { "POST /v1/sandboxes=drop@0.05", per_run = 0.2 },
+  { "* /v1/sandboxes/*=503@0.05", per_run = 0.3 },
+  { "GET /v1/sandboxes=429:1@0.02", per_run = 0.004 },
+  { "POST /v1/sandboxes/*/runs/stream/token=429:1@0.02", per_run = 0.05 },
+  { "POST /proxy/*/runs/stream=cut@0.05", fatal = true, per_run = 0.1 },
 }
 local SPEC = {}
 for i, r in ipairs(RULES) do SPEC[i] = r[1] end
@@ -89,9 +91,12 @@ task.map(fleet, function(sb) return sb:exec("echo soak"):check().stdout end, { c
         counts.runs, core.now() - started, counts.ok, 100 * counts.ok / counts.runs, 100 * expected,
         counts.failed, table.concat(fired, "; ")))
       assert.is_true(counts.runs >= 20)
-      -- Every absorbable kind of fault did fire, so absorbing it was tested.
+      -- Every rule that these runs should have fired ten times or more did fire (the chance that
+      -- one did not is below e^-10), so the client met it and ended its runs as asserted above.
       for i, rule in ipairs(RULES) do
-        assert.is_true(counts.fired[i] > 0, "never fired: " .. rule[1])
+        if counts.runs * rule.per_run >= 10 then
+          assert.is_true(counts.fired[i] > 0, "never fired in " .. counts.runs .. " runs: " .. rule[1])
+        end
       end
     end))
 end)
