@@ -278,7 +278,10 @@ function M.data(conn, op, mint, req, opts)
     r_opts.stream = nil
     r_opts.url = t.uri
     r_opts.connect_timeout = r_opts.connect_timeout or 10
-    r_opts.fresh_connect = not opts.repeatable
+    -- Kept-alive connections are reused even for a command's start: one of its own per exec
+    -- would cost a TLS handshake per command on Render. libcurl's silent re-send (http.md) needs
+    -- a reused connection that the server had closed without answering a byte, i.e. a request it
+    -- never processed; a connection that breaks later surfaces as unknown_outcome.
     local headers = { ["User-Agent"] = "moonbox/" .. core.version }
     for k, v in pairs(req.headers or {}) do headers[k] = v end
     headers.Authorization = "Bearer " .. t.token
