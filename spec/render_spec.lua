@@ -185,7 +185,8 @@ io.write(sb:exec({ "echo", "embedded ok" }):check().stdout)
     f:close()
     local out = os.tmpname()
     local cmd = string.format("env -u RENDER_API_KEY -u RENDER_LOCAL_DEV_URL -u RENDER_USE_LOCAL_DEV HOME=%s " ..
-      "XDG_STATE_HOME= %s run %s > %s 2>&1", home, L.BIN, recipe, out)
+      "XDG_STATE_HOME= MOONBOX_IMAGES=%s %s run %s > %s 2>&1", home, require("spec.support.runs").images(), L.BIN,
+      recipe, out)
     local ok = os.execute(cmd)
     local text = assert(io.open(out)):read("a")
     assert.is_true(ok, text)
@@ -215,7 +216,7 @@ describe("a running moonbox local in the default state dir", function()
     f:write('local render = require "moonbox.render"\nio.write(render.connection().base, "\\n")\n')
     f:close()
     local r = proc.run { "env", "-u", "RENDER_API_KEY", "-u", "RENDER_LOCAL_DEV_URL", "HOME=" .. home,
-      "XDG_STATE_HOME=", L.BIN, "run", recipe }
+      "XDG_STATE_HOME=", "MOONBOX_IMAGES=" .. require("spec.support.runs").images(), L.BIN, "run", recipe }
     assert.are.equal(0, r.code, r.stderr)
     assert.are.equal(url .. "/v1\n", r.stdout)
     -- reused, and said so in one line: nothing was started

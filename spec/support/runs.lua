@@ -36,10 +36,21 @@ end
 --- home:state_dir() -> the embedded backend's state dir of this home.
 function Home:state_dir() return self.dir .. "/.local/state/moonbox/local" end
 
+--- runs.images() -> where the local backend's base images are cached for this process
+-- ($MOONBOX_IMAGES, else $XDG_CACHE_HOME or ~/.cache, then /moonbox/images). A home of its own
+-- must not move that cache: building an image takes minutes.
+function M.images()
+  local d = os.getenv("MOONBOX_IMAGES")
+  if d and d ~= "" then return d end
+  local cache = os.getenv("XDG_CACHE_HOME")
+  if not cache or cache == "" then cache = (os.getenv("HOME") or "/root") .. "/.cache" end
+  return cache .. "/moonbox/images"
+end
+
 --- home:argv(args) -> argv of `env ... moonbox ARGS...` for this home.
 function Home:argv(args)
   local argv = { "env", "-u", "RENDER_API_KEY", "-u", "RENDER_LOCAL_DEV_URL", "-u", "RENDER_USE_LOCAL_DEV",
-    "-u", "RENDER_WORKSPACE_ID", "HOME=" .. self.dir, "XDG_STATE_HOME=" }
+    "-u", "RENDER_WORKSPACE_ID", "HOME=" .. self.dir, "XDG_STATE_HOME=", "MOONBOX_IMAGES=" .. M.images() }
   if self.B then
     for _, kv in ipairs { "RENDER_API_KEY=" .. self.B.key, "RENDER_WORKSPACE_ID=" .. self.B.workspace,
       "RENDER_LOCAL_DEV_URL=" .. self.B.url } do
