@@ -20,7 +20,7 @@ static int is_library_source(const char *src)
     return src && src[0] == '@' && strstr(src, "/lua/moonbox/") != NULL;
 }
 
-void mb_where(lua_State *L, char *buf, size_t len)
+int mb_where(lua_State *L, char *buf, size_t len)
 {
     lua_Debug ar;
     const char *fallback = NULL;
@@ -36,12 +36,17 @@ void mb_where(lua_State *L, char *buf, size_t len)
         }
         if (is_library_source(ar.source)) continue;
         snprintf(buf, len, "%s:%d", ar.short_src, ar.currentline);
-        return;
+        return 1;
     }
+    /* No recipe frame on this stack: the task runs library code only (a reader task, a worker
+     * of task.map) or the recipe's frame left by a tail call. The recipe line that spawned the
+     * task (or its nearest ancestor) is then the place a person can act on. */
+    if (mb_task_recipe_site(L, buf, len)) return 1;
     if (fallback)
         snprintf(buf, len, "%s:%d", fallback, fallback_line);
     else
         snprintf(buf, len, "?");
+    return 0;
 }
 
 void mb_setfield_str(lua_State *L, int idx, const char *k, const char *v)

@@ -148,6 +148,12 @@ void mb_task_cancel(mb_task *t);
 /* Queues fn(L, ud) to run in the drain, in Lua context on the main thread (not yieldable). */
 void mb_defer(mb_runtime *rt, mb_defer_fn fn, void *ud);
 
+/* Copies the recipe site of the task running on L into buf and returns 1, or returns 0 when
+ * there is none. The site is where the recipe spawned the task (or, through a chain of tasks
+ * spawned by moonbox's library, its nearest ancestor's); moonbox run and the REPL set their root
+ * tasks' site from Lua (fields site and site_recipe of core.data(task)). */
+int mb_task_recipe_site(lua_State *L, char *buf, size_t len);
+
 /* Seconds left before the current task's nearest deadline, or -1 when none applies. */
 double mb_task_remaining(mb_task *t);
 
@@ -170,8 +176,10 @@ int mb_error_raise(lua_State *L, const char *op, const char *code, const char *f
 void mb_setfield_str(lua_State *L, int idx, const char *k, const char *v);
 void mb_setfield_int(lua_State *L, int idx, const char *k, lua_Integer v);
 void mb_setfield_bool(lua_State *L, int idx, const char *k, int v);
-/* Writes "file:line" of the nearest stack frame outside moonbox's own library into buf. */
-void mb_where(lua_State *L, char *buf, size_t len);
+/* Writes "file:line" of the nearest stack frame outside moonbox's own library into buf; when the
+ * stack has none, the recipe site of the current task (mb_task_recipe_site). Returns 1 when buf
+ * names a recipe location, 0 when it fell back to the innermost library frame (or "?"). */
+int mb_where(lua_State *L, char *buf, size_t len);
 /* Installs the error metatable; called by luaopen_moonbox_core. */
 void mb_errors_open(lua_State *L);
 

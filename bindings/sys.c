@@ -3,11 +3,11 @@
  * starting mkdir, mount, umount, kill, ls and rm processes (on a paravirtualized VM a fork and
  * exec costs milliseconds of CPU; a syscall microseconds).
  *
- * Two kinds of calls. The inline ones (mkdir_p, mount_overlay, kill, listdir) run on the loop
- * thread: each is a handful of metadata syscalls on local filesystems or procfs and cannot wait
- * for disk writeback or for another process; the comment above each says why. The slow ones
- * (unmounting a writable overlay syncs its upper filesystem; removing a sandbox's upper
- * directory is unbounded) run on a detached worker thread as a job: sys.umount_start and
+ * Two kinds of calls. The inline ones (mkdir_p, mount_overlay, kill, listdir, try_lock) run on
+ * the loop thread: each is a handful of metadata syscalls on local filesystems or procfs and
+ * cannot wait for disk writeback or for another process; the comment above each says why. The
+ * slow ones (unmounting a writable overlay syncs its upper filesystem; removing a sandbox's
+ * upper directory is unbounded) run on a detached worker thread as a job: sys.umount_start and
  * sys.remove_tree_start return a job whose :poll() the caller repeats (engine/host.lua sleeps
  * between polls). Polling, not a wake-up, because these jobs are rare and short compared with
  * a poll interval, and it keeps this file free of task parking.
@@ -27,11 +27,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define JOB_MT "moonbox.sys.Job"
+#define JOB_MT  "moonbox.sys.Job"
+#define LOCK_MT "moonbox.sys.Lock"
 
 /* A stable code name for an errno, for err.code. */
 static const char *errno_code(int e)
@@ -221,6 +223,55 @@ static int l_kill(lua_State *L)
     }
     lua_pushboolean(L, 1);
     return 1;
+}
+
+/* ---- file locks ---------------------------------------------------------------------------- */
+
+/* A held flock(2) lock: the open descriptor is the lock, so closing it (unlock, `<close>`, __gc,
+ * or the end of the process — also a SIGKILL) releases it. */
+typedef struct sys_lock {
+    int fd; /* -1 once unlocked */
+} sys_lock;
+
+/* sys.try_lock(path, "shared"|"exclusive") -> Lock, or nil when another open file holds a
+ * conflicting lock. Opens (creating, 0600) the file at path and takes an advisory flock(2)
+ * lock on it without waiting. Shared locks coexist; an exclusive one excludes every other,
+ * also another of this process (each call opens its own descriptor). The descriptor is
+ * close-on-exec, so children never inherit the lock. lock:unlock() (or `<close>`, or __gc)
+ * releases it; the kernel releases it when the process ends, however it ends — which is what
+ * makes such a lock a liveness signal between processes (see lua/moonbox/render/embedded.lua).
+ * Raises (op "sys.try_lock") when the file cannot be opened, naming the path. Inline: one open
+ * and one non-blocking flock. Does not yield. */
+static int l_try_lock(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    static const char *const modes[] = {"shared", "exclusive", NULL};
+    int exclusive = luaL_checkoption(L, 2, NULL, modes);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0)
+        return raise_errno(L, "sys.try_lock", errno, path, "cannot open lock file %s", path);
+    if (flock(fd, (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0) {
+        int e = errno;
+        close(fd);
+        if (e == EWOULDBLOCK) {
+            lua_pushnil(L);
+            return 1;
+        }
+        return raise_errno(L, "sys.try_lock", e, path, "cannot lock %s", path);
+    }
+    sys_lock *lk = (sys_lock *)lua_newuserdatauv(L, sizeof *lk, 0);
+    lk->fd = fd;
+    luaL_setmetatable(L, LOCK_MT);
+    return 1;
+}
+
+/* lock:unlock(): releases the lock (idempotent). Does not yield. */
+static int l_lock_unlock(lua_State *L)
+{
+    sys_lock *lk = (sys_lock *)luaL_checkudata(L, 1, LOCK_MT);
+    if (lk->fd >= 0) close(lk->fd);
+    lk->fd = -1;
+    return 0;
 }
 
 /* ---- getcwd --------------------------------------------------------------------------------- */
@@ -561,6 +612,11 @@ static int l_job_gc(lua_State *L)
     return 0;
 }
 
+static const luaL_Reg lock_methods[] = {
+    {"unlock", l_lock_unlock},
+    {NULL, NULL},
+};
+
 static const luaL_Reg job_methods[] = {
     {"poll", l_job_poll},
     {NULL, NULL},
@@ -574,6 +630,7 @@ static const luaL_Reg sys_functions[] = {
     {"getcwd", l_getcwd},
     {"umount_start", l_umount_start},
     {"remove_tree_start", l_remove_tree_start},
+    {"try_lock", l_try_lock},
     {NULL, NULL},
 };
 
@@ -584,6 +641,15 @@ int luaopen_moonbox_sys(lua_State *L)
         lua_setfield(L, -2, "__index");
         lua_pushcfunction(L, l_job_gc);
         lua_setfield(L, -2, "__gc");
+    }
+    lua_pop(L, 1);
+    if (luaL_newmetatable(L, LOCK_MT)) {
+        luaL_newlib(L, lock_methods);
+        lua_setfield(L, -2, "__index");
+        lua_pushcfunction(L, l_lock_unlock);
+        lua_setfield(L, -2, "__gc");
+        lua_pushcfunction(L, l_lock_unlock);
+        lua_setfield(L, -2, "__close");
     }
     lua_pop(L, 1);
     luaL_newlib(L, sys_functions);

@@ -295,6 +295,23 @@ mb_task *mb_task_check_yieldable(lua_State *L, const char *what)
         what, where);
 }
 
+int mb_task_recipe_site(lua_State *L, char *buf, size_t len)
+{
+    mb_task *t = mb_task_of(L);
+    if (!t || t->ref == LUA_NOREF) return 0;
+    int top = lua_gettop(L);
+    push_task(L, t);
+    push_task_data(L, -1);
+    int found = 0;
+    if (lua_getfield(L, -1, "site_recipe") != LUA_TNIL && lua_toboolean(L, -1) &&
+        lua_getfield(L, -2, "site") == LUA_TSTRING) {
+        snprintf(buf, len, "%s", lua_tostring(L, -1));
+        found = 1;
+    }
+    lua_settop(L, top);
+    return found;
+}
+
 /* ---- cancellation and deadline errors -------------------------------------------------------- */
 
 static int raise_cancelled(lua_State *L, mb_task *t)
@@ -716,9 +733,11 @@ static int l_spawn(lua_State *L)
     lua_createtable(L, 0, 8);
     int data = lua_gettop(L);
     char where[256];
-    mb_where(L, where, sizeof where);
+    int recipe_site = mb_where(L, where, sizeof where);
     lua_pushstring(L, where);
     lua_setfield(L, data, "site");
+    lua_pushboolean(L, recipe_site);
+    lua_setfield(L, data, "site_recipe");
     mb_task *parent = mb_task_of(L);
     if (parent && parent->ref != LUA_NOREF) {
         t->parent_id = parent->id;
@@ -879,7 +898,9 @@ static int l_id(lua_State *L)
     return 1;
 }
 
-/* core.data(task) -> the task's data table (site, chain, name, err, tb, ...). */
+/* core.data(task) -> the task's data table (site, site_recipe, chain, name, err, tb, ...).
+ * site is where the task was spawned; site_recipe says whether that is a recipe location (the
+ * fallback of mb_where for errors made where no recipe frame is on the stack). */
 static int l_data(lua_State *L)
 {
     check_task(L, 1);

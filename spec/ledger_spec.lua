@@ -55,7 +55,7 @@ require("moonbox.task").sleep(120)
     assert.are.equal(20, held)
     local dry = moonbox { "reap", "--dry-run" }
     assert.are.equal(0, dry.code, dry.stderr)
-    assert.matches("0 terminated, 20 would be", dry.stdout)
+    assert.matches("reap: 20 would be settled in 1 run", dry.stdout)
     assert.are.equal(20, live())
     local reap = moonbox { "reap" }
     assert.are.equal(0, reap.code, reap.stderr)
@@ -65,28 +65,42 @@ require("moonbox.task").sleep(120)
     assert.is_nil(after.stdout:find("holds", 1, true))
   end))
 
-  it("reconciles a create whose answer was lost by its label", T.async(function()
-    B:req("PUT", "/_moonbox/faults", { body = "POST /v1/sandboxes=drop#1" })
+  it("reconciles a create whose answer never came by its label", T.async(function()
+    -- The create waits in the backend; the run is killed before the answer comes.
+    B:req("PUT", "/_moonbox/faults", { body = "POST /v1/sandboxes=latency:1000" })
+    local _, before = B:req("GET", "/_moonbox/journal")
+    local mark = before[#before].seq
     local recipe = home .. "/lost.lua"
     local f = assert(io.open(recipe, "w"))
     f:write([[
 local render = require "moonbox.render"
-local ok = pcall(render.sandboxes.create, {})
-io.stdout:write(ok and "created\n" or "lost\n"); io.stdout:flush()
-require("moonbox.task").sleep(120)
+render.sandboxes.create {}
 ]])
     f:close()
     local p = proc.spawn { "env", "HOME=" .. home, "XDG_STATE_HOME=", "RENDER_API_KEY=" .. B.key,
       "RENDER_WORKSPACE_ID=" .. B.workspace, "RENDER_LOCAL_DEV_URL=" .. B.url, L.BIN, "run", recipe,
       stderr = "inherit" }
-    assert.are.equal("lost", p:lines("stdout")())
+    local function create_entry()
+      local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = mark } })
+      for _, e in ipairs(entries) do
+        if e.method == "POST" and e.path == "/v1/sandboxes" then return e end
+      end
+    end
+    local waited = 0
+    while not create_entry() do
+      waited = waited + 1
+      assert(waited < 3000, "the create never reached the backend")
+      require("moonbox.task").sleep(0.01)
+    end
     p:kill("KILL")
     p:wait()
+    while not create_entry().status do require("moonbox.task").sleep(0.05) end -- the backend made it
     B:req("DELETE", "/_moonbox/faults")
     assert.are.equal(1, live())
     local ps = moonbox { "ps" }
-    assert.matches("unknown create mb%-", ps.stdout)
+    assert.matches("unknown create mb%-%d+%-%d+ %(answer lost; intent %d+%)  is sbx%-%w+ running", ps.stdout)
     local reap = moonbox { "reap" }
+    assert.are.equal(0, reap.code, reap.stdout .. reap.stderr)
     assert.matches("1 terminated", reap.stdout)
     assert.are.equal(0, live())
   end))

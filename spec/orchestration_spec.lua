@@ -54,13 +54,12 @@ local fleet <close> = render.restore(snap, { count = %d, concurrency = %d })
 task.map(fleet, function(s) return s:exec("echo $EXTRA", { env = { EXTRA = "%s" } }):check().code end)
 ]]
 
--- Schema of the Chrome trace event format (the JSON Object Format), as Perfetto reads it.
+-- Schema of the Chrome trace event format (the JSON Array Format), as Perfetto reads it.
 local PHASES = { X = true, B = true, E = true, b = true, e = true, n = true, i = true, C = true, M = true }
-local function check_schema(doc)
-  assert.is_table(doc)
-  assert.is_table(doc.traceEvents, "traceEvents must be an array")
-  assert.is_true(#doc.traceEvents > 0)
-  for k, ev in ipairs(doc.traceEvents) do
+local function check_schema(events)
+  assert.is_table(events)
+  assert.is_true(#events > 0)
+  for k, ev in ipairs(events) do
     local where = "event " .. k .. ": " .. json.encode(ev)
     assert.is_string(ev.name, where)
     assert.is_true(PHASES[ev.ph] == true, where)
@@ -114,6 +113,8 @@ describe("moonbox run --trace and --json", function()
       local code, out, err = run { "--trace", trace_file, "--json", "--progress", recipe }
       assert.are.equal(0, code, err)
       local text = assert(read(trace_file))
+      assert.matches("^%[\n", text)
+      assert.matches("\n%]\n$", text) -- a trace that stopped normally has its closing bracket
       local doc = json.decode(text)
       check_schema(doc)
 
@@ -123,7 +124,7 @@ describe("moonbox run --trace and --json", function()
         if not r.path:match("^/_moonbox") then requests = requests + 1 end
       end
       local api_spans, tasks, sb_begin, sb_end = 0, 0, {}, {}
-      for _, ev in ipairs(doc.traceEvents) do
+      for _, ev in ipairs(doc) do
         if ev.cat == "api" and ev.ph == "X" then
           api_spans = api_spans + 1
           assert.matches("^[%w_.:]+$", ev.name)
@@ -194,6 +195,48 @@ sb:exec("exit 3"):check()
   end))
 end)
 
+describe("a --trace whose run is SIGKILLed", function()
+  it("holds whole events: it parses as a Chrome trace after appending ] at most (10 kills)", T.async(function()
+    local runs = require "spec.support.runs"
+    local recipe = tmp .. "/killed-trace.lua"
+    write(recipe, [[
+local render = require "moonbox.render"
+local task = require "moonbox.task"
+local items = {}
+for i = 1, 12 do items[i] = i end
+task.map(items, function(i)
+  local sb <close> = render.sandboxes.create {}
+  for _ = 1, 3 do sb:exec("echo " .. i):check() end
+end, { concurrency = 6 })
+]])
+    math.randomseed(5)
+    local env = { RENDER_LOCAL_DEV_URL = B.url, RENDER_API_KEY = B.key, RENDER_WORKSPACE_ID = B.workspace,
+      XDG_STATE_HOME = tmp .. "/state", PATH = os.getenv("PATH") }
+    local cut = 0
+    for i = 1, 10 do
+      local trace_file = string.format("%s/killed-%d.trace.json", tmp, i)
+      local mark = runs.last_seq(B)
+      local p = proc.spawn { L.BIN, "run", "--trace", trace_file, recipe, env = env, stderr = "null" }
+      runs.until_requests(B, mark, math.random(1, 100), p)
+      p:kill("KILL")
+      p:wait()
+      local text = assert(read(trace_file))
+      if not text:match("%]\n$") then
+        cut = cut + 1
+        text = text .. "]"
+      end
+      local ok, doc = pcall(json.decode, text)
+      assert.is_true(ok and type(doc) == "table", "kill " .. i .. ": not JSON after appending ]: " .. text:sub(-300))
+      check_schema(doc)
+      runs.settled(B, mark)
+      local reap = proc.run { L.BIN, "reap", env = env }
+      assert.are.equal(0, reap.code, reap.stdout .. reap.stderr)
+    end
+    assert.is_true(cut >= 5, "only " .. cut .. " of 10 kills landed before the trace was closed")
+    assert.are.equal(0, B:live())
+  end))
+end)
+
 describe("adaptive concurrency", function()
   it("halves the window under injected 429s, honours Retry-After, and grows back", T.async(function()
     local recipe = tmp .. "/aimd.lua"
@@ -212,7 +255,7 @@ assert(#fleet == 24)
     local doc = json.decode(assert(read(trace_file)))
     check_schema(doc)
     local sizes, throttled = {}, 0
-    for _, ev in ipairs(doc.traceEvents) do
+    for _, ev in ipairs(doc) do
       if ev.ph == "C" and ev.name == "concurrency render.restore" then sizes[#sizes + 1] = ev.args.window end
       if ev.name == "throttled" then throttled = throttled + 1 end
     end

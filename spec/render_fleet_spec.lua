@@ -90,13 +90,39 @@ describe("render.restore", function()
     assert.are.equal(0, live())
   end))
 
-  it("says when a lost create answer may have left a sandbox without an id", T.async(function()
-    faults("POST /v1/sandboxes=drop#1")
+  it("finds the sandbox of a create whose answer was lost by its label, without sending it again",
+    T.async(function()
+      local _, before = B:req("GET", "/_moonbox/journal")
+      local mark = before[#before].seq
+      faults("POST /v1/sandboxes=drop#1")
+      do
+        local fleet <close> = render.restore(snap, { count = 2 })
+        faults("")
+        assert.are.equal(2, #fleet)
+        assert.are.equal(2, live())
+      end
+      local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = mark } })
+      local posts, dropped = 0, 0
+      for _, e in ipairs(entries) do
+        if e.method == "POST" and e.path == "/v1/sandboxes" then
+          posts = posts + 1
+          if e.fault == "drop" then dropped = dropped + 1 end
+        end
+      end
+      assert.are.same({ 2, 1 }, { posts, dropped })
+      assert.are.equal(0, live())
+    end))
+
+  it("says when a lost create answer may have left a sandbox it could not find", T.async(function()
+    -- The answer is lost and the listing that would find the label fails as well.
+    faults("POST /v1/sandboxes=drop#1;GET /v1/sandboxes=400#1")
     local ok, err = pcall(render.restore, snap, { count = 2 })
     faults("")
     assert.is_false(ok)
     assert.matches("may exist without an id", err.message)
-    for sb in render.sandboxes.list {} do sb:terminate() end -- the lost one (the ledger's job later)
+    assert.matches("looking for its label mb%-x%x+ failed too", err.message)
+    assert.are.equal(1, live()) -- the lost one: a recipe run's ledger keeps it for moonbox reap
+    for sb in render.sandboxes.list {} do sb:terminate() end
   end))
 end)
 

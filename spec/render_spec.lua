@@ -43,7 +43,9 @@ describe("render.sandboxes", function()
       if e.method == "POST" and e.path == "/v1/sandboxes" then creates[#creates + 1] = e end
     end
     assert.are.equal(1, #creates)
-    assert.are.equal(json.encode({ ownerId = B.workspace }), creates[1].body_json)
+    -- nothing but the owner and moonbox's label (by which a lost answer is reconciled)
+    assert.matches("^mb%-x%x+$", creates[1].body.name)
+    assert.are.equal(json.encode({ name = creates[1].body.name, ownerId = B.workspace }), creates[1].body_json)
     local _, got = B:req("GET", "/v1/sandboxes/" .. id)
     assert.are.equal("terminated", got.status)
   end))
@@ -183,13 +185,15 @@ io.write(sb:exec({ "echo", "embedded ok" }):check().stdout)
     f:close()
     local out = os.tmpname()
     local cmd = string.format("env -u RENDER_API_KEY -u RENDER_LOCAL_DEV_URL -u RENDER_USE_LOCAL_DEV HOME=%s " ..
-      "XDG_STATE_HOME= %s run %s > %s 2>&1", home, L.BIN, recipe, out)
+      "XDG_STATE_HOME= MOONBOX_IMAGES=%s %s run %s > %s 2>&1", home, require("spec.support.runs").images(), L.BIN,
+      recipe, out)
     local ok = os.execute(cmd)
     local text = assert(io.open(out)):read("a")
     assert.is_true(ok, text)
     assert.matches("embedded ok", text)
-    assert.matches("using an embedded local backend at http://127%.0%.0%.1:%d+", text)
-    local left = io.popen("pgrep -f '[m]oonbox local --quiet --port 0 --state " .. home .. "' || true"):read("a")
+    assert.matches("started an embedded local backend at http://127%.0%.0%.1:%d+", text)
+    local left = io.popen("pgrep -f '[m]oonbox local --embedded --quiet --port 0 --state " .. home ..
+      "' || true"):read("a")
     assert.are.equal("", left)
     os.execute("rm -rf --one-file-system " .. home .. " " .. recipe .. " " .. out)
   end)
@@ -212,10 +216,12 @@ describe("a running moonbox local in the default state dir", function()
     f:write('local render = require "moonbox.render"\nio.write(render.connection().base, "\\n")\n')
     f:close()
     local r = proc.run { "env", "-u", "RENDER_API_KEY", "-u", "RENDER_LOCAL_DEV_URL", "HOME=" .. home,
-      "XDG_STATE_HOME=", L.BIN, "run", recipe }
+      "XDG_STATE_HOME=", "MOONBOX_IMAGES=" .. require("spec.support.runs").images(), L.BIN, "run", recipe }
     assert.are.equal(0, r.code, r.stderr)
     assert.are.equal(url .. "/v1\n", r.stdout)
-    assert.is_nil(r.stderr:find("embedded", 1, true)) -- reused: nothing was started
+    -- reused, and said so in one line: nothing was started
+    assert.are.equal("moonbox: using the moonbox local already serving at " .. url .. " (state in " .. state ..
+      ")\n", r.stderr)
     p:kill("TERM")
     p:wait()
     proc.run { "rm", "-rf", "--one-file-system", home }

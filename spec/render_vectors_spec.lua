@@ -35,20 +35,29 @@ local function query_keys(q)
 end
 
 describe("requests moonbox.render sends (§11)", function()
-  it("TS 4 / Py 1: create sends the options given, camelCased, and nothing else", T.async(function()
-    local sb
-    local e = journaled(function()
-      sb = render.sandboxes.create { plan = "pro", timeout = 600, network = "deny-all",
-        env = { NODE_ENV = "test" }, wait = false }
-    end)
-    assert.are.equal("POST", e[1].method)
-    assert.are.equal("/v1/sandboxes", e[1].path)
-    assert.are.equal("application/json", e[1].headers["content-type"])
-    assert.are.equal("Bearer <redacted>", e[1].headers.authorization)
-    assert.are.same({ ownerId = B.workspace, plan = "pro", timeoutSeconds = 600,
-      networkPolicy = { default = "deny-all" }, env = { NODE_ENV = "<redacted>" } }, e[1].body)
-    sb:terminate()
-  end))
+  it("TS 4 / Py 1: create sends the options given, camelCased, and nothing else but its label",
+    T.async(function()
+      local sb
+      local e = journaled(function()
+        sb = render.sandboxes.create { plan = "pro", timeout = 600, network = "deny-all",
+          env = { NODE_ENV = "test" }, wait = false }
+      end)
+      assert.are.equal("POST", e[1].method)
+      assert.are.equal("/v1/sandboxes", e[1].path)
+      assert.are.equal("application/json", e[1].headers["content-type"])
+      assert.are.equal("Bearer <redacted>", e[1].headers.authorization)
+      -- Without a name of the recipe's own, the create carries moonbox's label, by which a lost
+      -- answer is reconciled.
+      local label = e[1].body.name
+      assert.matches("^mb%-x%x+$", label)
+      assert.are.same({ ownerId = B.workspace, plan = "pro", timeoutSeconds = 600, name = label,
+        networkPolicy = { default = "deny-all" }, env = { NODE_ENV = "<redacted>" } }, e[1].body)
+      sb:terminate()
+      -- A name of the recipe's own is sent as given, and no label.
+      e = journaled(function() sb = render.sandboxes.create { name = "mine", wait = false } end)
+      assert.are.same({ ownerId = B.workspace, name = "mine" }, e[1].body)
+      sb:terminate()
+    end))
 
   it("TS 1 / Py 3: list sends ownerId, limit, cursor and one status per value", T.async(function()
     local e = journaled(function()

@@ -48,6 +48,25 @@ local function set_arg(script, args)
   _G.arg = a
 end
 
+--- cli.finish_run(): what `moonbox run` and `moonbox repl` do when the recipe (or session) has
+-- ended, whatever happened: creates of this process whose answer never came are settled by
+-- their labels, and the embedded local backend it used is left (stopped when no other run uses
+-- it). Failures are reported on stderr; `moonbox reap` finishes what is left. [yields]
+function M.finish_run()
+  local render = package.loaded["moonbox.render"]
+  if not render then return end
+  local L = require("moonbox.ledger").process()
+  local c = render.current_connection()
+  if L and L.run_id and c then
+    local ok, err = pcall(require("moonbox.reap").settle_unknown, L, L.run_id, c, function(line)
+      io.stderr:write("moonbox: ", line, "\n")
+    end)
+    if not ok then io.stderr:write("moonbox: settling lost creates failed: ", M.format_error(err), "\n") end
+  end
+  local ok, err = pcall(render.close)
+  if not ok then io.stderr:write("moonbox: leaving the backend failed: ", M.format_error(err), "\n") end
+end
+
 --- Runs fn(...) as the root task with SIGINT/SIGTERM cancelling it; returns exit code, plus
 -- the error when it failed.
 local function run_root(fn, ...)
@@ -158,6 +177,10 @@ when stderr is not a terminal; on a terminal it is always shown.]],
     local summary = want_json and require("moonbox.run_summary").start() or nil
     local t_start = core.now()
     local code, err = run_root(function(...)
+      -- Errors made where no recipe frame is on the stack (a tail call of the chunk) name the
+      -- recipe file rather than moonbox's own.
+      local data = core.data(core.current())
+      data.site, data.site_recipe = file, true
       local progress
       if want_progress or core.isatty(2) then
         progress = require("moonbox.progress").start { tty = core.isatty(2) }
@@ -165,20 +188,15 @@ when stderr is not a terminal; on a terminal it is always shown.]],
       if backend then require("moonbox.render").connect { backend = backend } end
       local r = table.pack(xpcall(chunk, core.msgh, ...))
       if progress then progress:stop() end
-      -- An embedded local backend started for this recipe stops with it, whatever happened.
-      local render = package.loaded["moonbox.render"]
-      if render then pcall(render.close) end
+      M.finish_run()
       if not r[1] then error(r[2], 0) end
       return table.unpack(r, 2, r.n)
     end, table.unpack(rest))
     if err ~= nil then
       eprintf("moonbox: recipe %s failed: %s\n", file, M.format_error(err))
     end
-    local render = package.loaded["moonbox.render"]
-    if render and render.ledger then
-      render.ledger:end_run(code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed")
-      render.ledger:close()
-    end
+    local outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed"
+    require("moonbox.ledger").close_process(outcome)
     if trace_file then trace.stop() end
     if summary then
       io.stdout:write(summary:finish { recipe = file, exit_code = code, error = err,
@@ -268,12 +286,12 @@ at it:
 --port 0 picks a free port. --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
-Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
+Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
+backend (docs/reference/render.md): it also stops when no moonbox process uses it any more.]],
   function(args)
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
-        ["concurrency-limit"] = "value",
-      seed = "value", host = "value", quiet = "flag" })
+      ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag" })
     if not opts then return usage_error("local: %s", rest) end
     if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
     if opts.image and opts["host-root"] then return usage_error(
@@ -294,14 +312,20 @@ Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
       f:close()
     end
     local code, err = M.run_root_opts({ quiet_signals = true }, function()
+      local state_dir = absolute(opts.state) or (M.state_home() .. "/local")
       local backend = require("moonbox.local").start {
-        host = opts.host, port = port, state_dir = absolute(opts.state) or (M.state_home() .. "/local"),
+        host = opts.host, port = port, state_dir = state_dir,
         image = absolute(opts.image), host_root = opts["host-root"], faults = faults,
         on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
-          api_key = opts["api-key"], workspace = opts.workspace,
+        api_key = opts["api-key"], workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
       }
-      local _close <close> = setmetatable({}, { __close = function() backend:close() end })
+      local _close <close> = setmetatable({}, { __close = function()
+        backend:close()
+        if opts.embedded then M.embedded_gone(state_dir) end
+      end })
+      local stop = core.cond()
+      if opts.embedded then M.embedded_watch(state_dir, stop) end
       io.stdout:write(string.format(
         "RENDER_LOCAL_DEV_URL=%s\nRENDER_API_KEY=%s\nRENDER_WORKSPACE_ID=%s\n",
         backend.url, backend.api_key, backend.workspace))
@@ -310,7 +334,7 @@ Stops cleanly on SIGINT/SIGTERM (exit status 0).]],
         io.stderr:write(string.format("moonbox local: serving on %s (state in %s); Ctrl-C stops\n",
           backend.url, backend.state_dir))
       end
-      core.cond():wait()
+      stop:wait()
     end)
     if err ~= nil then
       eprintf("moonbox local: %s\n", M.format_error(err))
@@ -361,30 +385,108 @@ $MOONBOX_IMAGES, else $XDG_CACHE_HOME/moonbox/images (~/.cache/moonbox/images).
     return code
   end)
 
+local embedded_locks -- luacheck: ignore 231 (assigned only so that the locks live on)
+
+--- cli.embedded_watch(dir, stop): the watcher of `moonbox local --embedded` (the protocol is in
+-- lua/moonbox/render/embedded.lua): records this process in dir/embedded.pid, then every 0.2 s
+-- takes the start lock and, when embedded.users can be taken exclusively too — no process uses
+-- the backend any more — keeps both locks until this process ends and signals `stop`. Polling:
+-- the end of another process's lock has no event to wait on, and 0.2 s is what a run whose last
+-- user was SIGKILLed waits at most for its backend to go.
+function M.embedded_watch(dir, stop)
+  local sys = require "moonbox.sys"
+  local embedded = require "moonbox.render.embedded"
+  local ledger = require "moonbox.ledger"
+  local pid_file = dir .. "/" .. embedded.PID_FILE
+  local tmp = pid_file .. ".tmp"
+  local f = assert(io.open(tmp, "w"))
+  f:write(ledger.self_pid(), " ", ledger.self_start(), "\n")
+  f:close()
+  assert(os.rename(tmp, pid_file))
+  require("moonbox.task").spawn(function()
+    while true do
+      core.sleep(0.2)
+      local start = sys.try_lock(dir .. "/" .. embedded.START_LOCK, "exclusive")
+      if start then
+        local idle = sys.try_lock(dir .. "/" .. embedded.USERS_LOCK, "exclusive")
+        if idle then
+          embedded_locks = { start, idle } -- held until the process ends, never collected
+          stop:signal()
+          return
+        end
+        start:unlock()
+      end
+    end
+  end)
+end
+
+--- cli.embedded_gone(dir): removes dir/embedded.pid if it names this process (the backend has
+-- closed).
+function M.embedded_gone(dir)
+  local embedded = require "moonbox.render.embedded"
+  local ledger = require "moonbox.ledger"
+  local pid = embedded.backend_pid(dir)
+  if pid == ledger.self_pid() then os.remove(dir .. "/" .. embedded.PID_FILE) end
+end
+
 command("ps", "list the sandboxes moonbox runs hold", "moonbox ps",
   [[Lists every run recorded in the ledger ($XDG_STATE_HOME/moonbox/moonbox.db) that is still
-alive or still holds sandboxes: its pid, whether it is alive, the recipe and the backend, and
-each sandbox it created and did not terminate (or a create whose answer was lost).]],
+alive or still holds sandboxes: its id, pid, whether it is alive, the recipe and the backend
+(a URL, or the state dir of an embedded backend), and each sandbox it created and did not
+terminate, or each create whose answer was lost ("unknown create mb-..."). For a dead run it
+asks the backend what became of each (running, gone, or which sandbox a lost create's label
+names) when that backend can be reached; it never starts a backend. See
+docs/reference/ledger.md.]],
   function()
-    require("moonbox.reap").ps(print)
-    return EXIT_OK
+    local code, err = run_root(function() require("moonbox.reap").ps(print) end)
+    if err ~= nil then eprintf("moonbox ps: %s\n", M.format_error(err)) end
+    return code
   end)
 
-command("reap", "terminate what dead runs left behind", "moonbox reap [--dry-run]",
-  [[For every run that is no longer alive (killed, crashed) and still holds sandboxes, terminates
-them. A create whose answer was lost is reconciled by the label moonbox puts in every sandbox's
-name: a sandbox carrying it is terminated; one it cannot attribute is listed and never touched.
---dry-run only says what it would do. The backend's API key comes from RENDER_API_KEY, or from
-the local backend's state dir for a local one.]],
+command("reap", "terminate what dead runs left behind", "moonbox reap [--dry-run] [--forget RUN]",
+  [[Goes through every run that is no longer alive (killed, crashed, or ended) and still holds
+sandboxes, and settles each with its backend: terminates what still runs, releases what the
+backend no longer knows, and reconciles a create whose answer was lost by the label moonbox puts
+in every sandbox's name (a sandbox carrying it is terminated; none means the create was never
+made). An embedded backend is brought up again on the state dir the run recorded. A run whose
+backend cannot be reached, or a terminate that keeps failing after its retries, is reported and
+left for the next reap; every other run is still settled. Prints what it did per run.
+
+--dry-run only says what it would do. --forget RUN drops what run RUN (a dead one) holds from
+the ledger without asking its backend — for entries you know are gone; combine it with
+--dry-run to see them first.
+
+Exit status: 0 when nothing is left held by a dead run, 1 when something is (see the lines
+above), 2 on usage errors. The backend's key comes from RENDER_API_KEY, or from the local
+backend's state dir for a local one.]],
   function(args)
-    local opts = parse_flags(args, { ["dry-run"] = "flag" })
-    if not opts then return usage_error("reap: the only option is --dry-run") end
+    local opts, rest = parse_flags(args, { ["dry-run"] = "flag", forget = "value" })
+    if not opts then return usage_error("reap: %s", rest) end
+    if #rest > 0 then return usage_error("reap: unexpected argument '%s'", rest[1]) end
+    local forget = opts.forget and math.tointeger(tonumber(opts.forget))
+    if opts.forget and not forget then
+      return usage_error("reap: --forget needs a run id, got '%s'", opts.forget)
+    end
+    local reap = require "moonbox.reap"
+    local left = false
     local code, err = run_root(function()
-      local r = require("moonbox.reap").reap({ dry_run = opts["dry-run"] }, print)
-      print(string.format("reap: %d terminated, %d would be, %d unattributed",
-        r.terminated, r.would, r.unattributed))
+      if forget then
+        local n = reap.forget(forget, { dry_run = opts["dry-run"] }, print)
+        print(string.format("reap: run %d: %d %s", forget, n,
+          opts["dry-run"] and "would be forgotten" or "forgotten"))
+        return
+      end
+      local r = reap.reap({ dry_run = opts["dry-run"] }, print)
+      if opts["dry-run"] then
+        print(string.format("reap: %d would be settled in %d run(s)", r.would, r.runs))
+      else
+        print(string.format("reap: %d terminated, %d already gone, %d never made, %d failed in %d run(s)",
+          r.terminated, r.gone, r.never_made, r.failed, r.runs))
+      end
+      left = r.failed > 0
     end)
     if err ~= nil then eprintf("moonbox reap: %s\n", M.format_error(err)) end
+    if code == EXIT_OK and left then return EXIT_FAIL end
     return code
   end)
 

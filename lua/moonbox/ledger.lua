@@ -1,12 +1,14 @@
 --- moonbox.ledger — what every run created, written down before it exists (DESIGN.md §6).
 --
 -- `$XDG_STATE_HOME/moonbox/moonbox.db` (SQLite, WAL) holds one row per `moonbox run` (pid,
--- process start time, recipe, backend, start, end, outcome) and one row per sandbox create:
--- the *intent* is written before the request goes out, the sandbox id as soon as the answer
--- names it, and the release when it is terminated. A run that died (SIGKILL, power loss)
--- therefore leaves exactly what it held behind in the ledger, and `moonbox reap` can finish
--- its cleanup; a create whose answer was lost is an intent without an id, which reap
--- reconciles by the name label every create carries ("mb-<intent id>").
+-- process start time, recipe, backend, the embedded backend's state dir when it used one,
+-- start, end, outcome) and one row per sandbox create: the *intent* is written before the
+-- request goes out, the sandbox id as soon as the answer names it, and the release only when
+-- the backend confirms the sandbox is gone (terminated, or unknown to it) or was never made (it
+-- refused the create). A run that died (SIGKILL, power loss) therefore leaves exactly what it
+-- held behind in the ledger, and `moonbox reap` can finish its cleanup; a create whose answer
+-- was lost is an intent without an id, which reap reconciles by the name label every create
+-- carries ("mb-<intent id>-<run id>").
 --
 -- One process may hold several runs at once: `moonbox schedule` gives every scheduled run its
 -- own record. A run is attached to the task that performs it (ledger.attach), and every task
@@ -52,12 +54,18 @@ local MIGRATIONS = {
   CREATE UNIQUE INDEX schedule_runs_one_per_slot ON schedule_runs (schedule, slot)
     WHERE trigger <> 'manual';
   ]],
+  -- Where an embedded backend keeps a run's sandboxes: its URL dies with it, its state dir does
+  -- not, so `moonbox reap` can bring it up again there.
+  [[
+  ALTER TABLE runs ADD COLUMN local_state TEXT;
+  ]],
 }
 
 local state_home = require("moonbox.path").state_home
 
---- The start time of process pid (field 22 of /proc/PID/stat), so a reused pid is not mistaken
--- for the run that died.
+--- ledger.pid_start(pid) -> the start time of process pid (field 22 of /proc/PID/stat), so a
+-- reused pid is not mistaken for the run that died; nil when no such process runs. A zombie
+-- (state Z: it has ended, nobody has collected its status yet) counts as ended.
 local function pid_start(pid)
   local f = io.open("/proc/" .. pid .. "/stat")
   if not f then return nil end
@@ -68,6 +76,7 @@ local function pid_start(pid)
   local i = 2 -- rest starts at field 3
   for field in rest:gmatch("%S+") do
     i = i + 1
+    if i == 3 and field == "Z" then return nil end
     if i == 22 then return field end
   end
 end
@@ -85,17 +94,18 @@ function M.open(path)
   return setmetatable({ db = db, path = path }, Ledger)
 end
 
---- ledger:open_run{recipe, backend, workspace} -> run id: a new run record owned by this
--- process (not made the process's own run; see begin_run).
+--- ledger:open_run{recipe, backend, workspace, local_state} -> run id: a new run record owned by
+-- this process (not made the process's own run; see begin_run). local_state: the state dir of
+-- the embedded backend the run uses, if it does.
 function Ledger:open_run(info)
-  local _, id = self.db:run([[INSERT INTO runs (pid, pid_start, recipe, backend, workspace, started_at)
-    VALUES (?, ?, ?, ?, ?, ?)]], M.self_pid(), M.self_start(), info.recipe, info.backend, info.workspace,
-    core.time())
+  local _, id = self.db:run([[INSERT INTO runs (pid, pid_start, recipe, backend, workspace, started_at,
+    local_state) VALUES (?, ?, ?, ?, ?, ?, ?)]], M.self_pid(), M.self_start(), info.recipe, info.backend,
+    info.workspace, core.time(), info.local_state)
   return id
 end
 
---- ledger:begin_run{recipe, backend, workspace} -> run id: the run record of this process
--- (`moonbox run`), kept in ledger.run_id.
+--- ledger:begin_run{recipe, backend, workspace, local_state} -> run id: the run record of this
+-- process (`moonbox run`), kept in ledger.run_id.
 function Ledger:begin_run(info)
   self.run_id = self:open_run(info)
   return self.run_id
@@ -127,15 +137,38 @@ function Ledger:bind(intent, sandbox_id)
   self.db:run("UPDATE intents SET sandbox_id = ? WHERE id = ?", sandbox_id, intent)
 end
 
---- ledger:fail(intent, outcome): the create certainly did not create anything.
+--- ledger:fail(intent, outcome): the backend refused the create: nothing was made.
 function Ledger:fail(intent, outcome)
   self.db:run("UPDATE intents SET released_at = ?, outcome = ? WHERE id = ?", core.time(), outcome, intent)
 end
 
---- ledger:release(sandbox_id): the sandbox was terminated.
-function Ledger:release(sandbox_id)
-  self.db:run([[UPDATE intents SET released_at = ?, outcome = 'terminated'
-    WHERE sandbox_id = ? AND released_at IS NULL]], core.time(), sandbox_id)
+--- ledger:release(sandbox_id [, outcome]): the backend confirmed the sandbox is gone (outcome
+-- "terminated", the default, or "gone" when it no longer knows it).
+function Ledger:release(sandbox_id, outcome)
+  self.db:run([[UPDATE intents SET released_at = ?, outcome = ?
+    WHERE sandbox_id = ? AND released_at IS NULL]], core.time(), outcome or "terminated", sandbox_id)
+end
+
+--- ledger:settle(intent, outcome [, sandbox_id]): releases one intent (reap: "reaped", "gone",
+-- "never_made", "forgotten"), recording the sandbox id it turned out to have.
+function Ledger:settle(intent, outcome, sandbox_id)
+  self.db:run([[UPDATE intents SET sandbox_id = coalesce(?, sandbox_id), released_at = ?, outcome = ?
+    WHERE id = ?]], sandbox_id, core.time(), outcome, intent)
+end
+
+--- ledger:unknown(run_id) -> the run's intents without an id and not released (creates whose
+-- answer never came), oldest first.
+function Ledger:unknown(run_id)
+  return self.db:rows([[SELECT * FROM intents WHERE run_id = ? AND sandbox_id IS NULL
+    AND released_at IS NULL ORDER BY id]], run_id)
+end
+
+--- ledger:forget(run_id) -> how many intents it released: drops what a run holds without
+-- touching the backend (`moonbox reap --forget`, for entries a person knows are gone).
+function Ledger:forget(run_id)
+  local n = self.db:run([[UPDATE intents SET released_at = ?, outcome = 'forgotten'
+    WHERE run_id = ? AND released_at IS NULL]], core.time(), run_id)
+  return n
 end
 
 local function fill_run(db, r)
@@ -225,26 +258,60 @@ function M.context(t)
   return task.context("ledger_run", t)
 end
 
---- ledger.for_create(render, conn) -> Ledger, run id | nil: where moonbox.render records a
--- create made now: the run attached to the current task (begun now if needed), else the
--- process's own run in render.ledger when the command keeps a ledger (build.ledger; opened
--- and begun at the first create). Does not yield.
-function M.for_create(render, c)
+-- ---- the process's ledger -------------------------------------------------------------------
+
+local process_ledger
+
+--- ledger.set_process(L): the ledger of this process's own run (`moonbox schedule` opens one
+-- and shares it with its store). Does not yield.
+function M.set_process(L) process_ledger = L end
+
+--- ledger.process() -> the Ledger of this process's own run, or nil when none was opened (it is
+-- opened at the first create when the command keeps a ledger: build.ledger, set by moonbox run,
+-- repl and schedule). Does not yield.
+function M.process() return process_ledger end
+
+--- ledger.close_process(outcome): ends this process's own run with outcome ("ok", "failed",
+-- "interrupted"; nothing when it never began) and closes its ledger. Does not yield.
+function M.close_process(outcome)
+  local L = process_ledger
+  if not L then return end
+  process_ledger = nil
+  L:end_run(outcome)
+  L:close()
+end
+
+--- ledger.for_create(conn) -> Ledger, run id | nil: where moonbox.render records a create made
+-- now: the run attached to the current task (begun now if needed), else the process's own run
+-- (begun at the first create). The run records conn's backend URL and, for an embedded
+-- backend, its state dir. Does not yield.
+function M.for_create(c)
+  local info = { backend = c.base, workspace = c.workspace, local_state = c.state_dir }
   local ctx = M.context()
   if ctx then
     if not ctx.run_id then
-      ctx.run_id = ctx.ledger:open_run { recipe = ctx.recipe, backend = c.base, workspace = c.workspace }
+      info.recipe = ctx.recipe
+      ctx.run_id = ctx.ledger:open_run(info)
       if ctx.on_begin then ctx.on_begin(ctx.run_id) end
     end
     return ctx.ledger, ctx.run_id
   end
-  if render.ledger == nil and require("moonbox.build").ledger then render.ledger = M.open() end
-  local L = render.ledger
+  if process_ledger == nil and require("moonbox.build").ledger then process_ledger = M.open() end
+  local L = process_ledger
   if not L then return nil end
   if not L.run_id then
-    L:begin_run { recipe = arg and arg[0], backend = c.base, workspace = c.workspace }
+    info.recipe = arg and arg[0]
+    L:begin_run(info)
   end
   return L, L.run_id
+end
+
+--- ledger.release_anywhere(sandbox_id, outcome): releases the sandbox in the ledger a create of
+-- the current task would use (its run's, else the process's), if any. Does not yield.
+function M.release_anywhere(sandbox_id, outcome)
+  local ctx = M.context()
+  local L = ctx and ctx.ledger or process_ledger
+  if L and L.db then L:release(sandbox_id, outcome) end
 end
 
 M.Ledger = Ledger

@@ -2,10 +2,15 @@
 -- runs that died (DESIGN.md §6).
 --
 -- A run is dead when its process is gone (pid and process start time no longer match) or it
--- recorded an end. reap terminates every sandbox a dead run still holds, and reconciles intents
--- without an id (the create's answer was lost) by the name label each create carries: a
--- sandbox on the backend with that exact name is attributable and is terminated; anything it
--- cannot attribute is listed, never touched.
+-- recorded an end. reap goes through every dead run that still holds something, each over its
+-- own connection to the run's backend — an embedded backend is brought up again on the state
+-- dir the ledger recorded — and settles each intent with the backend's word: a sandbox it
+-- terminates (or the backend no longer knows) is released; a create whose answer was lost is
+-- found by the label in its name and terminated, or, when no sandbox carries the label, settled
+-- as never made. A run whose backend cannot be reached, or a terminate that still fails after
+-- the retries, is reported and left in the ledger for the next reap; the other runs go on.
+-- Nothing without a ledger entry is ever touched. `moonbox reap --forget RUN` drops a run's
+-- entries without asking the backend, for what a person knows is gone.
 local ledger_mod = require "moonbox.ledger"
 local conn_mod = require "moonbox.render.conn"
 local api = require "moonbox.render.api"
@@ -13,21 +18,109 @@ local core = require "moonbox.core"
 
 local M = {}
 
+local function describe_backend(r)
+  if r.local_state then return "embedded backend (state in " .. r.local_state .. ")" end
+  return r.backend
+end
+
+local function describe_error(err)
+  if type(err) == "table" and core.Error.is(err) then
+    local s = tostring(err)
+    local where = rawget(err, "where")
+    if type(where) == "string" and s:sub(1, #where + 2) == where .. ": " then s = s:sub(#where + 3) end
+    return s
+  end
+  return tostring(err)
+end
+
+--- Every sandbox the backend lists as not terminated: by id and by name. [yields]
+local function listing(c)
+  local by_id, by_name, cursor = {}, {}, nil
+  repeat
+    local page = api.call(c, "sandboxes.list", "GET", "/sandboxes",
+      { query = { ownerId = c.workspace, cursor = cursor, limit = 100 } })
+    for _, e in ipairs(page) do
+      local sb = e.sandbox
+      if sb and sb.id then
+        by_id[sb.id] = sb
+        if type(sb.name) == "string" then by_name[sb.name] = sb end
+      end
+    end
+    cursor = page[#page] and page[#page].cursor
+  until #page < 100
+  return { by_id = by_id, by_name = by_name }
+end
+
+--- A connection to run r's backend: the embedded one on the recorded state dir (joined or
+-- started; close it after), else the recorded URL. [yields]
+local function connect_run(r)
+  if r.local_state then
+    return conn_mod.connect { backend = "local", state_dir = r.local_state, workspace = r.workspace }
+  end
+  return conn_mod.connect { backend = r.backend, workspace = r.workspace }
+end
+
+local function read_file(path)
+  local f = io.open(path, "rb")
+  if not f then return nil end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+--- A read-only look at run r's backend for `moonbox ps`: the listing, or nil and why not. An
+-- embedded backend is looked at only when it is already serving (ps never starts one). [yields]
+local function look(r)
+  local opts = { backend = r.backend, workspace = r.workspace }
+  if r.local_state then
+    local url = (read_file(r.local_state .. "/endpoint") or ""):match("^(%S+)")
+    local key = (read_file(r.local_state .. "/api-key") or ""):match("%S+")
+    if not (url and key) then
+      return nil, "its embedded backend is not running; `moonbox reap` brings it up"
+    end
+    opts.backend, opts.api_key = url, key
+  end
+  local ok, c = pcall(conn_mod.connect, opts)
+  if not ok then return nil, describe_error(c) end
+  local lok, l = pcall(listing, c)
+  if lok then return l end
+  if r.local_state then return nil, "its embedded backend is not running; `moonbox reap` brings it up" end
+  return nil, "its backend did not answer: " .. describe_error(l)
+end
+
 local function held_line(i)
   if i.sandbox_id then return i.sandbox_id .. " (intent " .. i.id .. ")" end
   return "unknown create " .. i.label .. " (answer lost; intent " .. i.id .. ")"
 end
 
---- reap.ps(out) -> number of sandboxes held: prints every run that holds something.
+--- reap.ps(out) -> number of sandboxes held: prints every run that is alive or holds
+-- something, each held sandbox with what its backend says of it — a dead run's backend is
+-- asked when it can be reached (a lost create shows the sandbox its label names, if any); an
+-- alive run's is not (its creates may be in flight). [yields]
 function M.ps(out)
   local L = ledger_mod.open()
   local n = 0
   for _, r in ipairs(L:runs()) do
     if #r.held > 0 or r.alive then
       out(string.format("run %d  pid %d  %s  %s  %s", r.id, r.pid, r.alive and "alive" or "dead",
-        r.recipe or "?", r.backend))
+        r.recipe or "?", describe_backend(r)))
+      local l, why
+      if not r.alive and #r.held > 0 then l, why = look(r) end
+      if why then out("  (not checked: " .. why .. ")") end
       for _, i in ipairs(r.held) do
-        out("  holds " .. held_line(i))
+        local state = ""
+        if l then
+          local sb = i.sandbox_id and l.by_id[i.sandbox_id] or (not i.sandbox_id and l.by_name[i.label])
+          if not sb then
+            state = i.sandbox_id and "  gone (not listed by its backend; reap releases it)"
+              or "  no sandbox carries its label (reap settles it as never made)"
+          elseif i.sandbox_id then
+            state = "  " .. tostring(sb.status)
+          else
+            state = "  is " .. sb.id .. " " .. tostring(sb.status)
+          end
+        end
+        out("  holds " .. held_line(i) .. state)
         n = n + 1
       end
     end
@@ -36,65 +129,160 @@ function M.ps(out)
   return n
 end
 
---- Lists the names of the backend's sandboxes that may still be alive: name -> id. [yields]
-local function live_by_name(c)
-  local by_name, cursor = {}, nil
-  repeat
-    local page = api.call(c, "sandboxes.list", "GET", "/sandboxes", { query = { ownerId = c.workspace,
-      status = { "creating", "running", "suspending", "suspended", "resuming", "errored" },
-      cursor = cursor, limit = 100 } })
-    for _, e in ipairs(page) do
-      if e.sandbox and e.sandbox.name then by_name[e.sandbox.name] = e.sandbox.id end
-    end
-    cursor = page[#page] and page[#page].cursor
-  until #page < 100
-  return by_name
+-- Terminates id on c: "terminated", or "gone" when the backend does not know it. [yields]
+local function terminate(c, id)
+  local ok, err = pcall(api.call, c, "sandboxes.terminate", "POST", "/sandboxes/" .. id .. "/terminate",
+    { idempotent = true, sandbox_id = id })
+  if ok then return "terminated" end
+  if type(err) == "table" and err.status == 404 and err.code == "not_found" then return "gone" end
+  error(err, 0)
 end
 
---- reap.reap_run(L, r, opts, out, result): terminates what run r (from L:runs() or L:run(id))
--- holds, over its own connection to the run's backend (the default connection of
--- moonbox.render is left alone, so a long-lived process can reap its own dead runs). Counts go
--- into result {terminated, unattributed, would}. [yields]
-function M.reap_run(L, r, opts, out, result)
-  if #r.held == 0 then return end
-  local c = conn_mod.connect { backend = r.backend, workspace = r.workspace }
-  local by_name
-  for _, i in ipairs(r.held) do
+local function new_result()
+  return { terminated = 0, gone = 0, never_made = 0, failed = 0, would = 0, runs = 0, failed_runs = 0 }
+end
+M.new_result = new_result
+
+-- Failures that say the backend itself cannot be reached (after the retries): the run's other
+-- entries would meet them too.
+local UNREACHABLE = { connect_failed = true, dns_failed = true, tls_failed = true }
+
+--- Settles what run r holds over connection c; counts go into tally. [yields]
+local function settle(L, r, c, opts, out, tally)
+  local l
+  for n, i in ipairs(r.held) do
     local id = i.sandbox_id
-    if not id then
-      by_name = by_name or live_by_name(c)
-      id = by_name[i.label]
+    local step_ok, step_err = pcall(function()
       if not id then
-        result.unattributed = result.unattributed + 1
-        out(string.format("run %d: %s: no sandbox carries its label; nothing done", r.id, held_line(i)))
+        l = l or listing(c)
+        local sb = l.by_name[i.label]
+        if not sb then
+          if opts.dry_run then
+            tally.would = tally.would + 1
+            out(string.format("run %d: would settle %s as never made (no sandbox carries its label)", r.id,
+              held_line(i)))
+          else
+            L:settle(i.id, "never_made")
+            tally.never_made = tally.never_made + 1
+            out(string.format("run %d: %s: no sandbox carries its label; settled as never made", r.id,
+              held_line(i)))
+          end
+          return
+        end
+        id = sb.id
       end
-    end
-    if id then
       if opts.dry_run then
-        result.would = result.would + 1
+        tally.would = tally.would + 1
         out(string.format("run %d: would terminate %s", r.id, id))
+        return
+      end
+      local how = terminate(c, id)
+      L:settle(i.id, how == "gone" and "gone" or "reaped", id)
+      if how == "gone" then
+        tally.gone = tally.gone + 1
+        out(string.format("run %d: %s was already gone", r.id, id))
       else
-        api.call(c, "sandboxes.terminate", "POST", "/sandboxes/" .. id .. "/terminate",
-          { idempotent = true, sandbox_id = id })
-        L.db:run("UPDATE intents SET sandbox_id = ?, released_at = ?, outcome = 'reaped' WHERE id = ?",
-          id, core.time(), i.id)
-        result.terminated = result.terminated + 1
+        tally.terminated = tally.terminated + 1
         out(string.format("run %d: terminated %s", r.id, id))
       end
+    end)
+    if not step_ok then
+      if api.is_interruption(step_err) then error(step_err, 0) end
+      if type(step_err) == "table" and UNREACHABLE[step_err.code] then
+        local left = #r.held - n + 1
+        tally.failed = tally.failed + left
+        out(string.format("run %d: cannot reach its %s: %s (%d left for the next reap)", r.id,
+          describe_backend(r), describe_error(step_err), left))
+        return
+      end
+      tally.failed = tally.failed + 1
+      out(string.format("run %d: could not settle %s: %s (left for the next reap)", r.id,
+        id or held_line(i), describe_error(step_err)))
     end
   end
 end
 
---- reap.reap(opts, out) -> {terminated = n, unattributed = n, would = n}: for every dead run,
--- terminates what it holds (opts.dry_run: only says what it would do). [yields]
+--- reap.reap_run(L, r, opts, out [, result]) -> result: settles what run r (from L:runs() or
+-- L:run(id)) holds, over its own connection to the run's backend (the default connection of
+-- moonbox.render is left alone, so a long-lived process can reap its own dead runs). Counts go
+-- into result {terminated, gone, never_made, failed, would, runs, failed_runs}; nothing raises
+-- but an interruption of the calling task. opts.dry_run: only say what it would do. [yields]
+function M.reap_run(L, r, opts, out, result)
+  result = result or new_result()
+  for k, v in pairs(new_result()) do
+    if result[k] == nil then result[k] = v end
+  end
+  if #r.held == 0 then return result end
+  result.runs = result.runs + 1
+  local tally = new_result()
+  local ok, c = pcall(connect_run, r)
+  if not ok then
+    if api.is_interruption(c) then error(c, 0) end
+    tally.failed = #r.held
+    out(string.format("run %d: cannot reach its %s: %s (%d left for the next reap)", r.id,
+      describe_backend(r), describe_error(c), #r.held))
+  else
+    local sok, serr = pcall(settle, L, r, c, opts or {}, out, tally)
+    local cok, cerr = pcall(c.close, c)
+    if not sok then error(serr, 0) end
+    if not cok and api.is_interruption(cerr) then error(cerr, 0) end
+  end
+  for k, v in pairs(tally) do result[k] = result[k] + v end
+  if tally.failed > 0 then result.failed_runs = result.failed_runs + 1 end
+  if not (opts and opts.dry_run) then
+    out(string.format("run %d (%s): %d terminated, %d already gone, %d never made, %d failed", r.id,
+      r.recipe or "?", tally.terminated, tally.gone, tally.never_made, tally.failed))
+  end
+  return result
+end
+
+--- reap.settle_unknown(L, run_id, c, out): at the end of a run, settles its creates whose
+-- answer never came: a sandbox carrying the label is terminated (the recipe never had it), no
+-- sandbox means it was never made. Failures are reported and left for `moonbox reap`. [yields]
+function M.settle_unknown(L, run_id, c, out)
+  local unknown = L:unknown(run_id)
+  if #unknown == 0 then return end
+  local r = { id = run_id, held = unknown }
+  local tally = new_result()
+  local ok, err = pcall(settle, L, r, c, {}, out, tally)
+  if not ok then error(err, 0) end
+end
+
+--- reap.reap(opts, out) -> result: for every dead run, settles what it holds (see reap_run).
+-- opts.dry_run: only say what it would do. [yields]
 function M.reap(opts, out)
   local L = ledger_mod.open()
-  local result = { terminated = 0, unattributed = 0, would = 0 }
-  for _, r in ipairs(L:runs()) do
-    if not r.alive then M.reap_run(L, r, opts, out, result) end
-  end
+  local result = new_result()
+  local ok, err = pcall(function()
+    for _, r in ipairs(L:runs()) do
+      if not r.alive and #r.held > 0 then M.reap_run(L, r, opts, out, result) end
+    end
+  end)
   L:close()
+  if not ok then error(err, 0) end
   return result
+end
+
+--- reap.forget(run_id, opts, out) -> n: drops what run run_id holds from the ledger without
+-- asking its backend (opts.dry_run: only lists it). Refuses a run that is alive. [yields]
+function M.forget(run_id, opts, out)
+  local L = ledger_mod.open()
+  local ok, res = pcall(function()
+    local r = L:run(run_id)
+    if not r then error("moonbox reap: no run " .. run_id .. " in the ledger", 0) end
+    if r.alive then
+      error(string.format("moonbox reap: run %d is alive (pid %d): only a dead run's entries can go",
+        run_id, r.pid), 0)
+    end
+    for _, i in ipairs(r.held) do
+      out(string.format("run %d: %s %s", r.id, opts.dry_run and "would forget" or "forgot", held_line(i)))
+    end
+    if opts.dry_run then return #r.held end
+    return L:forget(run_id)
+  end)
+  L:close()
+  if not ok then error(res, 0) end
+  return res
 end
 
 return M

@@ -52,7 +52,7 @@ Session.__index = Session
 -- in the history.
 function Session.secrets()
   local out = {}
-  local c = require("moonbox.render")._current_conn()
+  local c = require("moonbox.render").current_connection()
   for _, k in ipairs { os.getenv("RENDER_API_KEY"), c and c.api_key } do
     if type(k) == "string" and #k >= 8 then out[#out + 1] = k end
   end
@@ -248,7 +248,7 @@ function commands.backend(self)
   local ok, c = pcall(render.connection)
   if not ok then return self:err("no backend: " .. describe_error(c)) end
   self:out(string.format("%s (%s%s), workspace %s", c.base, c.kind,
-    c.process and ", embedded: started by this session" or "", tostring(c.workspace)))
+    c.state_dir and (", embedded, state in " .. c.state_dir) or "", tostring(c.workspace)))
 end
 
 function commands.trace(self, arg)
@@ -340,6 +340,10 @@ function Session:run_chunk(fn)
   self.nchunks = self.nchunks + 1
   local t = core.spawn(fn)
   t.name = "repl chunk " .. self.nchunks
+  -- An expression chunk is `return <expr>`, a tail call that leaves no frame of the chunk on
+  -- the stack: errors made inside it name the prompt, not moonbox's own files.
+  local data = core.data(t)
+  data.site, data.site_recipe = "stdin:1", true
   self.current = t
   self.le.interrupt_target(t)
   local r = table.pack(core.join(t))
@@ -373,7 +377,7 @@ function Session:banner()
   if not self.tty then return end
   local c = self.conn
   self:out(string.format("moonbox %s repl (%s) — backend %s (%s%s), workspace %s", build.version, _VERSION,
-    c.base, c.kind, c.process and ", embedded" or "", tostring(c.workspace)))
+    c.base, c.kind, c.state_dir and ", embedded" or "", tostring(c.workspace)))
   self:out("render, task and schedule are loaded; :help for commands; Ctrl-D exits")
 end
 
@@ -529,7 +533,7 @@ function Session:run()
   if not cleaned then self:err("moonbox repl: cleanup: " .. describe_error(clean_err)) end
   if trace.enabled() then pcall(trace.stop) end
   if self.unobserve then self.unobserve() end
-  pcall(render.close)
+  self.cli.finish_run()
   self.closing = true
   if terminated then return 143 end
   if self.interrupted then return 130 end
@@ -571,12 +575,8 @@ function M.main(args, cli)
   _G.print = real_print
   core.shutdown()
   core.report_unobserved()
-  local render = package.loaded["moonbox.render"]
-  if render and render.ledger then
-    render.ledger:end_run(not ok and "failed" or code == 0 and "ok"
-      or (code == 130 or code == 143) and "interrupted" or "failed")
-    render.ledger:close()
-  end
+  require("moonbox.ledger").close_process(not ok and "failed" or code == 0 and "ok"
+    or (code == 130 or code == 143) and "interrupted" or "failed")
   if not ok then
     cli.eprintf("moonbox repl: %s\n", cli.format_error(code))
     return cli.EXIT_FAIL

@@ -75,7 +75,7 @@ function Summary:finish(info)
   local code = info.exit_code
   local api = package.loaded["moonbox.render.api"]
   local render = package.loaded["moonbox.render"]
-  local conn = render and render._current_conn and render._current_conn()
+  local conn = render and render.current_connection()
   local line = json.encode {
     recipe = info.recipe,
     outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",

@@ -10,6 +10,8 @@
 -- schedule); nothing fires unless the process is `moonbox schedule` (lua/moonbox/schedule/
 -- daemon.lua), which loads the recipe, reads and writes the state and history in the state
 -- dir's moonbox.db, and runs each fire as a task. See docs/schedule.md.
+local duration = require "moonbox.duration"
+
 local M = {}
 
 -- Registered schedules, in registration order, and by name.
@@ -19,46 +21,11 @@ local running = false
 local OVERLAP = { skip = true, buffer_one = true, cancel_other = true }
 local OPTIONS = { overlap = true, catchup = true, jitter = true, timeout = true,
   pause_after_failures = true, tz = true }
-local UNIT = { s = 1, m = 60, h = 3600, d = 86400, w = 604800 }
 
---- schedule.duration(v) -> seconds, or nil and a message. v: a number of seconds (>= 0) or a
--- string of number+unit parts, units s, m, h, d, w ("90s", "15m", "1h30m", "2d", "1.5h").
-function M.duration(v)
-  if type(v) == "number" then
-    if v ~= v or v < 0 or v == math.huge then return nil, "expected seconds >= 0, got " .. tostring(v) end
-    return v
-  end
-  if type(v) ~= "string" then return nil, "expected seconds or a string like \"15m\", got a " .. type(v) end
-  local s = v:gsub("%s+", "")
-  if s == "" then return nil, "expected a duration like \"15m\", got an empty string" end
-  local total, pos = 0, 1
-  while pos <= #s do
-    local num, unit, nxt = s:match("^(%d+%.?%d*)(%a+)()", pos)
-    if not num or not UNIT[unit] then
-      return nil,
-          "expected a duration like \"90s\", \"15m\", \"1h30m\" or \"2d\" (units s m h d w), got \"" ..
-          v .. "\""
-    end
-    total = total + tonumber(num) * UNIT[unit]
-    pos = nxt
-  end
-  return total
-end
-
---- schedule.format_duration(seconds) -> "1h30m", "15m", "2d", "1.5s".
-function M.format_duration(secs)
-  if secs == 0 then return "0s" end
-  local out = {}
-  for _, u in ipairs { { "d", 86400 }, { "h", 3600 }, { "m", 60 } } do
-    if secs >= u[2] then
-      local n = secs // u[2]
-      out[#out + 1] = string.format("%d%s", n, u[1])
-      secs = secs - n * u[2]
-    end
-  end
-  if secs > 0 then out[#out + 1] = string.format("%gs", secs) end
-  return table.concat(out)
-end
+--- schedule.duration(v) -> seconds, or nil and a message; schedule.format_duration(seconds) ->
+-- "1h30m". The parser shared with the rest of moonbox (lua/moonbox/duration.lua).
+M.duration = duration.parse
+M.format_duration = duration.format
 
 local function where_of(level)
   local info = debug.getinfo(level + 1, "Sl")

@@ -4,7 +4,12 @@
 --   moonbox run --trace run.json recipe.lua          -- or, from Lua:
 --   trace.start("run.json") ... trace.stop()
 --
--- Layout of the file (the "JSON Object Format"): {"displayTimeUnit":"ms","traceEvents":[...]}.
+-- Layout of the file: Chrome's "JSON Array Format", `[` then one event per line, separated by
+-- commas, and `]` at trace.stop(). Each event reaches the file with one unbuffered write, so a
+-- process killed at any moment (SIGKILL) leaves whole events and loses only the closing `]`,
+-- which the array format lets viewers do without (Perfetto and chrome://tracing open such a
+-- file; a strict JSON parser needs the `]` appended). The object format was rejected because
+-- its closing `]}` cannot be left out, and a buffered file because a kill cuts it mid-event.
 -- pid 1 is the moonbox process; each task is a thread (tid = task id, named after the function
 -- it runs), so the API calls a task makes nest under its span. Events:
 --   ph "X" cat "api"      one per API call (control plane and data plane: exec streams, file
@@ -50,10 +55,11 @@ local function tid()
   return t and core.id(t) or 0
 end
 
+-- One event, one write(2): the separator and the line go out together, unbuffered.
 local function write(ev)
   ev.pid = 1
   local line = scrub(json.encode(ev))
-  file:write(first and "\n" or ",\n", line)
+  file:write((first and "\n" or ",\n") .. line)
   first = false
 end
 
@@ -84,10 +90,11 @@ function M.start(p, opts)
   if not f then error("trace.start: cannot write the trace file: " .. tostring(err), 2) end
   file, path, t_base, first = f, p, core.time(), true
   named_tids, open_sandboxes = {}, {}
-  f:setvbuf("full", 65536)
-  f:write('{"displayTimeUnit":"ms","otherData":{"producer":"moonbox ', core.version, '"},"traceEvents":[')
+  f:setvbuf("no")
+  f:write("[")
   M.on = true
-  write { name = "process_name", ph = "M", tid = 0, args = { name = (opts and opts.name) or "moonbox" } }
+  write { name = "process_name", ph = "M", tid = 0,
+    args = { name = ((opts and opts.name) or "moonbox") .. " (moonbox " .. core.version .. ")" } }
   local ok, render = pcall(require, "moonbox.render")
   if ok and render.observe then
     unobserve = render.observe(function(event, subject, info)
@@ -110,8 +117,8 @@ function M.start(p, opts)
   return p
 end
 
---- trace.stop() -> path|nil: closes the still-open sandbox spans (args.open = true), finishes the
--- JSON and closes the file.
+--- trace.stop() -> path|nil: closes the still-open sandbox spans (args.open = true), writes the
+-- closing `]` and closes the file.
 function M.stop()
   if not M.on then return nil end
   if unobserve then unobserve() end
@@ -120,7 +127,7 @@ function M.stop()
   for id in pairs(open_sandboxes) do
     write { name = id, cat = "sandbox", ph = "e", id = id, ts = ts, tid = 0, args = { open = true } }
   end
-  file:write("\n]}\n")
+  file:write("\n]\n")
   file:close()
   M.on = false
   for value, kind in pairs(secrets) do

@@ -1,11 +1,19 @@
---- moonbox.render.api — one Render API call: the request, its typed error, its retries.
+--- moonbox.render.api — one Render API request: how it is sent, retried, typed when it fails,
+-- and traced. Every request of the client goes through here, control plane and data plane.
 --
--- Every call names its operation (`op`, e.g. "sandboxes.get") and whether repeating it is
--- safe. Idempotent calls (GET, terminate, delete, token mints) retry 429/502/503/504 and
--- connection failures with jittered exponential backoff that honours Retry-After, inside the
--- caller's deadline. A non-idempotent call (create) is never re-sent: it goes out on a fresh
--- connection, and a failure that leaves its outcome unknown becomes an `unknown_outcome` error.
--- The API key never appears in an error, a log line or a trace: it lives only in the header.
+-- Control-plane calls (api.call) go to the API with the API key. Data-plane requests (api.data:
+-- exec streams, sync runs, file transfers) first mint a connect token on the API, then go to
+-- the token's URI with only that token. Both share one retry loop and one mapping from HTTP
+-- answers to typed errors, so a 503 means the same thing whichever plane it came from.
+--
+-- What may be sent again is decided per request, never by the transport: a repeatable request
+-- (GET, terminate, delete, token mints, file transfers) retries 429/500/502/503/504 and
+-- transient transport failures with jittered exponential backoff that honours Retry-After,
+-- inside the request's deadline; a request that must not run twice (create, snapshot, starting
+-- a command) is sent again only after a definite refusal (429, or a connection that was never
+-- made). Its other failures are raised, and a failure that leaves its outcome unknown becomes an
+-- `unknown_outcome` error. The API key and tokens never appear in an error, a log line or a
+-- trace: they live only in the Authorization header.
 local http = require "moonbox.http"
 local json = require "moonbox.json"
 local task = require "moonbox.task"
@@ -14,15 +22,24 @@ local trace = require "moonbox.trace"
 
 local M = {}
 
---- Known error codes (render-api.md §1.6) and whether they can pass by themselves.
-local RETRY_STATUS = { [429] = true, [502] = true, [503] = true, [504] = true }
+-- Answers that say "try again later" (render-api.md §1.6); 500 too, for repeatable requests:
+-- repeating a request that is safe to repeat costs little, and Render's 500s are mostly
+-- transient.
+local REPEAT_STATUS = { [429] = true, [500] = true, [502] = true, [503] = true, [504] = true }
+-- Transport failures after which the request certainly did not reach the server.
+local NEVER_SENT = { connect_failed = true, dns_failed = true }
+-- Transport failures after which it may have been carried out.
+local MAYBE_SENT = { connection_reset = true, timeout = true }
 
---- api.error(fields) -> a structured error (core.Error) with the fields given.
+--- api.error(fields) -> a structured error (core.Error) with the fields given; where and
+-- traceback are filled in (where: the nearest recipe line). Does not raise.
 local function api_error(fields)
   return core.Error.new(fields)
 end
 M.error = api_error
 
+--- api.encode_query(q) -> "?k=v&..." (keys sorted, list values repeated, values percent-encoded)
+-- or "" for nil/empty.
 local function encode_query(q)
   if not q then return "" end
   local keys = {}
@@ -42,8 +59,9 @@ local function encode_query(q)
 end
 M.encode_query = encode_query
 
---- Seconds to wait before retry number `attempt` (1-based): Retry-After when the server gave
--- one, else exponential from 0.2 s with full jitter, capped at 10 s.
+--- api.backoff(attempt, retry_after) -> seconds to wait before retry number `attempt`
+-- (1-based): Retry-After when the server gave one (at most 60 s), else exponential from 0.2 s
+-- with full jitter, capped at 10 s.
 local function backoff(attempt, retry_after)
   local ra = tonumber(retry_after)
   if ra and ra >= 0 then return math.min(ra, 60) end
@@ -52,24 +70,30 @@ local function backoff(attempt, retry_after)
 end
 M.backoff = backoff
 
---- Builds the typed error of an HTTP answer that is not 2xx.
-local function status_error(op, r, ctx)
+--- api.status_error(op, r, ctx, text) -> the typed error of an HTTP answer r that is not 2xx
+-- (text: its body, when r.body does not hold it). ctx: sandbox_id, snapshot_id, exec_id, path
+-- are copied into the error. Codes: the one Render sent, else unauthorized (401), not_found
+-- (404), rate_limited (429), server_error (5xx), http_NNN; a 403 whose body is not JSON is
+-- edge_blocked (Render's firewall, not a credentials problem).
+local function status_error(op, r, ctx, text)
+  text = text or r.body or ""
   local ctype = r.headers["content-type"] or ""
-  local body = ctype:find("json", 1, true) and json.decode(r.body) or nil
-  local message, code
-  if type(body) == "table" then
-    message, code = body.message, body.code
+  local body
+  if ctype:find("json", 1, true) then
+    local ok, v = pcall(json.decode, text)
+    if ok and type(v) == "table" then body = v end
   end
-  if r.status == 403 and type(body) ~= "table" then
-    -- Render's edge (a WAF) answers some requests with an HTML page: not a credentials problem.
+  local message, code
+  if body then message, code = body.message, body.code end
+  if r.status == 403 and not body then
     code = "edge_blocked"
     message = "the request was blocked at Render's edge (HTTP 403 with a non-JSON body), e.g. " ..
       "because of command text the firewall rejects; this is not an API key problem"
   end
-  if not message or message == "" then
-    message = r.body ~= "" and #r.body < 200 and r.body or ("HTTP " .. r.status)
+  if type(message) ~= "string" or message == "" then
+    message = text ~= "" and #text < 200 and text or ("HTTP " .. r.status)
   end
-  if not code then
+  if type(code) ~= "string" then
     if r.status == 401 then code = "unauthorized"
     elseif r.status == 404 then code = "not_found"
     elseif r.status == 429 then code = "rate_limited"
@@ -78,16 +102,90 @@ local function status_error(op, r, ctx)
   end
   return api_error {
     op = op, status = r.status, code = code, message = message,
-    request_id = r.headers["render-request-id"], retryable = RETRY_STATUS[r.status] or false,
-    sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id,
+    request_id = r.headers["render-request-id"], retryable = REPEAT_STATUS[r.status] or false,
+    sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id, exec_id = ctx.exec_id, path = ctx.path,
     retry_after = tonumber(r.headers["retry-after"]),
   }
 end
+M.status_error = status_error
 
--- One API call with its retries; `info` receives the last status, attempts and request id.
+--- api.definite(err) -> whether err proves that a request which must not run twice was not
+-- carried out: an answer the server gave (any 4xx, and a 429 above all), or a connection that
+-- was never made. A 5xx or a lost answer is not definite (on Render a 5xx may come from a
+-- proxy after the service acted).
+function M.definite(err)
+  if type(err) ~= "table" then return false end
+  if type(err.status) == "number" then return err.status >= 400 and err.status < 500 end
+  return NEVER_SENT[err.code] == true or NEVER_SENT[err.cause] == true
+end
+
+-- The typed error of a transport failure (an http.request / http.stream error).
+local function transport_error(op, r, ctx, repeatable)
+  if not repeatable and MAYBE_SENT[r.code] then
+    return api_error {
+      op = op, code = "unknown_outcome", retryable = false, cause = r.code,
+      message = "the request may or may not have been carried out: " .. tostring(r.message) ..
+        " (it was sent; no answer came back). Check before repeating it",
+      sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id, exec_id = ctx.exec_id,
+    }
+  end
+  return api_error { op = op, code = r.code, message = r.message, retryable = r.retryable,
+    sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id, exec_id = ctx.exec_id, path = ctx.path }
+end
+
+--- api.is_interruption(err) -> whether err is the calling task's cancellation or the expiry of
+-- an enclosing task.timeout (code "deadline", or "timeout" from op "task.timeout"), which every
+-- layer lets pass untouched. A transfer's own timeout (op "http.request") is not one.
+local function is_interruption(e)
+  if type(e) ~= "table" then return false end
+  return task.is_cancelled(e) or e.code == "deadline" or (e.code == "timeout" and e.op == "task.timeout")
+end
+M.is_interruption = is_interruption
+
+--- The one retry loop. send(attempt) makes one attempt and returns true, results... on success,
+-- or false, err after a failure (err typed; err.again says whether this request may be sent
+-- again after it). Raises the last error when no attempt is left, the next wait would pass the
+-- deadline, or the failure may not be repeated. [yields]
+local function with_retries(op, opts, info, send)
+  local deadline = core.now() + (opts.deadline or 120)
+  local attempts = opts.retries or 5
+  for attempt = 1, attempts + 1 do
+    info.attempts = attempt
+    local r = table.pack(send(attempt))
+    if r[1] then return table.unpack(r, 2, r.n) end
+    local err = r[2]
+    if err.status == 429 then
+      -- Tell the adaptive windows (task.map, render.restore) to back off.
+      task.congested(err.retry_after)
+      trace.instant("throttled", "api", { op = op, retry_after = err.retry_after, attempt = attempt })
+    end
+    local wait = backoff(attempt, err.retry_after)
+    if not err.again or attempt > attempts or core.now() + wait > deadline then
+      err.again = nil
+      err.attempts = attempt
+      error(err, 0)
+    end
+    err.again = nil
+    trace.instant("retry", "api", { op = op, attempt = attempt, wait_s = wait, code = err.code })
+    task.sleep(wait)
+  end
+end
+
+-- Whether a failed attempt may be followed by another: a repeatable request after a transient
+-- failure; any request after a definite refusal (429, never connected).
+local function may_repeat(err, repeatable)
+  if err.status == 429 then return true end
+  if NEVER_SENT[err.code] then return true end
+  if not repeatable then return false end
+  if err.status then return REPEAT_STATUS[err.status] == true end
+  return err.retryable == true
+end
+
+-- One control-plane call with its retries; `info` receives the last status, attempts and
+-- request id (for the trace span).
 local function call(conn, op, method, path, opts, info)
-  local idempotent = opts.idempotent
-  if idempotent == nil then idempotent = method == "GET" or method == "DELETE" end
+  local repeatable = opts.idempotent
+  if repeatable == nil then repeatable = method == "GET" or method == "DELETE" end
   local url = conn.base .. path .. encode_query(opts.query)
   local headers = { Authorization = "Bearer " .. conn.api_key, Accept = "application/json",
     ["User-Agent"] = "moonbox/" .. core.version }
@@ -96,72 +194,45 @@ local function call(conn, op, method, path, opts, info)
     body = json.encode(opts.body)
     headers["Content-Type"] = "application/json"
   end
-  local deadline = core.now() + (opts.deadline or 120)
-  local attempts = opts.retries or 5
   local ctx = { sandbox_id = opts.sandbox_id, snapshot_id = opts.snapshot_id }
-  for attempt = 1, attempts + 1 do
+  return with_retries(op, opts, info, function(attempt)
     local ok, r = pcall(http.request, { method = method, url = url, headers = headers, body = body,
-      timeout = opts.timeout or 60, connect_timeout = 10, fresh_connect = not idempotent })
-    local err
-    if ok then
-      info.status, info.attempts, info.request_id = r.status, attempt, r.headers["render-request-id"]
-      if r.status >= 200 and r.status < 300 then
-        conn:note(op, method, path, r.status, attempt)
-        if r.body == "" then return true, r.status, r.headers end
-        local v = json.decode(r.body)
-        if v == nil then
-          error(api_error { op = op, code = "malformed_response", status = r.status,
-            message = "the answer is not JSON", request_id = r.headers["render-request-id"] }, 0)
-        end
-        return v, r.status, r.headers
-      end
-      err = status_error(op, r, ctx)
-      conn:note(op, method, path, r.status, attempt)
-      if r.status == 429 then
-        -- Tell the adaptive windows (task.map, render.restore) to back off.
-        task.congested(err.retry_after)
-        trace.instant("throttled", "api", { op = op, retry_after = err.retry_after, attempt = attempt })
-      end
-    else
-      if task.is_cancelled(r) or task.is_timeout(r) or (type(r) == "table" and r.code == "deadline") then
-        error(r, 0)
-      end
-      if type(r) ~= "table" then error(r, 0) end
-      -- A transport failure: for a create the server may have acted on it.
-      if not idempotent and (r.code == "connection_reset" or r.code == "timeout") then
-        error(api_error {
-          op = op, code = "unknown_outcome", retryable = false, cause = r.code,
-          message = "the request may or may not have been carried out: " .. tostring(r.message) ..
-            " (it was sent; no answer came back). Check before repeating it",
-          sandbox_id = ctx.sandbox_id,
-        }, 0)
-      end
-      err = api_error { op = op, code = r.code, message = r.message, retryable = r.retryable,
-        sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id }
+      timeout = opts.timeout or 60, connect_timeout = 10, fresh_connect = not repeatable })
+    if not ok then
+      if is_interruption(r) or type(r) ~= "table" then error(r, 0) end
+      local err = transport_error(op, r, ctx, repeatable)
       conn:note(op, method, path, r.code, attempt)
-      info.status, info.attempts = r.code, attempt
+      info.status = r.code
+      err.again = err.code ~= "unknown_outcome" and may_repeat(err, repeatable)
+      return false, err
     end
-    local wait = backoff(attempt, err.retry_after)
-    -- A 429 is a definite refusal (nothing was done), so even a create may be sent again.
-    local again = (idempotent and err.retryable) or err.status == 429
-    if not again or attempt > attempts or core.now() + wait > deadline then
-      err.attempts = attempt
-      error(err, 0)
+    info.status, info.request_id = r.status, r.headers["render-request-id"]
+    conn:note(op, method, path, r.status, attempt)
+    if r.status >= 200 and r.status < 300 then
+      if r.body == "" then return true, true, r.status, r.headers end
+      local v = json.decode(r.body)
+      if v == nil then
+        error(api_error { op = op, code = "malformed_response", status = r.status,
+          message = "the answer is not JSON", request_id = r.headers["render-request-id"],
+          sandbox_id = ctx.sandbox_id }, 0)
+      end
+      return true, v, r.status, r.headers
     end
-    trace.instant("retry", "api", { op = op, attempt = attempt, wait_s = wait, code = err.code })
-    task.sleep(wait)
-  end
+    local err = status_error(op, r, ctx)
+    err.again = may_repeat(err, repeatable)
+    return false, err
+  end)
 end
 
---- api.calls_made: how many API calls (control and data plane) this process made.
+--- api.calls_made: how many API calls (control and data plane) this process made; retries of
+-- one call are not counted again.
 M.calls_made = 0
 
 --- api.call(conn, op, method, path, opts) -> decoded body (or true for an empty 2xx), status,
--- headers. opts: query, body (table → JSON), idempotent (default: GET/DELETE and explicit
--- true), sandbox_id / snapshot_id (for errors), timeout (per attempt, default 60 s),
--- deadline (overall seconds, default 120), retries (default 5). Raises structured errors.
--- A 429 tells task.congested (adaptive windows back off) and is retried even for a create.
--- With a trace on, the call is one span (cat "api"). [yields]
+-- headers. opts: query, body (table → JSON), idempotent (may it be sent again? default: GET and
+-- DELETE), sandbox_id / snapshot_id (for errors), timeout (per attempt, default 60 s), deadline
+-- (overall seconds, default 120), retries (default 5). Raises structured errors (see the file's
+-- header for what is retried). With a trace on, the call is one span (cat "api"). [yields]
 function M.call(conn, op, method, path, opts)
   opts = opts or {}
   M.calls_made = M.calls_made + 1
@@ -171,31 +242,120 @@ function M.call(conn, op, method, path, opts)
   return call(conn, op, method, path, opts, info)
 end
 
---- api.span(op, method, path, ids, info) -> a to-be-closed value that writes the call's trace
--- span when it closes; `info` (status, attempts, request_id, ...) is read at that moment.
--- Used by api.call and by the data-plane requests (exec streams, file transfers).
+--- api.data(conn, op, mint, req, opts) -> response, token, span. A data-plane request: mints
+-- a connect token (api.call(conn, op, "POST", mint.path, {body = mint.body, query = mint.query})
+-- — one span of its own, retried like any token mint), then sends req to the token's URI with
+-- only the token as bearer. A new token is minted for every attempt, so a retry never meets an
+-- expired one.
+-- req: the http options method, body, body_file, output_file, headers, accept_encoding,
+--   max_body, timeout, idle_timeout; req.stream = true to get an http.stream response (status
+--   checked, body still to be read) instead of a whole one.
+-- opts: repeatable (may the request itself be sent again after a transient failure: file
+--   transfers yes, starting a command no; default false), name (the data request's trace span
+--   and error op, default op .. ".data"), span_path (what the trace shows instead of the
+--   token's URL), sandbox_id, path (for errors), deadline, retries.
+-- Returns the 2xx response, the token ({token, uri, executionId?, ...}) and, for a stream, its
+-- trace span (nil when no trace is on), which the caller closes when it is done with the
+-- stream (span:close_with(err) or `<close>`); a whole request's span is written here. A
+-- non-2xx answer raises its typed error (err.body: the first 64 KiB of a body that is not
+-- JSON); a lost answer of a request that is not repeatable raises unknown_outcome (with
+-- err.exec_id when the token named one). [yields]
+function M.data(conn, op, mint, req, opts)
+  opts = opts or {}
+  local name = opts.name or (op .. ".data")
+  M.calls_made = M.calls_made + 1
+  local info = {}
+  local span = trace.on and M.span(name, req.method or "GET", opts.span_path or "(data plane)", opts, info)
+    or nil
+  local ctx = { sandbox_id = opts.sandbox_id, path = opts.path }
+  local ok, resp, tok = pcall(with_retries, name, opts, info, function()
+    local t = M.call(conn, op, "POST", mint.path,
+      { body = mint.body, query = mint.query, idempotent = true, sandbox_id = opts.sandbox_id })
+    ctx.exec_id = t.executionId
+    info.exec_id = t.executionId
+    local r_opts = {}
+    for k, v in pairs(req) do r_opts[k] = v end
+    r_opts.stream = nil
+    r_opts.url = t.uri
+    r_opts.connect_timeout = r_opts.connect_timeout or 10
+    -- Kept-alive connections are reused even for a command's start: one of its own per exec
+    -- would cost a TLS handshake per command on Render. libcurl's silent re-send (http.md) needs
+    -- a reused connection that the server had closed without answering a byte, i.e. a request it
+    -- never processed; a connection that breaks later surfaces as unknown_outcome.
+    local headers = { ["User-Agent"] = "moonbox/" .. core.version }
+    for k, v in pairs(req.headers or {}) do headers[k] = v end
+    headers.Authorization = "Bearer " .. t.token
+    r_opts.headers = headers
+    local sent, r = pcall(req.stream and http.stream or http.request, r_opts)
+    if not sent then
+      if is_interruption(r) or type(r) ~= "table" then error(r, 0) end
+      local err = transport_error(name, r, ctx, opts.repeatable)
+      err.again = err.code ~= "unknown_outcome" and may_repeat(err, opts.repeatable)
+      info.status = r.code
+      return false, err
+    end
+    info.status, info.request_id = r.status, r.headers["render-request-id"]
+    if r.status >= 200 and r.status < 300 then return true, r, t end
+    local text = r.body
+    if req.stream then
+      text = r:read() or ""
+      r:close()
+    elseif req.output_file then
+      local f = io.open(req.output_file, "rb")
+      text = f and (f:read(64 * 1024) or "") or ""
+      if f then f:close() end
+    end
+    local err = status_error(name, r, ctx, text)
+    if not text:find("^%s*{") then err.body = text:sub(1, 64 * 1024) end
+    err.again = may_repeat(err, opts.repeatable)
+    return false, err
+  end)
+  if not ok then
+    if span then span:close_with(resp) end
+    error(resp, 0)
+  end
+  if span and not req.stream then
+    span:close_with(nil)
+    span = nil
+  end
+  return resp, tok, span
+end
+
+--- api.span(op, method, path, ids, info) -> a span value: span:close_with(err) (or `<close>`)
+-- writes the call's trace span (cat "api"); `info` (status, attempts, request_id, exec_id) is
+-- read at that moment. Writes nothing when no trace is on; a second close is ignored.
 function M.span(op, method, path, ids, info)
   local t0 = trace.now_us()
-  return setmetatable({}, { __close = function(_, err)
-    if not trace.on then return end
+  local done = false
+  local function close(_, err)
+    if done or not trace.on then return end
+    done = true
     local code = err ~= nil and (type(err) == "table" and err.code or "error") or nil
     trace.complete(op, "api", t0, { method = method, path = path, status = info.status,
       attempts = info.attempts, request_id = info.request_id, sandbox_id = ids and ids.sandbox_id,
       snapshot_id = ids and ids.snapshot_id, exec_id = info.exec_id, error = code })
-  end })
+  end
+  local span = { close_with = function(self, err) close(self, err) end }
+  return setmetatable(span, { __close = close })
 end
 
---- api.traced(op, method, path, ids, fn, ...) -> fn(...): runs a data-plane request (fn) as one
--- trace span; `path` names the operation (never the token URL). The span's status is that of
--- the first result when it has one.
-function M.traced(op, method, path, ids, fn, ...)
-  M.calls_made = M.calls_made + 1
-  if not trace.on then return fn(...) end
-  local info = {}
-  local _span <close> = M.span(op, method, path, ids, info)
-  local r = table.pack(fn(...))
-  if type(r[1]) == "table" then info.status = r[1].status end -- an http.request answer
-  return table.unpack(r, 1, r.n)
+--- api.shielded(fn, ...) -> interruption, ok, results... | interruption, false, err. Runs
+-- fn(...) in a task of its own and waits until it has finished, even when the calling task is
+-- cancelled (more than once) or its deadline passes meanwhile: a request that must not be
+-- abandoned half-way (a create whose sandbox would be lost, a terminate, a kill) runs to its
+-- end. Returns the caller's first interruption (nil when none came; the caller re-raises it
+-- once it has dealt with the outcome), then fn's outcome as pcall gives it. fn's failure is
+-- never reported as an unjoined task. [yields]
+function M.shielded(fn, ...)
+  local t = task.spawn(fn, ...)
+  core.observe(t)
+  local interruption
+  while true do
+    local ok, err = pcall(core.join, t)
+    if ok then break end
+    interruption = interruption or err
+  end
+  return interruption, core.result(t)
 end
 
 return M

@@ -1,18 +1,17 @@
---- moonbox.render.conn — which backend a recipe talks to, and with what credentials.
+--- moonbox.render.conn — which backend a recipe talks to, with what credentials, and the
+-- process's default connection.
 --
 -- Selection (DESIGN.md §7), first match wins:
 --   1. an explicit choice: render.connect{ backend = URL | "local" | "render", ... } (the CLI's
 --      --backend sets it);
 --   2. RENDER_LOCAL_DEV_URL, or RENDER_USE_LOCAL_DEV=true (http://localhost:8120);
 --   3. RENDER_API_KEY: Render's cloud (https://api.render.com);
---   4. otherwise the embedded local backend: a `moonbox local` already serving from the default
---      state dir is reused, else one is started for this process (a one-line notice on stderr).
+--   4. otherwise the embedded local backend of the state directory (moonbox.render.embedded):
+--      the one already serving there is shared, else one is started, with a one-line notice on
+--      stderr either way.
 -- The key is read from RENDER_API_KEY, or from the local backend's state dir (its api-key
--- file), and is only ever put in the Authorization header.
-local proc = require "moonbox.proc"
-local http = require "moonbox.http"
-local build = require "moonbox.build"
-
+-- file), and is only ever put in the Authorization header. The default connection is made once
+-- however many tasks ask for it at the same moment (the first connects, the others wait).
 local M = {}
 local Conn = {}
 Conn.__index = Conn
@@ -30,11 +29,22 @@ end
 
 local state_home = require("moonbox.path").state_home
 
---- Records the calls made, for traces and tests: conn.calls is a bounded list.
+--- conn.default_state_dir() -> the embedded backend's state directory ($XDG_STATE_HOME/moonbox/
+-- local, default ~/.local/state/moonbox/local).
+function M.default_state_dir() return state_home() .. "/local" end
+
+--- conn:note(op, method, path, status, attempt): records a call, for traces and tests
+-- (conn.calls is a bounded list, oldest first).
 function Conn:note(op, method, path, status, attempt)
   local calls = self.calls
   calls[#calls + 1] = { op = op, method = method, path = path, status = status, attempt = attempt }
   if #calls > 1000 then table.remove(calls, 1) end
+end
+
+--- conn:owner() -> the workspace id (the API's ownerId). Raises when none is known.
+function Conn:owner()
+  if self.workspace then return self.workspace end
+  error("moonbox.render: no workspace id: set RENDER_WORKSPACE_ID (the ownerId of your Render workspace)", 0)
 end
 
 local function new(kind, url, key, workspace)
@@ -44,36 +54,10 @@ local function new(kind, url, key, workspace)
   return setmetatable({ kind = kind, base = url, api_key = key, workspace = workspace, calls = {} }, Conn)
 end
 
---- Starts (or reuses) the embedded local backend; returns its URL, key and workspace. [yields]
-local function embedded(opts)
-  local state = opts.state_dir or (state_home() .. "/local")
-  local key = (read_file(state .. "/api-key") or ""):match("%S+")
-  local endpoint = read_file(state .. "/endpoint")
-  if key and endpoint then
-    local url, ws = endpoint:match("^(%S+)%s+(%S+)")
-    if url then
-      local ok, r = pcall(http.request, { url = url .. "/_moonbox/health", timeout = 2,
-        headers = { Authorization = "Bearer " .. key } })
-      if ok and r.status == 200 then return url, key, ws, nil end
-    end
-  end
-  local p = proc.spawn { build.exe, "local", "--quiet", "--port", "0", "--state", state, stderr = "inherit" }
-  local lines = p:lines("stdout")
-  local env = {}
-  for _ = 1, 3 do
-    local line = lines()
-    if not line then error("moonbox: could not start the embedded local backend (see above)", 0) end
-    local k, v = line:match("^([%w_]+)=(.*)$")
-    if k then env[k] = v end
-  end
-  io.stderr:write("moonbox: no RENDER_API_KEY; using an embedded local backend at ",
-    env.RENDER_LOCAL_DEV_URL, " (state in ", state, ")\n")
-  return env.RENDER_LOCAL_DEV_URL, env.RENDER_API_KEY, env.RENDER_WORKSPACE_ID, p
-end
-
 --- conn.connect(opts) -> Conn. opts: backend ("local", "render" or a URL), api_key, workspace,
--- state_dir (embedded backend). Raises when the choice cannot work (e.g. "render" without a
--- key). [yields] when it starts or probes a local backend.
+-- state_dir (the embedded backend's; default conn.default_state_dir()). An embedded Conn has
+-- c.state_dir set and must be closed (c:close()) when done. Raises when the choice cannot work
+-- (e.g. "render" without a key). [yields] when it joins or starts an embedded backend.
 function M.connect(opts)
   opts = opts or {}
   local backend = opts.backend
@@ -99,17 +83,18 @@ function M.connect(opts)
     return new("render", CLOUD, key, workspace)
   end
   if backend == "local" then
-    local url, k, ws, p = embedded(opts)
-    local c = new("local", url, k, workspace or ws)
-    c.process = p
+    local dir = opts.state_dir or M.default_state_dir()
+    local member = require("moonbox.render.embedded").join(dir)
+    local c = new("local", member.url, member.key, workspace or member.workspace)
+    c.state_dir, c.member = dir, member
     return c
   end
-  if not backend:match("^https?://") then
+  if type(backend) ~= "string" or not backend:match("^https?://") then
     error("moonbox: --backend must be local, render or an http(s) URL, got " .. tostring(backend), 0)
   end
   if not key or key == "" then
     -- A local backend started with its state in the default place: its key file says it.
-    key = (read_file(state_home() .. "/local/api-key") or ""):match("%S+")
+    key = (read_file(M.default_state_dir() .. "/api-key") or ""):match("%S+")
   end
   if not key then
     error("moonbox: no API key for " .. backend .. ": set RENDER_API_KEY", 0)
@@ -118,13 +103,56 @@ function M.connect(opts)
   return new(kind, backend, key, workspace)
 end
 
---- conn:close(): stops an embedded backend this connection started. [yields]
+--- conn:close(): an embedded connection stops using its backend (the last user stops it). Other
+-- connections hold nothing. Idempotent. [yields]
 function Conn:close()
-  if self.process then
-    self.process:kill("TERM")
-    self.process:wait()
-    self.process = nil
+  local m = self.member
+  if m then
+    self.member = nil
+    require("moonbox.render.embedded").leave(m)
   end
+end
+
+-- ---- the default connection ---------------------------------------------------------------
+
+local default_conn, last_conn
+local connecting -- a cond while the default connection is being made
+
+--- conn.set_default(opts) -> Conn: connects with opts and makes that the default (closing the
+-- previous default). [yields]
+function M.set_default(opts)
+  while connecting do connecting:wait() end
+  local done = require("moonbox.core").cond()
+  connecting = done
+  local ok, c = pcall(M.connect, opts)
+  connecting = nil
+  done:broadcast()
+  if not ok then error(c, 0) end
+  local old = default_conn
+  default_conn = c
+  if old and old ~= c then old:close() end
+  return c
+end
+
+--- conn.default() -> the default Conn, connecting with the defaults first if there is none.
+-- Concurrent first calls make one connection. [yields]
+function M.default()
+  while connecting do connecting:wait() end
+  if default_conn then return default_conn end
+  return M.set_default()
+end
+
+--- conn.current() -> the default Conn, or the last one after conn.close_default(), or nil;
+-- never connects.
+function M.current() return default_conn or last_conn end
+
+--- conn.close_default(): closes the default connection (an embedded backend this process uses is
+-- left, and stopped if it was the last user); the next call connects again. [yields]
+function M.close_default()
+  local c = default_conn
+  last_conn = c or last_conn
+  default_conn = nil
+  if c then c:close() end
 end
 
 M.Conn = Conn

@@ -1,4 +1,7 @@
---- moonbox.render.exec — sb:exec and sb:spawn with the semantics of DESIGN.md §4 "Exec".
+--- moonbox.render.exec — running commands in a sandbox: sb:exec, sb:spawn and sb:run_sync,
+-- with the semantics of DESIGN.md §4 "Exec". A part of the Sandbox class
+-- (lua/moonbox/render/sandbox.lua lists its methods); it sees a sandbox only through sb.id and
+-- sb:connection().
 --
 -- Render's exec has no stdin, cwd, per-call env or kill, stores the command text on the
 -- sandbox's exec timeline, and keeps a process running when the client drops the stream. So
@@ -6,24 +9,24 @@
 --   * refuses to start (exit 143) when a kill marker for it already exists — a kill that
 --     arrived before the command started;
 --   * records its process group id (it is the group leader), so kill() — and the
---     cancellation of the waiting task — can signal the whole group from a second exec;
+--     cancellation of the waiting task, and an expired timeout — can signal the whole group
+--     from a second exec;
 --   * sources, then deletes, a per-call env file uploaded beforehand as a root-only file in
 --     the in-memory /dev area (which filesystem snapshots leave out): env values never appear
 --     in command text;
 --   * after the command, stops whatever it left running in its group before the exit code is
 --     reported.
--- Output is capped per stream at max_output bytes (the rest of that stream is dropped, never a
--- gap in the middle); a stream that ends without an exit event is an unknown outcome.
-local render = require "moonbox.render"
-local api = render._api
+-- Every request goes through moonbox.render.api (the stream and the kills are data-plane
+-- requests with the same retries and typed errors as the rest). Output is capped per stream at
+-- max_output bytes (the rest of that stream is dropped, never a gap in the middle); a stream
+-- that ends without an exit event is an unknown outcome.
+local api = require "moonbox.render.api"
+local files = require "moonbox.render.files"
 local json = require "moonbox.json"
-local http = require "moonbox.http"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
-local ids = require "moonbox.local.ids"
-
-local methods = render._methods
-local shell_quote = render.shell_quote
+local trace = require "moonbox.trace"
+local ids = require "moonbox.ids"
 
 local M = {}
 
@@ -32,32 +35,69 @@ local FORBIDDEN_ENV = { UID = true, EUID = true, PPID = true, SHELLOPTS = true, 
   BASH_VERSINFO = true }
 local SIGNALS = { HUP = 1, INT = 2, QUIT = 3, KILL = 9, USR1 = 10, USR2 = 12, TERM = 15, CONT = 18,
   STOP = 19 }
+local DEFAULT_MAX_OUTPUT = 8 * 1024 * 1024
+-- After a TERM sent because the caller stopped waiting, how long the command gets to end before
+-- its group gets KILL.
+local STOP_GRACE = 2
 
---- The env file's text: one `export NAME='value'` per variable. Raises for names bash cannot
--- export or that are not identifiers.
-local function env_file(env)
-  local lines = {}
+--- render.shell_quote(s) -> s quoted for bash so that it arrives as one literal word.
+local function shell_quote(s)
+  s = tostring(s)
+  if s:match("^[%w%-_%./=:,+@%%]+$") then return s end
+  return "'" .. s:gsub("'", "'\\''") .. "'"
+end
+M.shell_quote = shell_quote
+
+-- ---- results ----------------------------------------------------------------------------------
+
+local Result = { __name = "moonbox.render.Result" }
+Result.__index = Result
+
+--- result:check() -> result, or raises code "exit_status" naming the command, the exit code and
+-- the stderr tail when the exit code is not 0.
+function Result:check()
+  if self.code == 0 then return self end
+  local tail = self.stderr:sub(-400)
+  error(api.error { op = "sandbox:exec", code = "exit_status", sandbox_id = self.sandbox_id,
+    exec_id = self.exec_id, exit_code = self.code,
+    message = string.format("command exited with %s: %s%s", tostring(self.code), self.command_summary,
+      tail ~= "" and ("; stderr: " .. tail) or "") }, 2)
+end
+M.Result = Result
+
+-- ---- the wrapper --------------------------------------------------------------------------------
+
+--- exec.env_file(env, level) -> the env file's text: one `export NAME='value'` per variable,
+-- sorted by name. Raises at `level` (the recipe's call) for names bash cannot export or that
+-- are not identifiers, and for values that are not strings or numbers.
+local function env_file(env, level)
+  level = (level or 1) + 1
   local names = {}
-  for k in pairs(env) do names[#names + 1] = k end
-  table.sort(names)
-  for _, k in ipairs(names) do
-    local v = env[k]
+  for k, v in pairs(env) do
     if type(k) ~= "string" or not k:match("^[A-Za-z_][A-Za-z0-9_]*$") then
-      error("sb:exec: env name " .. tostring(k) .. " is not a valid variable name", 4)
+      error("sb:exec: env name " .. tostring(k) .. " is not a valid variable name", level)
     end
     if FORBIDDEN_ENV[k] then
-      error("sb:exec: env name " .. k .. " cannot be set: bash makes it read-only", 4)
+      error("sb:exec: env name " .. k .. " cannot be set: bash makes it read-only", level)
     end
     if type(v) ~= "string" and type(v) ~= "number" then
-      error("sb:exec: env value of " .. k .. " must be a string", 4)
+      error("sb:exec: env value of " .. k .. " must be a string", level)
     end
-    require("moonbox.trace").secret(tostring(v))
-    lines[#lines + 1] = "export " .. k .. "='" .. tostring(v):gsub("'", "'\\''") .. "'"
+    names[#names + 1] = k
+  end
+  table.sort(names)
+  local lines = {}
+  for _, k in ipairs(names) do
+    local v = tostring(env[k])
+    trace.secret(v)
+    lines[#lines + 1] = "export " .. k .. "='" .. v:gsub("'", "'\\''") .. "'"
   end
   return table.concat(lines, "\n") .. "\n"
 end
+M.env_file = env_file
 
---- The wrapper around a command (see the file's header). id names its marker files.
+--- exec.wrapper(id, command, cwd, has_env) -> the bash script that runs command (see the file's
+-- header); id names its marker files under /dev/.moonbox.
 local function wrapper(id, command, cwd, has_env)
   local m = MARKERS .. "/" .. id
   local parts = {
@@ -77,6 +117,7 @@ local function wrapper(id, command, cwd, has_env)
   parts[#parts + 1] = "trap '' TERM; kill -TERM -- -$$ 2>/dev/null; rm -f " .. m .. ".pgid; exit $rc"
   return table.concat(parts, "\n")
 end
+M.wrapper = wrapper
 
 local function command_of(cmd)
   if type(cmd) == "table" then
@@ -86,8 +127,30 @@ local function command_of(cmd)
   elseif type(cmd) == "string" then
     return cmd
   end
-  error("sb:exec: cmd must be a string or an argv table, got " .. type(cmd), 3)
+  error("sb:exec: cmd must be a string or an argv table, got " .. type(cmd), 3) -- the recipe's call
 end
+
+-- The command for messages: at most 80 characters.
+local function summary(command)
+  return #command > 80 and (command:sub(1, 77) .. "...") or command
+end
+
+--- exec.first_words(command) -> the command's first words for an error message (at most four,
+-- at most 60 characters, registered secrets redacted).
+local function first_words(command)
+  local words = {}
+  for w in command:gmatch("%S+") do
+    if #words == 4 then
+      words[#words + 1] = "..."
+      break
+    end
+    words[#words + 1] = w
+  end
+  local s = table.concat(words, " ")
+  if #s > 60 then s = s:sub(1, 57) .. "..." end
+  return trace.redact(s)
+end
+M.first_words = first_words
 
 local function signal_number(sig)
   if sig == nil then return 15 end
@@ -97,33 +160,37 @@ local function signal_number(sig)
   return n
 end
 
-local Process = {}
-Process.__index = Process
-Process.__tostring = function(p) return "Process " .. p.id .. " in " .. p.sb.id end
+-- ---- kills --------------------------------------------------------------------------------------
 
---- Sends sig to the command's process group from a second exec; if the command has not
--- started yet, leaves a kill marker so it exits 143 without running. [yields]
+--- Sends sig to the command's process group from a second exec (a sync run); if the command
+-- has not started yet, leaves a kill marker so it exits 143 without running (no_marker: not
+-- even that). Returns "signalled", "marked" or "gone". [yields]
 local function send_kill(sb, id, sig, no_marker)
   local m = MARKERS .. "/" .. id
   local after = sig == 9 and ("; rm -f " .. m .. ".pgid") or ""
   local otherwise = no_marker and "echo gone" or ("touch " .. m .. ".kill; echo marked")
   local script = "mkdir -p " .. MARKERS .. "; if [ -s " .. m .. ".pgid ]; then kill -" .. sig ..
     " -- -$(cat " .. m .. ".pgid) 2>/dev/null" .. after .. "; echo signalled; else " .. otherwise .. "; fi"
-  local c = rawget(sb, "_conn")
-  local tok = api.call(c, "sandbox:kill", "POST", "/sandboxes/" .. sb.id .. "/runs/sync/token",
-    { body = { command = script }, idempotent = true, sandbox_id = sb.id })
-  local r = api.traced("sandbox:kill.run", "POST", "/sandboxes/" .. sb.id .. "/runs/sync",
-    { sandbox_id = sb.id }, http.request,
-    { method = "POST", url = tok.uri, body = json.encode({ command = script }),
-    timeout = 30,
-    headers = { Authorization = "Bearer " .. tok.token, ["Content-Type"] = "application/json" } })
+  local r = api.data(sb:connection(), "sandbox:kill",
+    { path = "/sandboxes/" .. sb.id .. "/runs/sync/token", body = { command = script } },
+    { method = "POST", body = json.encode({ command = script }), timeout = 30,
+      headers = { ["Content-Type"] = "application/json" } },
+    { name = "sandbox:kill.run", span_path = "/sandboxes/" .. sb.id .. "/runs/sync", sandbox_id = sb.id,
+      repeatable = true })
   local d = json.decode(r.body)
   return type(d) == "table" and tostring(d.stdout or ""):match("%a+") or nil
 end
 
---- p:kill(sig) -> "signalled" | "marked": signals the whole process group (TERM by default;
--- names like "KILL" or numbers). TERM escalates to KILL after opts.grace seconds (default 5)
--- if the command is still running. [yields]
+-- ---- processes ------------------------------------------------------------------------------------
+
+local Process = { __name = "moonbox.render.Process" }
+Process.__index = Process
+Process.__tostring = function(p) return "Process " .. tostring(p.exec_id) .. " in " .. p.sb.id end
+
+--- p:kill(sig [, {grace}]) -> "signalled" | "marked": signals the whole process group (TERM by
+-- default; names like "KILL" or numbers); "marked" when the command had not started (it then
+-- exits 143 without running). TERM escalates to KILL after opts.grace seconds (default 5) if
+-- the command is still running. [yields]
 function Process:kill(sig, opts)
   local n = signal_number(sig)
   local how = send_kill(self.sb, self.id, n)
@@ -139,9 +206,9 @@ function Process:kill(sig, opts)
   return how
 end
 
---- Reads the run's SSE stream into p.stdout/p.stderr parts and the line queue until exit.
+--- Reads the run's SSE stream into p's outputs and line queue until the exit event.
 local function pump(p, resp, opts)
-  local max = opts.max_output or 8 * 1024 * 1024
+  local max = opts.max_output or DEFAULT_MAX_OUTPUT
   local kept = { stdout = 0, stderr = 0 }
   while true do
     local ev = resp:read_event()
@@ -157,6 +224,7 @@ local function pump(p, resp, opts)
       local room = max - kept[stream]
       if room > 0 then
         if #data > room then
+          -- cut at a character boundary: never half a UTF-8 sequence
           local cut = room
           while cut > 0 and ((data:byte(cut + 1) or 0) & 0xC0) == 0x80 do cut = cut - 1 end
           data = data:sub(1, cut)
@@ -178,76 +246,84 @@ local function pump(p, resp, opts)
   end
   if p.code == nil and not p.failure then
     p.failure = api.error { op = "sandbox:exec", code = "unknown_outcome", sandbox_id = p.sb.id,
-      exec_id = p.exec_id, message = "the output stream ended without an exit event: the command's " ..
-        "outcome is unknown (it may still be running)" }
+      exec_id = p.exec_id, message = "the output stream of `" .. first_words(p.command) .. "` ended " ..
+        "without an exit event: the command's outcome is unknown (it may still be running)" }
   end
 end
 
 local EXEC_OPTS = { timeout = true, on_output = true, max_output = true, cwd = true, env = true,
-  grace = true, lines = true }
+  grace = true }
 
---- Starts a command and returns its Process (the stream is read by a task of its own). [yields]
-local function start(sb, cmd, opts)
+-- Checks the options at the recipe's call; returns the env file's text (nil without env).
+local function check_opts(opts, fname)
+  if type(opts) ~= "table" then error("sb:" .. fname .. ": opts must be a table", 3) end
   for k in pairs(opts) do
-    if not EXEC_OPTS[k] then error("sb:exec: unknown option '" .. tostring(k) .. "'", 3) end
+    if not EXEC_OPTS[k] then error("sb:" .. fname .. ": unknown option '" .. tostring(k) .. "'", 3) end
   end
-  local command = command_of(cmd)
+  if opts.env == nil then return nil end
+  if type(opts.env) ~= "table" then error("sb:" .. fname .. ": env must be a table", 3) end
+  if next(opts.env) == nil then return nil end
+  return env_file(opts.env, 3)
+end
+
+--- Starts a command and returns its Process; the stream is read by a task of its own. [yields]
+local function start(sb, command, env_text, opts, line_stream)
   local id = ids.new("exe"):sub(5) -- a private marker name, not an API id
-  local has_env = opts.env ~= nil and next(opts.env) ~= nil
-  -- sb:upload (moonbox.render.files): uploads land root-owned 0600, in the in-memory /dev area
-  if has_env then sb:upload(MARKERS .. "/" .. id .. ".env", env_file(opts.env)) end
-  local script = wrapper(id, command, opts.cwd, has_env)
-  local c = rawget(sb, "_conn")
-  local tok = api.call(c, "sandbox:exec", "POST", "/sandboxes/" .. sb.id .. "/runs/stream/token",
-    { body = { command = script }, idempotent = true, sandbox_id = sb.id })
+  -- Uploads land root-owned 0600, in the in-memory /dev area.
+  if env_text then files.upload(sb, MARKERS .. "/" .. id .. ".env", env_text) end
+  local script = wrapper(id, command, opts.cwd, env_text ~= nil)
+  local resp, tok, span = api.data(sb:connection(), "sandbox:exec",
+    { path = "/sandboxes/" .. sb.id .. "/runs/stream/token", body = { command = script } },
+    { method = "POST", body = json.encode({ command = script }), stream = true, idle_timeout = 60,
+      headers = { Accept = "text/event-stream", ["Content-Type"] = "application/json" } },
+    { name = "sandbox:exec.stream", span_path = "/sandboxes/" .. sb.id .. "/runs/stream",
+      sandbox_id = sb.id })
   local p = setmetatable({ sb = sb, id = id, exec_id = tok.executionId, out = { stdout = {}, stderr = {} },
-    truncated = false, cond = core.cond(), lines_buf = {}, line_stream = opts.lines,
-    summary = #command > 80 and (command:sub(1, 77) .. "...") or command }, Process)
-  local resp = http.stream { method = "POST", url = tok.uri, body = json.encode({ command = script }),
-    headers = { Authorization = "Bearer " .. tok.token, Accept = "text/event-stream",
-      ["Content-Type"] = "application/json" }, idle_timeout = 60 }
-  if resp.status ~= 200 then
-    local text = resp:read() or ""
-    resp:close()
-    error(api.error { op = "sandbox:exec", code = "exec_refused", status = resp.status, sandbox_id = sb.id,
-      exec_id = tok.executionId, message = "the run was refused: " .. text:sub(1, 300) }, 0)
-  end
+    truncated = false, cond = core.cond(), lines_buf = {}, line_stream = line_stream, command = command,
+    summary = summary(command) }, Process)
   p.reader = task.spawn(function()
-    local ok, err = pcall(api.traced, "sandbox:exec.stream", "POST", "/sandboxes/" .. sb.id .. "/runs/stream",
-      { sandbox_id = sb.id }, pump, p, resp, opts)
+    local ok, err = pcall(pump, p, resp, opts)
     resp:close()
     if not ok and not p.failure then p.failure = err end
+    if span then span:close_with(p.failure) end
     p.done = true
     p.cond:broadcast()
   end)
   return p
 end
 
+-- Stops a command whose caller stopped waiting: TERM to its group, STOP_GRACE seconds for its
+-- stream to end, then KILL. Runs shielded: a second cancellation cannot cut it short.
+local function stop_group(p)
+  pcall(send_kill, p.sb, p.id, 15)
+  pcall(task.timeout, STOP_GRACE, function()
+    while not p.done do p.cond:wait() end
+  end)
+  if not p.done then pcall(send_kill, p.sb, p.id, 9, true) end
+end
+
 --- p:wait() -> the result {code, stdout, stderr, truncated, exec_id} with :check(). If the
 -- waiting task is cancelled (or its deadline passes), the command's process group is killed
--- before the cancellation goes on. [yields]
+-- before the cancellation goes on. Raises "unknown_outcome" for a stream without an exit
+-- event, "exec_error" when the backend reports one. [yields]
 function Process:wait()
   local ok, err = pcall(function()
     while not self.done do self.cond:wait() end
   end)
   if not ok then
-    -- We stop waiting: the command must not outlive its caller.
-    pcall(send_kill, self.sb, self.id, 15)
-    local t0 = core.now()
-    while not self.done and core.now() - t0 < 2 do pcall(task.sleep, 0.05) end
-    if not self.done then pcall(send_kill, self.sb, self.id, 9, true) end
+    -- The command must not outlive its caller.
+    api.shielded(stop_group, self)
     task.cancel(self.reader)
     error(err, 0)
   end
   if self.failure then error(self.failure, 0) end
-  local res = setmetatable({ code = self.code, stdout = table.concat(self.out.stdout),
+  return setmetatable({ code = self.code, stdout = table.concat(self.out.stdout),
     stderr = table.concat(self.out.stderr), truncated = self.truncated, exec_id = self.exec_id,
-    sandbox_id = self.sb.id, command_summary = self.summary }, render.Result)
-  return res
+    sandbox_id = self.sb.id, command_summary = self.summary }, Result)
 end
 
 --- p:lines() -> iterator over the lines of stdout as they arrive (the last partial line
--- included); ends at the command's end. Only for processes started with sb:spawn. [yields]
+-- included); ends at the command's end. [yields]
 function Process:lines()
   local carry = ""
   return function()
@@ -275,51 +351,66 @@ function Process:lines()
   end
 end
 
+-- ---- the methods --------------------------------------------------------------------------------
+
 --- sb:exec(cmd, opts) -> {code, stdout, stderr, truncated, exec_id} with :check(). cmd: a bash
 -- string or an argv table (quoted so each element arrives literally). opts: env (never in
--- command text; names bash cannot export are refused), cwd, timeout (seconds; the process
--- group is killed when it expires, then code "timeout" is raised), on_output(stream, chunk),
--- max_output (bytes per stream, default 8 MiB). Cancelling the calling task kills the group.
--- Raises "unknown_outcome" for a stream without an exit event. [yields]
-function methods.exec(sb, cmd, opts)
+-- command text; names bash cannot export are refused), cwd, timeout (seconds for the whole
+-- call), on_output(stream, chunk), max_output (bytes per stream, default 8 MiB). When the
+-- timeout expires the command's process group is killed and an error with code "timeout" (so
+-- task.is_timeout holds) is raised naming the sandbox, the exec id and the command's first
+-- words. Cancelling the calling task kills the group too. Raises "unknown_outcome" for a
+-- stream without an exit event, and the API's structured errors. [yields]
+function M.exec(sb, cmd, opts)
   opts = opts or {}
-  local function run()
-    local p = start(sb, cmd, opts)
-    return p:wait()
+  local env_text = check_opts(opts, "exec")
+  local command = command_of(cmd)
+  if not opts.timeout then return start(sb, command, env_text, opts):wait() end
+  if type(opts.timeout) ~= "number" or opts.timeout < 0 then
+    error("sb:exec: timeout must be seconds >= 0, got " .. tostring(opts.timeout), 2)
   end
-  if opts.timeout then return task.timeout(opts.timeout, run) end
-  return run()
+  local p
+  local ok, res = pcall(task.timeout, opts.timeout, function()
+    p = start(sb, command, env_text, opts)
+    return p:wait()
+  end)
+  if ok then return res end
+  if type(res) == "table" and res.op == "task.timeout" and res.code == "timeout" then
+    error(api.error { op = "sandbox:exec", code = "timeout", retryable = true, seconds = opts.timeout,
+      sandbox_id = sb.id, exec_id = p and p.exec_id, command = first_words(command),
+      message = string.format("`%s` did not finish within %g s; its process group was killed",
+        first_words(command), opts.timeout) }, 0)
+  end
+  error(res, 0)
 end
 
 --- sb:spawn(cmd, opts) -> Process with p:lines(), p:wait(), p:kill(sig), p.exec_id. The same
--- options as sb:exec (lines() reads stdout). [yields] until the command has started.
-function methods.spawn(sb, cmd, opts)
+-- options as sb:exec but timeout (lines() reads stdout). [yields] until the command has
+-- started.
+function M.spawn(sb, cmd, opts)
   opts = opts or {}
-  opts.lines = "stdout"
-  return start(sb, cmd, opts)
+  local env_text = check_opts(opts, "spawn")
+  if opts.timeout ~= nil then error("sb:spawn: no timeout option (wrap p:wait() in task.timeout)", 2) end
+  return start(sb, command_of(cmd), env_text, opts, "stdout")
 end
 
---- sb:run_sync(cmd) -> {code, stdout, stderr}: one command through the `sync` run operation
--- (buffered by the server; no streaming, no kill). [yields]
-function methods.run_sync(sb, cmd)
+--- sb:run_sync(cmd) -> {code, stdout, stderr, exec_id} with :check(): one command through the
+-- `sync` run operation (buffered by the server; no streaming, no kill). [yields]
+function M.run_sync(sb, cmd)
   local command = command_of(cmd)
-  local c = rawget(sb, "_conn")
-  local tok = api.call(c, "sandbox:run_sync", "POST", "/sandboxes/" .. sb.id .. "/runs/sync/token",
-    { body = { command = command }, idempotent = true, sandbox_id = sb.id })
-  local r = api.traced("sandbox:run_sync.run", "POST", "/sandboxes/" .. sb.id .. "/runs/sync",
-    { sandbox_id = sb.id }, http.request,
-    { method = "POST", url = tok.uri, body = json.encode({ command = command }),
-    headers = { Authorization = "Bearer " .. tok.token, ["Content-Type"] = "application/json" } })
+  local r, tok = api.data(sb:connection(), "sandbox:run_sync",
+    { path = "/sandboxes/" .. sb.id .. "/runs/sync/token", body = { command = command } },
+    { method = "POST", body = json.encode({ command = command }),
+      headers = { ["Content-Type"] = "application/json" } },
+    { name = "sandbox:run_sync.run", span_path = "/sandboxes/" .. sb.id .. "/runs/sync", sandbox_id = sb.id })
   local d = json.decode(r.body)
-  if r.status ~= 200 or type(d) ~= "table" then
-    error(api.error { op = "sandbox:run_sync", code = "exec_refused", status = r.status, sandbox_id = sb.id,
-      message = "the sync run failed: " .. tostring(r.body):sub(1, 300) }, 0)
+  if type(d) ~= "table" then
+    error(api.error { op = "sandbox:run_sync", code = "malformed_response", status = r.status,
+      sandbox_id = sb.id, exec_id = tok.executionId, message = "the sync run's answer is not JSON" }, 0)
   end
   return setmetatable({ code = math.tointeger(d.exit_code) or d.exit_code, stdout = d.stdout or "",
     stderr = d.stderr or "", exec_id = tok.executionId, sandbox_id = sb.id, truncated = false,
-    command_summary = command:sub(1, 80) }, render.Result)
+    command_summary = summary(command) }, Result)
 end
 
-M.wrapper = wrapper
-M.env_file = env_file
 return M

@@ -1,21 +1,21 @@
---- moonbox.render.files — moving files and directory trees in and out of a sandbox.
+--- moonbox.render.files — moving files and directory trees in and out of a sandbox. A part of
+-- the Sandbox class (lua/moonbox/render/sandbox.lua lists its methods); it sees a sandbox only
+-- through sb.id and sb:connection().
 --
--- Each transfer is two requests (render-api.md §6): a file token minted on the API (with the API
--- key, retried like any idempotent call), then one data-plane request to the token's URI that
--- carries only that token. The data-plane request is not retried: a failed transfer raises.
--- Remote paths are cleaned client-side exactly as Go's path.Clean does, because the API refuses
--- unclean ones. Downloads land in a temporary file and reach their destination by a rename (a
--- file) or by moonbox.archive's staged, checked unpack (a tree), so a failure never leaves a
--- half-written destination. Every temporary file is removed, whatever happens.
--- Requiring this module adds its methods to the Sandbox (render._methods).
-local render = require "moonbox.render"
-local http = require "moonbox.http"
+-- Each transfer is one data-plane request through moonbox.render.api (render-api.md §6): a file
+-- token minted on the API, then one request to the token's URI that carries only that token.
+-- Transfers are repeatable (the same bytes to the same path, or a download again), so they are
+-- retried like any idempotent call, each attempt with a fresh token. Remote paths are cleaned
+-- client-side exactly as Go's path.Clean does, because the API refuses unclean ones. Downloads
+-- land in a temporary file and reach their destination by a rename (a file) or by
+-- moonbox.archive's staged, checked unpack (a tree), so a failure never leaves a half-written
+-- destination. Every temporary file is removed, whatever happens.
+local api = require "moonbox.render.api"
 local json = require "moonbox.json"
 local archive = require "moonbox.archive"
 local core = require "moonbox.core"
 
-local api = render._api
-local methods = render._methods
+local M = {}
 
 --- render.normalize_path(p) -> p cleaned as Go's path.Clean does: repeated and trailing
 -- slashes dropped, "." segments removed, ".." resolved ("/app/./data/../data.txt" →
@@ -37,7 +37,7 @@ local function normalize_path(p)
   end
   return require("moonbox.path").clean(p)
 end
-render.normalize_path = normalize_path
+M.normalize_path = normalize_path
 
 -- ---- helpers --------------------------------------------------------------------------------
 
@@ -60,68 +60,39 @@ end
 
 local function exists(path) return os.rename(path, path) ~= nil end
 
-local function read_all(path)
-  local f = io.open(path, "rb")
-  if not f then return "" end
-  local s = f:read(64 * 1024) or ""
-  f:close()
-  return s
+--- The structured error of a transfer that failed with an HTTP answer (err from api.data): a
+-- 404 with Render's file_not_found code names the path; a 404 without it means the sandbox is
+-- gone; every message names the path and the sandbox.
+local function transfer_error(op, sb, rpath, err)
+  err.op, err.path, err.sandbox_id = op, rpath, sb.id
+  if err.status == 404 and err.code == "file_not_found" then
+    err.message = string.format("no file or directory at %s in sandbox %s", rpath, sb.id)
+  elseif err.status == 404 then
+    err.code = "not_found"
+    err.message = string.format("%s %s: sandbox %s is gone (404 without file_not_found): %s", op, rpath,
+      sb.id, tostring(err.message))
+  else
+    err.message = string.format("%s %s in sandbox %s: %s", op, rpath, sb.id, tostring(err.message))
+  end
+  return err
 end
 
---- Mints a file token for `kind` ("upload" | "download") and `rpath` (already normalised).
-local function mint(sb, op, kind, rpath)
-  local c = rawget(sb, "_conn")
-  local id = sb.id
-  return api.call(c, op, "POST", "/sandboxes/" .. id .. "/files/" .. kind .. "/token",
-    { query = { path = rpath, ownerId = c.workspace }, idempotent = true, sandbox_id = id })
-end
-
---- The structured error of a data-plane answer that is not 2xx (`text` is its body).
-local function transfer_error(op, sb, rpath, r, text)
-  local ctype = r.headers["content-type"] or ""
-  local body
-  if ctype:find("json", 1, true) then
-    local ok, v = pcall(json.decode, text)
-    if ok and type(v) == "table" then body = v end
-  end
-  local code, message = body and body.code, body and body.message
-  local fields = { op = op, status = r.status, sandbox_id = sb.id, path = rpath,
-    request_id = r.headers["render-request-id"] }
-  if r.status == 404 and code == "file_not_found" then
-    fields.code = "file_not_found"
-    fields.message = string.format("no file or directory at %s in sandbox %s", rpath, sb.id)
-    return api.error(fields)
-  end
-  if type(message) ~= "string" or message == "" then
-    message = text ~= "" and #text < 200 and text or ("HTTP " .. r.status)
-  end
-  if type(code) ~= "string" then
-    if r.status == 404 then
-      code = "not_found"
-      message = "sandbox " .. sb.id .. " is gone (404 without file_not_found): " .. message
-    elseif r.status == 401 then code = "unauthorized"
-    elseif r.status == 429 then code = "rate_limited"
-    elseif r.status >= 500 then code = "server_error"
-    else code = "http_" .. r.status end
-  end
-  fields.code = code
-  fields.message = string.format("%s %s in sandbox %s: %s", op, rpath, sb.id, message)
-  fields.retryable = r.status == 429 or r.status == 502 or r.status == 503 or r.status == 504
-  return api.error(fields)
-end
-
-local function ok_status(r) return r.status >= 200 and r.status < 300 end
-
---- The one data-plane request of a transfer, with the token's bearer (never the API key).
-local function transfer(tok, req, opts)
-  req.url = tok.uri
-  req.headers = req.headers or {}
-  req.headers.Authorization = "Bearer " .. tok.token
-  req.headers["User-Agent"] = "moonbox/" .. core.version
+--- The one data-plane request of a transfer of `kind` ("upload" | "download") at rpath (already
+-- normalised). Raises transfer errors. [yields]
+local function transfer(sb, op, kind, rpath, req, opts)
+  local c = sb:connection()
   req.timeout = opts and opts.timeout
-  req.connect_timeout = 10
   req.idle_timeout = opts and opts.idle_timeout or 60
-  return api.traced("files." .. req.method, req.method, "(file transfer)", nil, http.request, req)
+  local ok, r = pcall(api.data, c, op,
+    { path = "/sandboxes/" .. sb.id .. "/files/" .. kind .. "/token",
+      query = { path = rpath, ownerId = c.workspace } },
+    req, { name = "files." .. req.method, span_path = "(file transfer)", sandbox_id = sb.id, path = rpath,
+      repeatable = true })
+  if ok then return r end
+  if type(r) == "table" and r.status and not api.is_interruption(r) then
+    r = transfer_error(op, sb, rpath, r)
+  end
+  error(r, 0)
 end
 
 local GZIP_OK = { gzip = true, ["x-gzip"] = true, identity = true }
@@ -143,25 +114,21 @@ end
 -- opts: timeout (seconds for the transfer), idle_timeout (default 60). Raises "invalid_path"
 -- before any request for an empty path, and structured errors with op "sandbox:upload" (e.g.
 -- http_409 when path is a directory). [yields]
-function methods.upload(sb, path, data, opts)
+function M.upload(sb, path, data, opts)
   check_string("upload", "data", data, 2)
   local rpath = normalize_path(path)
-  local tok = mint(sb, "sandbox:upload", "upload", rpath)
-  local r = transfer(tok, { method = "PUT", body = data,
+  transfer(sb, "sandbox:upload", "upload", rpath, { method = "PUT", body = data,
     headers = { ["Content-Type"] = "application/octet-stream" } }, opts)
-  if not ok_status(r) then error(transfer_error("sandbox:upload", sb, rpath, r, r.body), 0) end
 end
 
 --- sb:upload_file(local_path, path [, opts]): streams the local file to `path` in the sandbox
 -- without holding it in memory. opts as sb:upload. Raises as sb:upload (op
 -- "sandbox:upload_file"), and http's "file_error" when local_path cannot be read. [yields]
-function methods.upload_file(sb, local_path, path, opts)
+function M.upload_file(sb, local_path, path, opts)
   check_string("upload_file", "local_path", local_path, 2)
   local rpath = normalize_path(path)
-  local tok = mint(sb, "sandbox:upload_file", "upload", rpath)
-  local r = transfer(tok, { method = "PUT", body_file = local_path,
+  transfer(sb, "sandbox:upload_file", "upload", rpath, { method = "PUT", body_file = local_path,
     headers = { ["Content-Type"] = "application/octet-stream" } }, opts)
-  if not ok_status(r) then error(transfer_error("sandbox:upload_file", sb, rpath, r, r.body), 0) end
 end
 
 --- sb:download(path [, opts]) -> the bytes of the file `path` in the sandbox, as a string.
@@ -169,12 +136,10 @@ end
 -- "invalid_path" before any request for an empty path; "file_not_found" (naming the path and
 -- sandbox) when nothing is there; "is_directory" when path is a directory (use sb:get_dir);
 -- other structured errors with op "sandbox:download". [yields]
-function methods.download(sb, path, opts)
+function M.download(sb, path, opts)
   local rpath = normalize_path(path)
-  local tok = mint(sb, "sandbox:download", "download", rpath)
-  local r = transfer(tok, { method = "GET", accept_encoding = "gzip", max_body = opts and opts.max_body },
-    opts)
-  if not ok_status(r) then error(transfer_error("sandbox:download", sb, rpath, r, r.body), 0) end
+  local r = transfer(sb, "sandbox:download", "download", rpath,
+    { method = "GET", accept_encoding = "gzip", max_body = opts and opts.max_body }, opts)
   if media_type(r) == "application/x-tar" then
     error(api.error { op = "sandbox:download", code = "is_directory", sandbox_id = sb.id, path = rpath,
       message = rpath .. " in sandbox " .. sb.id .. " is a directory: use sb:get_dir" }, 0)
@@ -187,15 +152,14 @@ end
 -- complete 2xx answer: local_path is afterwards the whole file or what it was before. opts:
 -- timeout, idle_timeout. Raises as sb:download (op "sandbox:download_file"), and http's
 -- "file_error" when the temporary file cannot be written. [yields]
-function methods.download_file(sb, path, local_path, opts)
+function M.download_file(sb, path, local_path, opts)
   check_string("download_file", "local_path", local_path, 2)
   local rpath = normalize_path(path)
   local op = "sandbox:download_file"
   local tmp = temp_beside(local_path)
   local _tmp_guard <close> = removed_on_close(tmp)
-  local tok = mint(sb, op, "download", rpath)
-  local r = transfer(tok, { method = "GET", accept_encoding = "gzip", output_file = tmp }, opts)
-  if not ok_status(r) then error(transfer_error(op, sb, rpath, r, read_all(tmp)), 0) end
+  local r = transfer(sb, op, "download", rpath,
+    { method = "GET", accept_encoding = "gzip", output_file = tmp }, opts)
   if media_type(r) == "application/x-tar" then
     error(api.error { op = op, code = "is_directory", sandbox_id = sb.id, path = rpath,
       message = rpath .. " in sandbox " .. sb.id .. " is a directory: use sb:get_dir" }, 0)
@@ -216,16 +180,14 @@ end
 -- "invalid_path" before any request; archive.pack's errors ("not_found", "io_error") before any
 -- request; structured errors with op "sandbox:put_dir" (the server's "unsafe_archive" among
 -- them). [yields]
-function methods.put_dir(sb, local_dir, path, opts)
+function M.put_dir(sb, local_dir, path, opts)
   check_string("put_dir", "local_dir", local_dir, 2)
   local rpath = normalize_path(path)
   local tgz = os.tmpname()
   local _tgz_guard <close> = removed_on_close(tgz)
   archive.pack(local_dir, tgz)
-  local tok = mint(sb, "sandbox:put_dir", "upload", rpath)
-  local r = transfer(tok, { method = "PUT", body_file = tgz,
+  transfer(sb, "sandbox:put_dir", "upload", rpath, { method = "PUT", body_file = tgz,
     headers = { ["Content-Type"] = "application/x-tar", ["Content-Encoding"] = "gzip" } }, opts)
-  if not ok_status(r) then error(transfer_error("sandbox:put_dir", sb, rpath, r, r.body), 0) end
 end
 
 local UNPACK_OPTS = { "max_bytes", "max_entries", "umask", "file_mode" }
@@ -241,7 +203,7 @@ local UNPACK_OPTS = { "max_bytes", "max_entries", "umask", "file_mode" }
 -- when path is a file; "unsupported_encoding" for a Content-Encoding other than gzip;
 -- archive.unpack's errors ("unsafe_archive" with err.member, "corrupt_archive", ...) with
 -- sandbox_id and remote_path added; other structured errors with op "sandbox:get_dir". [yields]
-function methods.get_dir(sb, path, local_dir, opts)
+function M.get_dir(sb, path, local_dir, opts)
   check_string("get_dir", "local_dir", local_dir, 2)
   opts = opts or {}
   local rpath = normalize_path(path)
@@ -252,9 +214,7 @@ function methods.get_dir(sb, path, local_dir, opts)
   end
   local tgz = os.tmpname()
   local _tgz_guard <close> = removed_on_close(tgz)
-  local tok = mint(sb, op, "download", rpath)
-  local r = transfer(tok, { method = "GET", output_file = tgz }, opts)
-  if not ok_status(r) then error(transfer_error(op, sb, rpath, r, read_all(tgz)), 0) end
+  local r = transfer(sb, op, "download", rpath, { method = "GET", output_file = tgz }, opts)
   local mt = media_type(r)
   if mt ~= "application/x-tar" then
     error(api.error { op = op, code = "not_a_directory", sandbox_id = sb.id, path = rpath,
@@ -285,12 +245,12 @@ end
 -- modified_at (RFC 3339 string), target (symlinks only)}. listed_path is the absolute path the
 -- server listed. Raises "invalid_path" before any request; "file_not_found" naming the path and
 -- sandbox; structured errors with op "sandbox:ls" ("sandbox_not_running" unless running). [yields]
-function methods.ls(sb, path, depth)
+function M.ls(sb, path, depth)
   local rpath = normalize_path(path)
   if depth ~= nil and math.type(depth) ~= "integer" then
     error("sb:ls: depth must be an integer, got " .. tostring(depth), 2)
   end
-  local c = rawget(sb, "_conn")
+  local c = sb:connection()
   local ok, res = pcall(api.call, c, "sandbox:ls", "GET", "/sandboxes/" .. sb.id .. "/files/list",
     { query = { path = rpath, depth = depth or 1 }, sandbox_id = sb.id })
   if not ok then
@@ -309,4 +269,4 @@ function methods.ls(sb, path, depth)
   return entries, type(res) == "table" and res.path or rpath
 end
 
-return render
+return M

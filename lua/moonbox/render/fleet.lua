@@ -8,7 +8,9 @@
 -- Every create settles before any cleanup starts (no "first rejection wins" that leaks the
 -- others). A fleet is an array of Sandboxes (so task.map and ipairs work on it) and a `<close>`
 -- guard over all of them: closing it terminates every member concurrently unless fleet:keep().
-local render = require "moonbox.render"
+local api = require "moonbox.render.api"
+local sandbox = require "moonbox.render.sandbox"
+local snapshots = require "moonbox.render.snapshots"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 
@@ -120,7 +122,7 @@ function M.restore(snapshot, opts)
   local limit = math.min(concurrency, count)
   local gid = opts.sandbox_group_id or (type(snapshot) == "table" and snapshot.sandbox_group_id)
   if gid and limit > 1 then
-    local okg, list = pcall(render.groups.list)
+    local okg, list = pcall(snapshots.groups.list)
     for _, g in ipairs(okg and list or {}) do
       local cap = g.id == gid and tonumber(g.concurrency_limit)
       if cap and cap >= 1 and cap < limit then limit = math.floor(cap) end
@@ -142,7 +144,7 @@ function M.restore(snapshot, opts)
           next_i = next_i + 1
           local o = { index = i }
           outcomes[i] = o
-          local ok, res = pcall(render.sandboxes.create, create_opts)
+          local ok, res = pcall(sandbox.create, create_opts)
           if ok then
             o.sandbox, o.id = res, res.id
             local ok2, werr = pcall(res.wait_running, res, { timeout = wait_timeout })
@@ -151,7 +153,7 @@ function M.restore(snapshot, opts)
             o.error = res
           end
           win:release(o.error == nil)
-          if o.error and task.is_cancelled(o.error) then stop_err = stop_err or o.error end
+          if o.error and api.is_interruption(o.error) then stop_err = stop_err or o.error end
         end
       end)
     end
@@ -204,7 +206,8 @@ function M.restore(snapshot, opts)
       local e = o.error
       local what = tostring(e)
       if type(e) == "table" and e.code == "unknown_outcome" then
-        what = what .. " — a sandbox may exist without an id here"
+        what = what .. " — a sandbox may exist without an id here (the ledger keeps the create for " ..
+          "`moonbox reap`, which finds it by its label)"
       end
       lines[#lines + 1] = string.format("#%d failed: %s", i, what)
     end
@@ -222,6 +225,5 @@ function M.restore(snapshot, opts)
     snapshot_id = type(snapshot) == "table" and snapshot.id or nil }, 2)
 end
 
-render.restore = M.restore
 M.Fleet = Fleet
 return M

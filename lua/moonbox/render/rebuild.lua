@@ -13,7 +13,9 @@
 -- undo: any failure deletes it, so the previous snapshot stays the newest available one. The
 -- only window where a restore by name can pick an unverified snapshot is between its capture
 -- and the end of its verify (Render cannot rename a snapshot, so there is no staging name).
-local render = require "moonbox.render"
+local sandbox = require "moonbox.render.sandbox"
+local snapshots = require("moonbox.render.snapshots").snapshots
+local duration = require "moonbox.duration"
 local task = require "moonbox.task"
 local guard = require "moonbox.guard"
 local core = require "moonbox.core"
@@ -29,11 +31,11 @@ local KINDS = { filesystem = true, runtime = true }
 -- gives up deleting that snapshot (a snapshot being captured cannot be deleted).
 local CAPTURE_END_WAIT = 600
 
---- Seconds from a number or a duration string ("90s", "20m", "1h30m": moonbox.schedule's
+--- Seconds from a number or a duration string ("90s", "20m", "1h30m": moonbox.duration's
 -- syntax); nil when v is nil. Raises (misuse, at the caller of rebuild) for anything else.
 local function seconds(v, what)
   if v == nil then return nil end
-  local secs = require("moonbox.schedule").duration(v)
+  local secs = duration.parse(v)
   if secs and secs > 0 then return secs end
   error("render.snapshots.rebuild: " .. what .. " must be seconds (> 0) or a duration like \"20m\", got " ..
     tostring(v), 3)
@@ -67,7 +69,7 @@ local function delete_new_snapshot(st)
   local snap = st.snap
   if not snap then
     if not st.capture_sent then return end
-    for s in render.snapshots.list { group = st.group_id } do
+    for s in snapshots.list { group = st.group_id } do
       if s.source_sandbox_id == st.summary.builder_id and s.name == st.name then snap = s end
     end
     if not snap then
@@ -95,9 +97,9 @@ end
 -- runs: a cancellation or a timeout while it boots still terminates it. [yields]
 local function guarded_sandbox(g, create_opts, role)
   create_opts.wait = false
-  local sb = render.sandboxes.create(create_opts):keep()
+  local sb = sandbox.create(create_opts):keep()
   g:defer(function()
-    if rawget(sb, "_data").status ~= "terminated" then sb:terminate() end
+    if sb.status ~= "terminated" then sb:terminate() end
   end, "terminate " .. role .. " " .. sb.id)
   return sb
 end
@@ -155,7 +157,7 @@ local function prune(st, keep)
   local snap, summary = st.snap, st.summary
   local available, failed = {}, {}
   local ok, err = pcall(function()
-    for s in render.snapshots.list { group = snap.sandbox_group_id, status = { "available", "failed" } } do
+    for s in snapshots.list { group = snap.sandbox_group_id, status = { "available", "failed" } } do
       if s.name == st.name then
         if s.status == "available" then
           available[#available + 1] = { s = s, i = #available, at = s.requested_at or s.created_at or "" }
@@ -207,7 +209,7 @@ local function attempt(st, build_fn, opts)
   summary.builder_id = builder.id
   builder:wait_running()
   st.group_id = builder.sandbox_group_id
-  local previous = render.snapshots.latest(st.name, { group = st.group_id })
+  local previous = snapshots.latest(st.name, { group = st.group_id })
   summary.previous_id = previous and previous.id
   st.previous_known = true
   stage_end(st)

@@ -1,37 +1,25 @@
---- moonbox.render.snapshots — snapshots and sandbox groups (render-api.md §7, §8).
+--- moonbox.render.snapshots — snapshots and sandbox groups (render-api.md §7, §8), and
+-- sb:snapshot, the part of the Sandbox class that captures one (lua/moonbox/render/sandbox.lua
+-- lists it as the method `snapshot`).
 --
 --   local snap = sb:snapshot { name = "py-base" }                  -- waits until available
 --   local copy <close> = render.sandboxes.create { snapshot = snap } -- restore = create
 --   local newest = render.snapshots.latest("py-base")
 --
--- Requiring it adds `render.snapshots`, `render.groups` and the `sb:snapshot` method to
--- moonbox.render. Snapshots are group-scoped: every call that names a snapshot by id alone
--- resolves the group from the workspace's default group (what Render's CLI does). Restoring is
+-- Snapshots are group-scoped: every call that names a snapshot by id alone resolves the group
+-- from the workspace's default group (what Render's CLI does). Restoring is
 -- render.sandboxes.create{ snapshot = snap }, which takes the group and plan from the snapshot.
-local render = require "moonbox.render"
-local json = require "moonbox.json"
+local api = require "moonbox.render.api"
+local conn = require "moonbox.render.conn"
+local object = require "moonbox.render.object"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 
-local api = render._api
-local camel = render.camel
-local sandbox_methods = render._methods
+local M = {}
 
 -- ---- objects ----------------------------------------------------------------------------------
 
---- Field access shared by Snapshot and Group: methods first, then the API's field in either
--- spelling (snake_case or camelCase); JSON null reads as nil; unknown fields are kept.
-local function field_index(methods)
-  return function(obj, k)
-    local m = methods[k]
-    if m then return m end
-    local data = rawget(obj, "_data")
-    local v = data[k]
-    if v == nil and type(k) == "string" then v = data[camel(k)] end
-    if v == json.null then return nil end
-    return v
-  end
-end
+local field_index = object.index
 
 local snapshot_methods = {}
 local Snapshot = { __name = "moonbox.render.Snapshot", __index = field_index(snapshot_methods) }
@@ -61,11 +49,11 @@ local groups = {}
 -- g.region, g.is_default / g.isDefault, g.concurrency_limit, ...), all pages. Empty before the
 -- workspace's first sandbox. Raises structured errors (op "groups.list"). [yields]
 function groups.list()
-  local c = render.connection()
+  local c = conn.default()
   local out, cursor = {}, nil
   while true do
     local page = api.call(c, "groups.list", "GET", "/sandbox-groups",
-      { query = { ownerId = render._owner(c), cursor = cursor, limit = 100 } })
+      { query = { ownerId = c:owner(), cursor = cursor, limit = 100 } })
     for _, item in ipairs(page) do out[#out + 1] = wrap_group(item.sandboxGroup) end
     if #page < 100 then return out end
     cursor = page[#page].cursor
@@ -87,9 +75,9 @@ end
 function groups.create(opts)
   opts = opts or {}
   if type(opts.name) ~= "string" then error("render.groups.create: name (a string) is required", 2) end
-  local c = render.connection()
+  local c = conn.default()
   local data = api.call(c, "groups.create", "POST", "/sandbox-groups", {
-    body = { ownerId = render._owner(c), name = opts.name, concurrencyLimit = opts.concurrency_limit,
+    body = { ownerId = c:owner(), name = opts.name, concurrencyLimit = opts.concurrency_limit,
       region = opts.region },
     idempotent = false })
   return wrap_group(data)
@@ -169,7 +157,7 @@ function snapshots.get(a, b)
     gid, sid = group_id(nil), a
   end
   if type(sid) ~= "string" then error("render.snapshots.get: a snapshot id is required", 2) end
-  local c = render.connection()
+  local c = conn.default()
   if not gid then
     error(api.error { op = "snapshots.get", code = "snapshot_not_found", snapshot_id = sid,
       message = "the workspace has no sandbox group yet, so no snapshot " .. sid }, 2)
@@ -185,7 +173,7 @@ end
 -- "invalid_status", "not_found" (unknown group). [yields]
 function snapshots.list(opts)
   opts = opts or {}
-  local c = render.connection()
+  local c = conn.default()
   local gid = group_id(opts.group)
   local status = opts.status
   if type(status) == "string" then status = { status } end
@@ -195,7 +183,7 @@ function snapshots.list(opts)
     if i > #page then
       if done then return nil end
       page = api.call(c, "snapshots.list", "GET", "/sandbox-groups/" .. gid .. "/snapshots",
-        { query = { ownerId = render._owner(c), status = status, cursor = cursor, limit = 100 } })
+        { query = { ownerId = c:owner(), status = status, cursor = cursor, limit = 100 } })
       i = 1
       if #page < 100 then done = true end
       if #page == 0 then return nil end
@@ -228,7 +216,7 @@ function snapshots.delete(snap)
     end
     snap = { id = snap, sandboxGroupId = gid }
   end
-  if getmetatable(snap) ~= Snapshot then snap = wrap_snapshot(render.connection(), snap) end
+  if getmetatable(snap) ~= Snapshot then snap = wrap_snapshot(conn.default(), snap) end
   return snapshot_methods.delete(snap)
 end
 
@@ -248,7 +236,7 @@ local KINDS = { filesystem = true, runtime = true }
 -- time or an RFC 3339 string. Never re-sent (a lost answer raises "unknown_outcome"). Raises
 -- "invalid_snapshot_name", "sandbox_not_running" (e.g. suspended), and what wait_available
 -- raises. [yields]
-function sandbox_methods.snapshot(sb, opts)
+function M.capture(sb, opts)
   opts = opts or {}
   local kind = opts.kind or "filesystem"
   if not KINDS[kind] then
@@ -260,7 +248,7 @@ function sandbox_methods.snapshot(sb, opts)
   elseif expires ~= nil and type(expires) ~= "string" then
     error("sb:snapshot: expires_at must be a unix time or an RFC 3339 string", 2)
   end
-  local c = rawget(sb, "_conn")
+  local c = sb:connection()
   local data = api.call(c, "sandbox:snapshot", "POST", "/sandboxes/" .. sb.id .. "/snapshots", {
     query = { ownerId = c.workspace },
     body = { kind = kind, name = opts.name, expiresAt = expires },
@@ -277,8 +265,8 @@ function snapshots.rebuild(name, build_fn, opts)
   return require("moonbox.render.rebuild").rebuild(name, build_fn, opts)
 end
 
-render.Snapshot = Snapshot
-render.Group = Group
-render.snapshots = snapshots
-render.groups = groups
-return snapshots
+M.Snapshot = Snapshot
+M.Group = Group
+M.snapshots = snapshots
+M.groups = groups
+return M

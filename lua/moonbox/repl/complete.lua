@@ -35,7 +35,7 @@ local function members(v, method)
   local render = package.loaded["moonbox.render"]
   local mt = getmetatable(v)
   if render and mt ~= nil and mt == render.Sandbox then
-    add_keys(out, render._methods, true, 0)
+    add_keys(out, render.Sandbox.methods, true, 0)
     if not method then
       add_keys(out, rawget(v, "_data"), false, 0)
     end

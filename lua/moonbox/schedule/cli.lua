@@ -122,7 +122,7 @@ function M.main(args, cli)
   local status = cli.EXIT_OK
   local code, err = cli.run_root_opts({ quiet_signals = true }, function()
     local render = require "moonbox.render"
-    render.ledger = ledger -- creates outside any run go to this process's own ledger run
+    require("moonbox.ledger").set_process(ledger) -- creates outside any run go to this process's own run
     if opts.backend then render.connect { backend = opts.backend } end
     local ok, e = xpcall(chunk, core.msgh)
     if not ok then error(e, 0) end
@@ -169,11 +169,11 @@ function M.main(args, cli)
         d:run()
       end
     end
-    if render.ledger and render.ledger.run_id then render.ledger:end_run("ok") end
+    if ledger.run_id then ledger:end_run("ok") end
     pcall(render.close)
   end)
-  local render = package.loaded["moonbox.render"]
-  if render and render.ledger == ledger then render.ledger = nil end
+  local ledger_mod = require "moonbox.ledger"
+  if ledger_mod.process() == ledger then ledger_mod.set_process(nil) end
   ledger:close()
   if err ~= nil then
     local msg = cli.format_error(err)

@@ -1,0 +1,389 @@
+--- moonbox.render.sandbox — the Sandbox class and the sandboxes' lifecycle: create, get, list,
+-- wait until running, terminate.
+--
+-- The class has this one file. Its methods come from the parts that implement them — this
+-- file's lifecycle functions, moonbox.render.exec, moonbox.render.files and
+-- moonbox.render.snapshots — through one explicit table (Sandbox.methods, below); no part adds
+-- methods by itself. A part sees a sandbox only through its public face: sb.id, its fields, and
+-- sb:connection().
+--
+-- Ownership, which is what this file is for: a sandbox is owned from the moment its create
+-- answers. The create request runs to its end in a task of its own (api.shielded), so a caller
+-- that is cancelled, or whose deadline passes, while the request is in flight does not lose
+-- the answer: the sandbox it names is terminated before the cancellation goes on. A create
+-- that waits for `running` and fails or is interrupted while waiting terminates the sandbox too:
+-- it never reached its caller, so nobody else could. The ledger (moonbox.ledger) has an intent
+-- for every create before it is sent, the id as soon as the answer names it, and a release only
+-- when the backend confirms the sandbox is gone or was never made; every create carries a label
+-- in its name so that one whose answer was lost can be found again — at once, by listing the
+-- backend, and later by `moonbox reap`.
+local api = require "moonbox.render.api"
+local conn = require "moonbox.render.conn"
+local events = require "moonbox.render.events"
+local object = require "moonbox.render.object"
+local exec = require "moonbox.render.exec"
+local files = require "moonbox.render.files"
+local snapshots = require "moonbox.render.snapshots"
+local ledger = require "moonbox.ledger"
+local json = require "moonbox.json"
+local task = require "moonbox.task"
+local core = require "moonbox.core"
+local trace = require "moonbox.trace"
+local ids = require "moonbox.ids"
+
+local M = {}
+
+local Sandbox = { __name = "moonbox.render.Sandbox" }
+
+local function wrap(c, data, guard)
+  return setmetatable({ _data = data, _conn = c, _kept = not guard }, Sandbox)
+end
+
+-- ---- lifecycle methods -------------------------------------------------------------------------
+
+--- sb:connection() -> the Conn this sandbox's calls go through (moonbox.render.conn).
+local function connection(sb) return rawget(sb, "_conn") end
+
+-- A sandbox is gone: record it, release it in the ledger, tell the observers.
+local function terminated(sb_or_id, how)
+  local id = sb_or_id
+  if type(sb_or_id) == "table" then
+    id = sb_or_id.id
+    rawget(sb_or_id, "_data").status = "terminated"
+  end
+  ledger.release_anywhere(id, how)
+  events.emit("terminated", id)
+end
+
+-- The terminate request; "gone" when the backend no longer knows the sandbox.
+local function terminate_request(c, id)
+  local ok, err = pcall(api.call, c, "sandboxes.terminate", "POST", "/sandboxes/" .. id .. "/terminate",
+    { idempotent = true, sandbox_id = id })
+  if ok then return "terminated" end
+  if type(err) == "table" and err.status == 404 and err.code == "not_found" then return "gone" end
+  error(err, 0)
+end
+
+--- sb:refresh() -> sb with its fields re-read from the API. [yields]
+local function refresh(sb)
+  rawset(sb, "_data", api.call(connection(sb), "sandboxes.get", "GET", "/sandboxes/" .. sb.id,
+    { sandbox_id = sb.id }))
+  return sb
+end
+
+--- sb:terminate(): terminates it (idempotent; a sandbox the backend no longer knows counts as
+-- terminated); afterwards sb.status is "terminated" and the ledger has released it. The request
+-- runs to its end even if the calling task is cancelled meanwhile (the cancellation is raised
+-- afterwards). Raises structured errors (op "sandboxes.terminate") once the retries are
+-- spent. [yields]
+local function terminate(sb)
+  local interruption, ok, how = api.shielded(terminate_request, connection(sb), sb.id)
+  if ok then terminated(sb, how) end
+  if interruption then error(interruption, 0) end
+  if not ok then error(how, 0) end
+end
+
+--- sb:suspend(): asks for an idle suspend now (it resumes on the next exec or file transfer).
+-- [yields]
+local function suspend(sb)
+  local data = api.call(connection(sb), "sandboxes.suspend", "POST", "/sandboxes/" .. sb.id .. "/suspend",
+    { idempotent = true, sandbox_id = sb.id })
+  if type(data) == "table" then rawset(sb, "_data", data) end
+end
+
+--- sb:keep() -> sb: leaving its scope will no longer terminate it (it stays in the ledger, so
+-- `moonbox reap` ends it once the run is over).
+local function keep(sb)
+  rawset(sb, "_kept", true)
+  events.emit("kept", sb)
+  return sb
+end
+
+--- sb:adopt() -> sb: makes a sandbox obtained by get/list a guard (terminated on scope exit).
+local function adopt(sb)
+  rawset(sb, "_kept", false)
+  return sb
+end
+
+--- sb:wait_running{timeout = 120, interval = 0.01} -> sb once it is running. Polls the
+-- sandbox, the interval doubling from `interval` up to 1 s (a local create runs in ~20 ms, a
+-- cloud one in seconds: 10 ms first keeps the first without flooding the second). Raises code
+-- "sandbox_not_running" if it becomes errored or terminated, and "timeout" after the deadline
+-- (the sandbox is then left as it is: whoever owns it decides). Does not wake a suspended
+-- sandbox. [yields]
+local function wait_running(sb, opts)
+  opts = opts or {}
+  local limit = opts.timeout or 120
+  local deadline = core.now() + limit
+  local interval = opts.interval or 0.01
+  while true do
+    local s = sb.status
+    if s == "running" then
+      if not rawget(sb, "_seen_running") then
+        rawset(sb, "_seen_running", true)
+        events.emit("running", sb)
+      end
+      return sb
+    end
+    if s == "errored" or s == "terminated" then
+      error(api.error { op = "sandboxes.wait_running", code = "sandbox_not_running", sandbox_id = sb.id,
+        message = "sandbox " .. sb.id .. " became " .. s .. " instead of running" }, 0)
+    end
+    if core.now() >= deadline then
+      error(api.error { op = "sandboxes.wait_running", code = "timeout", sandbox_id = sb.id,
+        message = string.format("sandbox %s still %s after %g s", sb.id, tostring(s), limit) }, 0)
+    end
+    task.sleep(interval)
+    interval = math.min(interval * 2, 1)
+    refresh(sb)
+  end
+end
+
+--- The methods of every Sandbox, each from the part that implements it. This table is the one
+-- place where the class is assembled; the REPL completes from it.
+Sandbox.methods = {
+  -- lifecycle (this file)
+  connection = connection, refresh = refresh, terminate = terminate, suspend = suspend, keep = keep,
+  adopt = adopt, wait_running = wait_running,
+  -- commands (moonbox.render.exec)
+  exec = exec.exec, spawn = exec.spawn, run_sync = exec.run_sync,
+  -- files (moonbox.render.files)
+  upload = files.upload, upload_file = files.upload_file, download = files.download,
+  download_file = files.download_file, put_dir = files.put_dir, get_dir = files.get_dir, ls = files.ls,
+  -- snapshots (moonbox.render.snapshots)
+  snapshot = snapshots.capture,
+}
+
+Sandbox.__index = object.index(Sandbox.methods)
+Sandbox.__tostring = function(sb)
+  return string.format("Sandbox %s (%s, %s)", sb.id, sb.status or "?", sb.plan or "?")
+end
+
+--- Scope exit of a sandbox held in a `<close>` variable: terminates it unless kept. A failed
+-- terminate never replaces the error being unwound: it is attached to it (err.cleanup_errors)
+-- and reported on stderr; on a normal exit it raises "cleanup_failed".
+Sandbox.__close = function(sb, err)
+  if rawget(sb, "_kept") or sb.status == "terminated" then return end
+  local ok, terr = pcall(terminate, sb)
+  if ok then return end
+  if err ~= nil then
+    if not api.is_interruption(terr) then
+      if type(err) == "table" then
+        local list = rawget(err, "cleanup_errors") or {}
+        list[#list + 1] = { id = sb.id, label = "terminate " .. sb.id, error = terr }
+        rawset(err, "cleanup_errors", list)
+      end
+      io.stderr:write("moonbox: while unwinding ", tostring(err), ", terminating ", sb.id, " failed: ",
+        tostring(terr), " (`moonbox reap` retries it)\n")
+    end
+    return
+  end
+  if api.is_interruption(terr) then error(terr, 0) end
+  error(api.error { op = "sandbox:close", code = "cleanup_failed", sandbox_id = sb.id, cause = terr,
+    message = "could not terminate " .. sb.id .. " at the end of its scope: " .. tostring(terr) ..
+      " (`moonbox reap` retries it)" }, 0)
+end
+
+M.Sandbox = Sandbox
+
+--- sandbox.discard(sb, err): terminates a sandbox that never reached the code it was made for
+-- (its create or its start failed or was interrupted). A failure is attached to err
+-- (err.cleanup_errors, when err is a table) and reported on stderr; it never replaces err, and
+-- the ledger keeps the sandbox for `moonbox reap`. [yields]
+function M.discard(sb, err)
+  local ok, terr = pcall(terminate, sb)
+  if ok or api.is_interruption(terr) then return end
+  if type(err) == "table" then
+    local list = rawget(err, "cleanup_errors") or {}
+    list[#list + 1] = { id = sb.id, label = "terminate " .. sb.id, error = terr }
+    rawset(err, "cleanup_errors", list)
+  end
+  io.stderr:write("moonbox: terminating ", sb.id, " after ", tostring(err), " failed: ", tostring(terr),
+    " (`moonbox reap` retries it)\n")
+end
+
+-- ---- create ---------------------------------------------------------------------------------
+
+local NETWORK = { ["allow-all"] = true, ["deny-all"] = true }
+
+--- Builds the create body from recipe options: snake_case names and short forms (DESIGN §4).
+-- Unset options are not sent (the SDKs' rule). Raises misuse at the recipe's call.
+local function create_body(c, opts)
+  local body = { ownerId = c:owner() }
+  local function set(wire, v) if v ~= nil then body[wire] = v end end
+  set("plan", opts.plan)
+  set("region", opts.region)
+  set("name", opts.name)
+  set("timeoutSeconds", opts.timeout_seconds or opts.timeout)
+  set("idleTimeoutSeconds", opts.idle_timeout_seconds)
+  set("sandboxGroupId", opts.sandbox_group_id)
+  set("env", opts.env)
+  if type(opts.env) == "table" then
+    for _, v in pairs(opts.env) do trace.secret(tostring(v)) end
+  end
+  local np = opts.network_policy
+  if opts.network ~= nil then
+    if not NETWORK[opts.network] then
+      error("render.sandboxes.create: network must be \"allow-all\" or \"deny-all\" (got " ..
+        tostring(opts.network) .. "); use allow = {domains} for an allow-list", 3)
+    end
+    np = { default = opts.network }
+  end
+  if opts.allow ~= nil then
+    np = { default = "allow-list", allowedDomains = json.array(opts.allow) }
+  end
+  set("networkPolicy", np)
+  local snap = opts.snapshot
+  if snap ~= nil then
+    if type(snap) == "table" then
+      body.snapshotId = snap.id
+      body.sandboxGroupId = body.sandboxGroupId or snap.sandbox_group_id or snap.sandboxGroupId
+      body.plan = body.plan or snap.plan
+    elseif ids.valid("snp", snap) then
+      body.snapshotId = snap
+    else
+      body.snapshotName = snap
+    end
+  end
+  set("snapshotId", opts.snapshot_id)
+  set("snapshotName", opts.snapshot_name)
+  return body
+end
+
+--- sandbox.find_by_label(c, label) -> the API object of the non-terminated sandbox named label,
+-- or nil (lists every page). [yields]
+function M.find_by_label(c, label)
+  local cursor
+  repeat
+    local page = api.call(c, "sandboxes.list", "GET", "/sandboxes",
+      { query = { ownerId = c.workspace, cursor = cursor, limit = 100 } })
+    for _, e in ipairs(page) do
+      if e.sandbox and e.sandbox.name == label then return e.sandbox end
+    end
+    cursor = page[#page] and page[#page].cursor
+  until #page < 100
+  return nil
+end
+
+-- The create request and what its answer means for the ledger; runs in a task of its own.
+local function create_request(c, body, L, intent, label)
+  local ok, data = pcall(api.call, c, "sandboxes.create", "POST", "/sandboxes",
+    { body = body, idempotent = false, snapshot_id = body.snapshotId })
+  if ok then
+    if L then L:bind(intent, data.id) end
+    return data
+  end
+  local err = data
+  if api.is_interruption(err) or type(err) ~= "table" then error(err, 0) end
+  if api.definite(err) then
+    -- The backend refused: nothing was made.
+    if L then L:fail(intent, err.code or "refused") end
+    error(err, 0)
+  end
+  -- A lost answer or a 5xx: the sandbox may exist. Its label finds it.
+  if label then
+    local found_ok, found = pcall(M.find_by_label, c, label)
+    if found_ok and found then
+      if L then L:bind(intent, found.id) end
+      trace.instant("create recovered", "sandbox", { label = label, sandbox_id = found.id, code = err.code })
+      return found
+    end
+    err.label = label
+    err.message = tostring(err.message) .. (found_ok
+      and string.format("; no sandbox carries its label %s yet", label)
+      or string.format("; looking for its label %s failed too (%s)", label, tostring(found))) ..
+      (L and " — the ledger keeps it for `moonbox reap`" or "")
+  end
+  error(err, 0)
+end
+
+--- render.sandboxes.create(opts) -> Sandbox, once it is running (opts.wait = false returns at
+-- once, status "creating"). opts: plan, region, name, timeout / timeout_seconds,
+-- idle_timeout_seconds, network ("deny-all"|"allow-all") or network_policy, allow (domains),
+-- env, snapshot (a Snapshot, an id or a name), snapshot_id, snapshot_name, sandbox_group_id,
+-- wait_timeout (seconds, default 120). The Sandbox is a `<close>` guard: leaving its scope
+-- terminates it unless sb:keep() was called.
+-- Never re-sends the create after an ambiguous failure (a 429 is a refusal and is). A lost
+-- answer or a 5xx is reconciled by the label moonbox puts in the sandbox's name when opts.name
+-- is not given: a sandbox carrying it is the one created (returned as if the answer had come);
+-- none found raises the original error (code "unknown_outcome" for a lost answer). If the
+-- calling task is cancelled, or its deadline passes, while the request is in flight or while
+-- waiting for `running`, or the wait fails, the sandbox is terminated before the error is
+-- raised. Raises structured errors (op "sandboxes.create", "sandboxes.wait_running"). [yields]
+function M.create(opts)
+  opts = opts or {}
+  local c = conn.default()
+  local body = create_body(c, opts)
+  local L, run_id = ledger.for_create(c)
+  local intent, label
+  if L then
+    intent, label = L:intent(run_id)
+  else
+    label = "mb-x" .. ids.token():sub(1, 16)
+  end
+  if body.name == nil then body.name = label else label = nil end
+  events.emit("creating", nil, { name = body.name, snapshot_id = body.snapshotId })
+  local interruption, ok, data = api.shielded(create_request, c, body, L, intent, label)
+  if not ok then
+    events.emit("create_failed", nil, { name = body.name, error = data })
+    error(interruption or data, 0)
+  end
+  local sb = wrap(c, data, true)
+  events.emit("created", sb, { snapshot_id = body.snapshotId })
+  if interruption then
+    -- The caller stopped waiting while the request was in flight: this call still owns it.
+    M.discard(sb, interruption)
+    error(interruption, 0)
+  end
+  if opts.wait ~= false then
+    local wok, werr = pcall(wait_running, sb, { timeout = opts.wait_timeout })
+    if not wok then
+      M.discard(sb, werr)
+      error(werr, 0)
+    end
+  end
+  return sb
+end
+
+--- render.sandboxes.get(id) -> Sandbox (not a guard: it is not terminated on scope exit
+-- unless you adopt it with sb:adopt()). Raises code "not_found" for an unknown id. [yields]
+function M.get(id)
+  local c = conn.default()
+  return wrap(c, api.call(c, "sandboxes.get", "GET", "/sandboxes/" .. id, { sandbox_id = id }), false)
+end
+
+--- render.sandboxes.list(opts) -> iterator over every Sandbox (all pages; not guards). opts.status:
+-- a status or a list of them (default: Render's, which hides terminated). [yields]
+function M.list(opts)
+  opts = opts or {}
+  local c = conn.default()
+  local status = opts.status
+  if type(status) == "string" then status = { status } end
+  local cursor, page, i, done = nil, {}, 0, false
+  return function()
+    i = i + 1
+    if i > #page then
+      if done then return nil end
+      page = api.call(c, "sandboxes.list", "GET", "/sandboxes",
+        { query = { ownerId = c.workspace, status = status, cursor = cursor, limit = 100 } })
+      i = 1
+      if #page < 100 then done = true end
+      if #page == 0 then return nil end
+      cursor = page[#page].cursor
+    end
+    return wrap(c, page[i].sandbox, false)
+  end
+end
+
+--- render.sandboxes.terminate(id): terminates by id (idempotent; runs to its end as
+-- sb:terminate does). Raises "not_found" for an id the backend does not know. [yields]
+function M.terminate(id)
+  local c = conn.default()
+  local interruption, ok, err = api.shielded(api.call, c, "sandboxes.terminate", "POST",
+    "/sandboxes/" .. id .. "/terminate", { idempotent = true, sandbox_id = id })
+  if ok then terminated(id, "terminated") end
+  if interruption then error(interruption, 0) end
+  if not ok then error(err, 0) end
+end
+
+return M
