@@ -1,9 +1,10 @@
 --- moonbox.ids — identifiers in Render's formats and fresh randomness, for every part of
--- moonbox that makes or checks them (the render client, the local backend).
+-- moonbox that makes or checks them (the render client, the local backend), and Render's
+-- timestamps (RFC 3339 UTC, whole seconds) through moonbox.rfc3339.
 --
 -- Ids are a prefix and lowercase base32hex characters (0-9a-v) from the kernel's random source:
--- sbx- + 25, and tea-/sbg-/snp-/exe-/usr- + 20 (render-api.md §1.3). Tokens are 32 random bytes
--- in hex. Nothing here depends on the rest of moonbox.
+-- sbx- + 25, and tea-/sbg-/snp-/exe-/usr- + 20. Tokens are 32 random bytes
+-- in hex.
 local M = {}
 
 local ALPHABET = "0123456789abcdefghijklmnopqrstuv"
@@ -41,6 +42,18 @@ end
 --- ids.token() -> 64 hex characters of fresh randomness (connect tokens, API keys).
 function M.token()
   return (random_bytes(32):gsub(".", function(c) return string.format("%02x", c:byte()) end))
+end
+
+--- ids.iso(t) -> Render's timestamp text, RFC 3339 UTC in whole seconds
+-- ("2026-04-01T18:30:00Z"), for unix time t (default now).
+function M.iso(t)
+  return require("moonbox.rfc3339").format(math.floor(t or os.time()))
+end
+
+--- ids.parse_iso(s) -> unix seconds, or nil when s is not an RFC 3339 time (moonbox.rfc3339).
+function M.parse_iso(s)
+  if type(s) ~= "string" then return nil end
+  return (require("moonbox.rfc3339").parse(s))
 end
 
 return M

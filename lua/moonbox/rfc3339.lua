@@ -15,18 +15,25 @@ local function days_from_civil(y, m, d)
 end
 
 --- rfc3339.parse(s) -> seconds since the epoch (with fraction), or nil, message. Accepts UTC
--- ("2026-03-01T00:00:00Z", fractions allowed) or an offset ("...T01:00:00+01:00").
+-- ("2026-03-01T00:00:00Z", fractions allowed) or an offset ("...T01:00:00+01:00"); refuses
+-- fields out of range (month 13, hour 24, ...). The one RFC 3339 parser of moonbox.
 function M.parse(s)
   local y, mo, d, h, mi, sec, rest = tostring(s):match(
     "^(%d%d%d%d)%-(%d%d)%-(%d%d)[Tt ](%d%d):(%d%d):(%d%d%.?%d*)(.*)$")
   if not y then
     return nil, "expected an RFC 3339 time like 2026-03-01T00:00:00Z, got '" .. tostring(s) .. "'"
   end
-  local t = days_from_civil(tonumber(y), tonumber(mo), tonumber(d)) * 86400 +
-    tonumber(h) * 3600 + tonumber(mi) * 60 + tonumber(sec)
+  y, mo, d, h, mi = tonumber(y), tonumber(mo), tonumber(d), tonumber(h), tonumber(mi)
+  local secs = tonumber(sec)
+  if not secs or mo < 1 or mo > 12 or d < 1 or d > 31 or h > 23 or mi > 59 or secs >= 61 then
+    return nil, "'" .. tostring(s) .. "' is not a valid time (a field is out of range)"
+  end
+  local t = days_from_civil(y, mo, d) * 86400 + h * 3600 + mi * 60 + secs
   if rest == "Z" or rest == "z" then return t end
-  local sign, oh, om = rest:match("^([+-])(%d%d):(%d%d)$")
-  if not sign then return nil, "expected Z or an offset like +01:00 at the end of '" .. s .. "'" end
+  local sign, oh, om = rest:match("^([+-])(%d%d):?(%d%d)$")
+  if not sign or tonumber(oh) > 23 or tonumber(om) > 59 then
+    return nil, "expected Z or an offset like +01:00 at the end of '" .. tostring(s) .. "'"
+  end
   local off = tonumber(oh) * 3600 + tonumber(om) * 60
   return sign == "+" and t - off or t + off
 end

@@ -13,7 +13,7 @@
 local httpd = require "moonbox.httpd"
 local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
-local ids = require "moonbox.local.ids"
+local ids = require "moonbox.ids"
 local State = require "moonbox.local.state"
 local Faults = require "moonbox.local.faults"
 local Journal = require "moonbox.local.journal"

@@ -16,7 +16,7 @@ local task = require "moonbox.task"
 local core = require "moonbox.core"
 local sys = require "moonbox.sys"
 local host = require "moonbox.local.engine.host"
-local ids = require "moonbox.local.ids"
+local ids = require "moonbox.ids"
 local image = require "moonbox.local.image"
 
 local M = {}

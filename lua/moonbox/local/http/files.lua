@@ -3,7 +3,7 @@
 -- file; application/x-tar or application/gzip bodies are archives extracted into a directory.
 -- Bodies reach these handlers only after the pre-body gate checked the token, streamed into a
 -- 0600 temporary file that is removed once the request ends.
-local ids = require "moonbox.local.ids"
+local ids = require "moonbox.ids"
 local json = require "moonbox.json"
 local route = require "moonbox.local.http.route"
 local wire = require "moonbox.local.wire"

@@ -1,7 +1,7 @@
 --- moonbox.local.http.logs — GET /v1/sandboxes/:id/logs: a sandbox's log and lifecycle events
 -- as SSE, following until it ends (or not, with follow=false).
 local json = require "moonbox.json"
-local ids = require "moonbox.local.ids"
+local ids = require "moonbox.ids"
 local route = require "moonbox.local.http.route"
 
 local M = {}

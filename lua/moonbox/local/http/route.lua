@@ -12,7 +12,7 @@ local task = require "moonbox.task"
 local core = require "moonbox.core"
 local json = require "moonbox.json"
 local cjson = require "cjson"
-local ids = require "moonbox.local.ids"
+local ids = require "moonbox.ids"
 local service = require "moonbox.local.service"
 
 local M = {}

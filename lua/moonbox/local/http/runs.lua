@@ -25,7 +25,7 @@ function M.token(b, req)
   local command = field(body, "command", "string", "run token")
   local e, token, expires = b.svc:mint_run(rec, op, command)
   return 201, {
-    executionId = e.id, token = token, method = "POST", expiresAt = require("moonbox.local.ids").iso(expires),
+    executionId = e.id, token = token, method = "POST", expiresAt = require("moonbox.ids").iso(expires),
     uri = string.format("%s/proxy/%s/runs/%s", b.url, rec.id, op),
   }
 end

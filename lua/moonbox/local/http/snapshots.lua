@@ -1,5 +1,5 @@
 --- moonbox.local.http.snapshots — snapshot create (on a sandbox), get, list, delete (in a group).
-local ids = require "moonbox.local.ids"
+local ids = require "moonbox.ids"
 local json = require "moonbox.json"
 local core = require "moonbox.core"
 local route = require "moonbox.local.http.route"
