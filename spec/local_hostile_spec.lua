@@ -320,6 +320,42 @@ describe("unauthenticated bodies", function()
   end))
 end)
 
+describe("the request journal", function()
+  it("stays bounded in bytes however authenticated requests fill it: server RSS grows by under 64 MB",
+    T.async(function() with_backend(function(b)
+      -- Each request as large as the journal keeps (a 16 KB JSON body of small numbers, which
+      -- decodes into a far larger table) and a query string of 24 KB, 3,000 times over: kept as
+      -- they came, 120 MB of text and several times that in tables.
+      local body = '{"ownerId":"tea-00000000000000000000","pad":[' .. ("0,"):rep(8000) .. '0]}'
+      local query = { pad = ("q"):rep(24 * 1024) }
+      local statuses = {}
+      local growth = rss_growth(b, function()
+        local next_i = 0
+        local workers = {}
+        for w = 1, 4 do
+          workers[w] = function()
+            while next_i < 3000 do
+              next_i = next_i + 1
+              local s = b:req("POST", "/v1/sandboxes", { body = body, query = query,
+                headers = { ["Content-Type"] = "application/json" } })
+              statuses[tostring(s)] = (statuses[tostring(s)] or 0) + 1
+            end
+          end
+        end
+        task.all(workers)
+      end)
+      print(string.format("\n  3,000 journaled requests of 40 KB: %s; server RSS grew %s",
+        json.encode(statuses), mb(growth)))
+      assert.are.same({ ["404"] = 3000 }, statuses) -- another workspace: nothing is created
+      assert(growth < RSS_BOUND, "the server's RSS grew by " .. mb(growth) .. " (bound 64 MB)")
+      local _, entries = b:req("GET", "/_moonbox/journal", { query = { since = 0 } })
+      local last = entries[#entries - 1] -- the newest before the GET that reads them
+      assert(last and last.method == "POST", "the journal lost the newest requests")
+      assert.are.equal(8001, #last.body.pad, "the newest entry lost its body")
+      assert.are.equal(24 * 1024 + 4, #last.query)
+    end) end))
+end)
+
 describe("idle connections", function()
   it("answers a normal request while 4,200 half-sent requests hold connections open", T.async(function()
     local port = B.url:match(":(%d+)$")
