@@ -243,6 +243,38 @@ EOF
     end) end))
 end)
 
+describe("a log follower that stops reading", function()
+  it("costs the server bounded memory while an exec streams 256 MiB to another client", T.async(function()
+    with_backend(function(b, sb)
+      local growth, got = rss_growth(b, function()
+        -- The follower reads the headers, then nothing; the sandbox's log is bounded, and what
+        -- the follower has not read waits in its own bounded stream.
+        local follower <close> = http.stream { url = b.url .. "/v1/sandboxes/" .. sb.id .. "/logs",
+          headers = { Authorization = "Bearer " .. b.key, Accept = "text/event-stream" }, timeout = 600,
+          buffer = 16 * 1024 }
+        assert.are.equal(200, follower.status)
+        local command = "head -c 268435456 /dev/zero | tr '\\0' x"
+        local _, tok = b:req("POST", "/v1/sandboxes/" .. sb.id .. "/runs/stream/token", { body = { command = command } })
+        local resp <close> = http.stream { method = "POST", url = tok.uri, body = json.encode({ command = command }),
+          headers = { Authorization = "Bearer " .. tok.token, Accept = "text/event-stream",
+            ["Content-Type"] = "application/json" }, timeout = 600 }
+        local n, code = 0, nil
+        while true do
+          local ev = resp:read_event()
+          if not ev then break end
+          local d = json.decode(ev.data)
+          if ev.event == "output" then n = n + #d.data elseif ev.event == "exit" then code = d.exit_code end
+        end
+        assert.are.equal(0, code)
+        return n
+      end)
+      print(string.format("\n  256 MiB streamed with a stalled log follower: server RSS grew %s", mb(growth)))
+      assert.are.equal(256 * MiB, got)
+      assert(growth < RSS_BOUND, "the server's RSS grew by " .. mb(growth) .. " (bound 64 MB)")
+    end)
+  end))
+end)
+
 describe("unauthenticated bodies", function()
   it("answer 2,000 bodies of 1 MiB with 401 without journaling, buffering or writing them",
     T.async(function() with_backend(function(b, sb)
