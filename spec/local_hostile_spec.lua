@@ -56,7 +56,9 @@ end
 local function mb(bytes) return string.format("%.1f MB", bytes / 1e6) end
 
 -- Fragments that would say where on the host the backend keeps things, or which of our source
--- files failed: none may appear in an answer.
+-- files failed: none may appear in an answer. (/root itself may: it is the sandbox's home, and
+-- answers name paths inside the sandbox; the host's /root shows as its hidden directories, the
+-- image cache under /root/.cache for one.)
 local function host_leak(b, text)
   local frags = { b.state, image.dir(), "/tmp/", "/.cache/", "/root/.", ".lua:", ".c:", "/work/",
     sys.getcwd(), "/run/moonbox", "/sys/fs/cgroup", "stack traceback", "moonbox-sandbox" }
