@@ -615,17 +615,21 @@ describe("create env values", function()
       local state = proc.run({ "mktemp", "-d", "/tmp/moonbox-local-spec.XXXXXX" }).stdout:gsub("%s+$", "")
       local log = state .. "-backend.log"
       local b = L.start { state = state, env = BACKEND_ENV, stderr = { file = log } }
-      local secret = "mbx-secret-" .. tostring(math.random(1e9)) .. "-" .. tostring(os.time())
-      local sb = b:create { networkPolicy = { default = "deny-all" }, env = { PLANTED = secret } }
-      -- The value reached the sandbox (else the rest would prove nothing)...
-      assert.are.equal(secret .. "\n", b:exec(sb.id, "echo $PLANTED").stdout)
-      local _, j = b:req("GET", "/_moonbox/journal")
-      assert.is_nil(json.encode(j):find(secret, 1, true), "the journal holds the env value")
-      assert.are.equal(204, (b:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate")))
-      b:wait_status(sb.id, "terminated")
-      b:stop() -- the database is closed, its WAL folded in: every byte it keeps is on disk now
-      local r = proc.run { "grep", "-rlaF", "--", secret, state, log }
-      assert.are.equal(1, r.code, "the env value is in plain text in: " .. r.stdout .. r.stderr)
-      proc.run { "rm", "-rf", "--one-file-system", state, log }
+      local ok, err = pcall(function()
+        local secret = "mbx-secret-" .. tostring(math.random(1e9)) .. "-" .. tostring(os.time())
+        local sb = b:create { networkPolicy = { default = "deny-all" }, env = { PLANTED = secret } }
+        -- The value reached the sandbox (else the rest would prove nothing)...
+        assert.are.equal(secret .. "\n", b:exec(sb.id, "echo $PLANTED").stdout)
+        local _, j = b:req("GET", "/_moonbox/journal")
+        assert.is_nil(json.encode(j):find(secret, 1, true), "the journal holds the env value")
+        assert.are.equal(204, (b:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate")))
+        b:wait_status(sb.id, "terminated")
+        b:stop() -- the database is closed, its WAL folded in: every byte it keeps is on disk now
+        local r = proc.run { "grep", "-rlaF", "--", secret, state, log }
+        assert.are.equal(1, r.code, "the env value is in plain text in: " .. r.stdout .. r.stderr)
+      end)
+      b:destroy()
+      os.remove(log)
+      if not ok then error(err, 0) end
     end))
 end)
