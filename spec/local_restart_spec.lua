@@ -267,3 +267,24 @@ describe("a SIGKILLed server", function()
     end))
   end)
 end)
+
+describe("a second backend on a state dir another one serves", function()
+  it("does not start, and the first one's sandboxes keep running", T.async(function()
+    local b1 = L.start()
+    local ok, err = pcall(function()
+      local sb = b1:create { networkPolicy = { default = "deny-all" } }
+      local started, b2 = pcall(L.start, { state = b1.state })
+      if started then b2:stop() end
+      -- Whatever the second one did, the first one's sandbox is untouched...
+      local _, got = b1:req("GET", "/v1/sandboxes/" .. sb.id)
+      assert.are.equal("running", got.status)
+      local r = b1:exec(sb.id, "echo alive")
+      assert(r.status == 200 and r.stdout == "alive\n", "the first backend's sandbox " .. sb.id ..
+        " no longer runs commands: " .. tostring(r.status) .. " " .. tostring(r.body))
+      -- ...because the second one refused to serve from a state dir in use.
+      assert.is_false(started, "a second backend started on " .. b1.state .. " while another served it")
+    end)
+    b1:destroy()
+    if not ok then error(err, 0) end
+  end))
+end)

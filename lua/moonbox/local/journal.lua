@@ -3,8 +3,11 @@
 -- Tests read it to see exactly what a client sent. It only ever holds authenticated requests
 -- (the server answers the others before their body is read), with secrets redacted: the
 -- Authorization value, and the values of a create's env. It is bounded twice, by entries and by
--- bytes (a body is kept only up to BODY_MAX bytes of its JSON; the rest is counted), so a
--- client cannot grow the backend's memory through it; the oldest entries go first.
+-- bytes, so a client cannot grow the backend's memory through it; the oldest entries go first.
+-- An entry holds strings only, and its size counts every one of them (path, query, headers,
+-- body): a body is kept as its (redacted) JSON text when it is at most BODY_MAX bytes, and
+-- decoded again only when the journal is read. Keeping the decoded table instead cost up to ten
+-- times the text (a 16 KB array of small numbers is a 128 KB table) outside the byte count.
 local json = require "moonbox.json"
 
 local M = {}
@@ -38,11 +41,13 @@ local function redact_body(body)
 end
 
 local function size_of(e)
-  return 200 + #(e.path or "") + #(e.body_json or "") + #(e.body_text or "")
+  local n = 200 + #(e.path or "") + #(e.query or "") + #(e.body_json or "") + #(e.body_text or "")
+  for k, v in pairs(e.headers) do n = n + #k + #v + 40 end
+  return n
 end
 
 --- j:record(req, decoded_body) -> entry. Adds an entry for req (method, path, query, a few
--- headers, the body as decoded JSON when it is small, else its size) and evicts the oldest
+-- headers, the body as JSON text when it is small, else its size) and evicts the oldest
 -- beyond the bounds. The caller fills in entry.status (and entry.fault) later.
 function Journal:record(req, body)
   self.seq = self.seq + 1
@@ -61,12 +66,10 @@ function Journal:record(req, body)
     entry.body_bytes = req.body_size
   elseif req.body and req.body ~= "" then
     if type(body) == "table" and #req.body <= BODY_MAX then
-      entry.body = redact_body(body)
-      local ok, text = pcall(json.encode, entry.body)
+      local ok, text = pcall(json.encode, redact_body(body))
       entry.body_json = ok and text or nil
-      if not ok then entry.body = nil end
     end
-    if not entry.body then
+    if not entry.body_json then
       if body == nil and #req.body <= 4096 then entry.body_text = req.body end
       entry.body_bytes = #req.body
     end
@@ -84,7 +87,8 @@ function Journal:record(req, body)
   return entry
 end
 
---- j:since(seq) -> array of the entries after seq (oldest first), ready for JSON.
+--- j:since(seq) -> array of the entries after seq (oldest first), ready for JSON: a kept body
+-- both as its text (body_json, exactly as journaled) and decoded (body).
 function Journal:since(seq)
   local out = json.array()
   for i = self.first, self.last do
@@ -92,6 +96,7 @@ function Journal:since(seq)
     if e.seq > seq then
       local copy = {}
       for k, v in pairs(e) do if k ~= "size" then copy[k] = v end end
+      if e.body_json then copy.body = json.decode(e.body_json) end
       out[#out + 1] = copy
     end
   end
