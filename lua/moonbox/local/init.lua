@@ -58,8 +58,17 @@ function M.start(opts)
   for _, d in ipairs({ state_dir, state_dir .. "/layers", state_dir .. "/tmp" }) do
     sys.mkdir_p(d, tonumber("700", 8))
   end
+  -- One backend per state directory: a second one's recovery would kill the first one's
+  -- sandboxes. The lock dies with the process, SIGKILL included.
+  local lock = sys.try_lock(state_dir .. "/backend.lock", "exclusive")
+  if not lock then
+    local endpoint = read_file(state_dir .. "/endpoint")
+    error("another moonbox local already serves the state directory " .. state_dir ..
+      (endpoint and (" (at " .. endpoint:match("^(%S+)") .. ")") or "") ..
+      "; use it, stop it, or start this one with --state DIR", 0)
+  end
   local self = setmetatable({
-    opts = opts, state_dir = state_dir,
+    opts = opts, state_dir = state_dir, lock = lock,
     log = opts.log or function(line) io.stderr:write("moonbox local: ", line, "\n") end,
     journal = Journal.new(),
   }, Backend)
@@ -145,6 +154,7 @@ function Backend:close()
   if self.svc then self.svc:close() end
   os.remove(self.state_dir .. "/endpoint")
   self.st:close()
+  self.lock:unlock()
 end
 
 M.DEFAULTS = service.DEFAULTS

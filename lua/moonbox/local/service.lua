@@ -633,6 +633,13 @@ function Service:start_run(rec, command)
   local ok, h = pcall(self.engine.exec, self.engine, rec.id, command)
   if not ok then
     self:activity(rec.id, -1)
+    if type(h) == "table" and h.code == "not_running" then
+      -- Its processes died under it (killed from the host, or the init gone): say so.
+      rec._error = "the sandbox's processes ended"
+      self:emit(rec.id, "log", { stream = "stderr", data = rec._error .. "\n" })
+      set_status(self, rec, "errored")
+      fail("conflict", "sandbox " .. rec.id .. " is errored: its processes ended", "sandbox_not_running")
+    end
     fail("internal", "could not start the command in sandbox " .. rec.id .. ": " .. message_of(h))
   end
   return h
