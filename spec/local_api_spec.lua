@@ -82,12 +82,15 @@ describe("POST /sandboxes", function()
     assert.matches("timeoutSeconds", body.message)
   end))
 
-  it("refuses an allow-list network policy it cannot enforce, saying so", T.async(function()
-    local s, b = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace,
-      networkPolicy = { default = "allow-list", allowedDomains = { "pypi.org" } } } })
-    assert.are.equal(400, s)
-    assert.matches("allow%-list", b.message)
-    assert.matches("not supported", b.message)
+  it("accepts an allow-list network policy and keeps it as sent (spec/local_allowlist_spec.lua " ..
+    "enforces it)", T.async(function()
+    local policy = { default = "allow-list", allowedDomains = { "api.example.com", "*.example.org" } }
+    local s, sb = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, networkPolicy = policy } })
+    assert.are.equal(201, s)
+    assert.are.same(policy, sb.networkPolicy)
+    local _, got = B:req("GET", "/v1/sandboxes/" .. sb.id)
+    assert.are.same(policy, got.networkPolicy)
+    B:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate")
   end))
 
   it("ignores unknown fields (wire compatibility)", T.async(function()

@@ -271,7 +271,8 @@ end
 
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
-  "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]",
+  "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]\n" ..
+  "                     [--dns IPV4]",
   [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and runs real, isolated sandboxes on
 this machine: each in its own user namespace (root inside is an unprivileged id on the host),
 with a seccomp filter, its plan's cgroup limits, and an overlay root over a Debian 12 image
@@ -284,6 +285,8 @@ at it:
   RENDER_WORKSPACE_ID=tea-...
 
 --port 0 picks a free port. --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
+--dns IPV4 is the resolver that allow-list sandboxes' gates ask for the allowed names (default:
+the host's, through slirp4netns; see docs/local-isolation.md).
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
 Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
@@ -291,7 +294,8 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
   function(args)
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
-      ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag" })
+      ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
+      dns = "value" })
     if not opts then return usage_error("local: %s", rest) end
     if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
     if opts.image and opts["host-root"] then return usage_error(
@@ -303,6 +307,9 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     local loopback = { ["127.0.0.1"] = true, localhost = true, ["::1"] = true }
     if opts.host and not loopback[opts.host] then
       return usage_error("local: --host must be a loopback address; moonbox local never listens elsewhere")
+    end
+    if opts.dns and not opts.dns:match("^%d+%.%d+%.%d+%.%d+$") then
+      return usage_error("local: --dns must be an IPv4 address (the resolver allow-list sandboxes ask)")
     end
     local faults = opts.faults
     if faults and faults:sub(1, 1) == "@" then
@@ -319,6 +326,7 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
         on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
         api_key = opts["api-key"], workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
+        dns = opts.dns,
       }
       local _close <close> = setmetatable({}, { __close = function()
         backend:close()

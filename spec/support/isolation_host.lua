@@ -79,10 +79,13 @@ c.recv(100)
 local Listener = {}
 Listener.__index = Listener
 
---- M.listener(addr, secret) -> listener {addr, port, secret}: a host TCP listener on addr
--- (127.0.0.1, or an address of the host) that logs every accepted connection. [yields]
-function M.listener(addr, secret)
-  local p = proc.spawn { M.PYTHON, "-c", LISTENER, addr, secret }
+--- M.listener(addr, secret[, ns]) -> listener {addr, port, secret}: a TCP listener on addr
+-- (127.0.0.1, or an address of the host; of network namespace ns if given) that logs every
+-- accepted connection. [yields]
+function M.listener(addr, secret, ns)
+  local argv = { M.PYTHON, "-c", LISTENER, addr, secret }
+  if ns then argv = { M.IP, "netns", "exec", ns, table.unpack(argv) } end
+  local p = proc.spawn(argv)
   local lines = p:lines("stdout")
   local first = lines()
   local port = first and tonumber(first:match("^port (%d+)"))

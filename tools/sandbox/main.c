@@ -3,8 +3,9 @@
  *
  *   moonbox-sandbox start   --id=ID --root=DIR --upper=DIR --work=DIR [--layer=DIR]...
  *                           [--base=DIR] --slots=DIR --slot-hint=N --id-base=N --slot-count=N
- *                           [--cgroup=DIR]... [--freezer=DIR] --net=none|slirp [--slirp=PATH]
- *                           [--resolv=TEXT] [--hosts=TEXT]
+ *                           [--cgroup=DIR]... [--freezer=DIR] --net=none|slirp|allowlist
+ *                           [--slirp=PATH] [--resolv=TEXT] [--hosts=TEXT]
+ *                           [--allow=NAME]... [--dns=IPV4] [--ip=PATH] [--nft=PATH]
  *   moonbox-sandbox exec    --target=PID --uid-base=N [--cgroup=DIR]... [--cwd=DIR] [--setsid]
  *                           -- PROGRAM ARG...          (environment: MBENV_NAME=VALUE)
  *   moonbox-sandbox files   --target=PID --uid-base=N [--cgroup=DIR]... --op=OP --path=PATH
@@ -137,6 +138,14 @@ static void parse(struct spec *s, int argc, char **argv)
             s->net = v;
         else if (KEY("slirp"))
             s->slirp = v;
+        else if (KEY("allow"))
+            add(&s->allow, v, "allow");
+        else if (KEY("dns"))
+            s->dns = v;
+        else if (KEY("ip"))
+            s->ip = v;
+        else if (KEY("nft"))
+            s->nft = v;
         else if (KEY("resolv"))
             s->resolv = v;
         else if (KEY("hosts"))

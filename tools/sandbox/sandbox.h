@@ -9,6 +9,7 @@
  *   confine.c  what every process inside gets last: capabilities, no_new_privs, seccomp
  *   fileops.c  `files`: reading and writing the sandbox's files with our own code, inside it
  *   shift.c    `capture`: copying an upper layer into a snapshot layer with ids made 0-based
+ *   gate.c     the allow-list gate: the only way out of an "allow-list" sandbox
  *
  * Invariants: the program is linked statically and never loads code from a sandbox's
  * filesystem (no dynamic loader, no NSS, no iconv); every step that runs after a process entered
@@ -21,6 +22,7 @@
 #define MOONBOX_SANDBOX_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 #define EXIT_HELPER 125
@@ -52,8 +54,11 @@ struct spec {
     long slot_count;
     struct str_list cgroups; /* start, exec, files: cgroup directories to join */
     const char *freezer;     /* start: the freezer cgroup to thaw when the sandbox must die */
-    const char *net;         /* start: "none" (loopback only) or "slirp" */
+    const char *net;         /* start: "none" (loopback only), "slirp" or "allowlist" */
     const char *slirp;       /* start: the slirp4netns program */
+    struct str_list allow;   /* start: allowlist: the names let through ("*.x": below x) */
+    const char *dns;         /* start: allowlist: the upstream resolver (default slirp's) */
+    const char *ip, *nft;    /* start: allowlist: the ip and nft programs */
     const char *resolv;     /* start: contents of /etc/resolv.conf (binds when the image has one) */
     const char *hosts;      /* start: contents of /etc/hosts */
     pid_t target;           /* exec, files: the sandbox's init (host pid) */
@@ -102,5 +107,41 @@ int fileops_run(const struct spec *s);
 
 /* shift.c */
 int cmd_capture(struct spec *s);
+
+/* gate.c: the allow-list gate's addresses (a /30 between the sandbox's eth0 and the gate's gw0)
+ * and the ports its nftables rules redirect the sandbox's HTTP, TLS and DNS to. */
+#define GATE_ADDR      "10.200.0.1"
+#define GATE_SANDBOX   "10.200.0.2"
+#define GATE_HTTP_PORT 15080
+#define GATE_TLS_PORT  15443
+#define GATE_DNS_PORT  15053
+/* Binds the gate's sockets in the current network namespace; then gate_serve() never returns.
+ * allow: normalized names ("a.b" or "*.b"); dns: the upstream resolver (NULL: slirp4netns's). */
+void gate_bind(const struct str_list *allow, const char *dns);
+void gate_serve(void) __attribute__((noreturn));
+
+/* gate_parse.c: what the gate reads of the sandbox's traffic. Names are written to out buffers
+ * of GATE_NAME_MAX + 1 bytes, lower-cased, without a final dot. */
+#define GATE_NAME_MAX 253
+/* Copies name[0..len) normalized into out; 0 unless it is a plausible host name: labels of
+ * 1..63 letters, digits, '-' and '_', one final dot at most. */
+int gate_normalize(const char *name, size_t len, char *out);
+/* Whether normalized name is in allow: an exact entry, or below a "*.suffix" entry (at any
+ * depth, never the suffix itself). */
+int gate_listed(const struct str_list *allow, const char *name);
+/* Reads the (possibly compressed) name at off of DNS message m into out ("a.b"); returns the
+ * offset after it, or -1. */
+int gate_dns_name(const unsigned char *m, int len, int off, char *out, size_t outlen);
+/* The question of a DNS query: its normalized name (empty if implausible) and type; returns
+ * the offset after the question, or -1 unless q is a standard query with one question. */
+int gate_dns_question(const unsigned char *q, int n, char *name, unsigned *qtype);
+/* The IPv4 addresses (network order) of the A records in answer m, at most max. */
+int gate_dns_addrs(const unsigned char *m, int n, uint32_t *addrs, int max);
+/* The host of an HTTP/1 request head (its one Host header, origin-form target): 1 found, 0
+ * refused, -1 incomplete. */
+int gate_http_host(const unsigned char *b, size_t n, char *out);
+/* The SNI of a TLS ClientHello record at the start of b: 1 found, 0 absent or malformed, -1
+ * incomplete. */
+int gate_tls_sni(const unsigned char *b, size_t n, char *out);
 
 #endif

@@ -346,11 +346,12 @@ static void init_main(const struct spec *s, int go_fd, int argc, char **argv)
 /* ---- the keeper -------------------------------------------------------------------------------
  */
 
-/* Starts slirp4netns on the init's network namespace, joined to the sandbox's cgroups; returns
- * its pid, the write end of its exit pipe (closing it, or our death, ends it) and the read end
- * of its ready pipe (one byte once the namespace's network is configured). */
-static pid_t start_slirp(const struct spec *s, pid_t init, unsigned long base, int *exit_w,
-                         int *ready_r, const sigset_t *mask)
+/* Starts slirp4netns on the network namespace of netpid (the init's, or the allow-list gate's),
+ * joined to the sandbox's cgroups; returns its pid, the write end of its exit pipe (closing it,
+ * or our death, ends it) and the read end of its ready pipe (one byte once the namespace's
+ * network is configured). */
+static pid_t start_slirp(const struct spec *s, pid_t init, pid_t netpid, unsigned long base,
+                         int *exit_w, int *ready_r, const sigset_t *mask)
 {
     int ready[2], ex[2];
     if (pipe2(ready, O_CLOEXEC) < 0 || pipe2(ex, O_CLOEXEC) < 0)
@@ -370,7 +371,7 @@ static pid_t start_slirp(const struct spec *s, pid_t init, unsigned long base, i
          * it, fed packets by the sandbox, must not be worth more than the sandbox itself. It
          * keeps the host's network namespace for its outgoing sockets, and gets the sandbox's
          * as an fd opened here (the init is not ours to ptrace once it is undumpable). */
-        snprintf(p, sizeof p, "/proc/%d/ns/net", (int)init);
+        snprintf(p, sizeof p, "/proc/%d/ns/net", (int)netpid);
         int netns = open(p, O_RDONLY); /* without close-on-exec: slirp4netns opens it by path */
         snprintf(p, sizeof p, "/proc/%d/ns/user", (int)init);
         int userns = open(p, O_RDONLY | O_CLOEXEC);
@@ -420,6 +421,142 @@ static pid_t start_slirp(const struct spec *s, pid_t init, unsigned long base, i
     return pid;
 }
 
+/* ---- the allow-list gate ----------------------------------------------------------------------
+ * An allow-list sandbox's network namespace has one interface besides loopback: eth0
+ * (GATE_SANDBOX/30, default route via GATE_ADDR), a veth whose other end, gw0, is in a second
+ * namespace, the gate's. slirp4netns gives the gate's namespace its way out (tap0); the gate
+ * process (gate.c) listens there, and nftables rules there send the sandbox's TCP 80 and 443 and
+ * its UDP 53 to it and let nothing else through: forwarding is off and a forward rule drops all.
+ *
+ * The gate's namespace belongs to the sandbox's user namespace (the gate process makes it after
+ * joining that), so neither it nor the gate hold any privilege over the host, and the sandbox
+ * can never reach it: the gate runs in the host's PID namespace, invisible from inside, and no
+ * process inside may call setns (confine.c). The gate process itself runs as the sandbox's
+ * nobody, confined, chrooted into an empty tmpfs, in the sandbox's cgroups (frozen, limited and
+ * killed with it). The keeper, host root, configures both namespaces with ip(8) and nft(8). */
+
+/* The gate child: makes the gate's namespace, binds, confines itself, reports on ready_w. */
+static void gate_child(const struct spec *s, pid_t init, int ready_w, const sigset_t *mask)
+{
+    char pidbuf[32], p[4096];
+    snprintf(pidbuf, sizeof pidbuf, "%d\n", (int)getpid());
+    for (int i = 0; i < s->cgroups.n; i++) {
+        snprintf(p, sizeof p, "%s/cgroup.procs", s->cgroups.v[i]);
+        int e = write_file(p, pidbuf);
+        if (e) die("gate: joining", p, e);
+    }
+    snprintf(p, sizeof p, "/proc/%d/ns/user", (int)init);
+    int userns = open(p, O_RDONLY | O_CLOEXEC);
+    if (userns < 0) die("gate: opening the sandbox's user namespace", NULL, errno);
+    if (setns(userns, CLONE_NEWUSER) < 0) die("gate: entering the user namespace", NULL, errno);
+    close(userns);
+    if (setresgid(0, 0, 0) < 0 || setgroups(0, NULL) < 0 || setresuid(0, 0, 0) < 0)
+        die("gate: becoming the sandbox's root", NULL, errno);
+    if (unshare(CLONE_NEWNET | CLONE_NEWNS) < 0) die("gate: network namespace", NULL, errno);
+    /* Forwarding may be inherited from the host's namespace; the gate's must never forward
+     * (the nftables forward rule drops everything as well). */
+    int e = write_file("/proc/sys/net/ipv4/ip_forward", "0");
+    if (e) die("gate: turning forwarding off", NULL, e);
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0 ||
+        mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=555,size=4k") < 0 ||
+        chdir("/run") < 0 || chroot(".") < 0 || chdir("/") < 0)
+        die("gate: moving into an empty root", NULL, errno);
+    gate_bind(&s->allow, s->dns);
+    const char *step = NULL;
+    if ((e = confine(&step)) < 0) die("gate", step, -e);
+    if (setgroups(0, NULL) < 0 || setresgid(65534, 65534, 65534) < 0 ||
+        setresuid(65534, 65534, 65534) < 0)
+        die("gate: becoming nobody", NULL, errno);
+    pid_t keeper = getppid();
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() != keeper) _exit(EXIT_HELPER);
+    sigprocmask(SIG_SETMASK, mask, NULL);
+    if (write(ready_w, "g", 1) != 1) _exit(EXIT_HELPER);
+    close(ready_w);
+    gate_serve();
+}
+
+/* Runs program (ip or nft) with text on its stdin in the network namespace of pid netpid.
+ * Returns 0, or sets *why and returns -1 (its own error went to our stderr). */
+static int run_in_netns(pid_t netpid, const char *program, const char *arg, const char *text,
+                        const char **why)
+{
+    char p[64];
+    snprintf(p, sizeof p, "/proc/%d/ns/net", (int)netpid);
+    int in[2];
+    if (pipe2(in, O_CLOEXEC) < 0) return *why = "pipe", -1;
+    pid_t pid = fork();
+    if (pid < 0) return *why = "fork", -1;
+    if (pid == 0) {
+        int ns = open(p, O_RDONLY | O_CLOEXEC);
+        if (ns < 0 || setns(ns, CLONE_NEWNET) < 0) die("entering a network namespace", p, errno);
+        close(in[1]);
+        dup2(in[0], 0);
+        int null = open("/dev/null", O_WRONLY);
+        dup2(null, 1);
+        char *args[] = {(char *)program, (char *)arg, "-", NULL};
+        char *env[] = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin", NULL};
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        execve(program, args, env);
+        die("exec", program, errno);
+    }
+    close(in[0]);
+    int werr = write_all(in[1], text, strlen(text)); /* a few hundred bytes: within the pipe */
+    close(in[1]);
+    int st;
+    while (waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+    }
+    if (werr || !WIFEXITED(st) || WEXITSTATUS(st) != 0) return *why = program, -1;
+    return 0;
+}
+
+/* Connects the sandbox (init) to the gate (gate) and installs the gate's rules. */
+static int wire_gate(const struct spec *s, pid_t init, pid_t gate, const char **why)
+{
+    char text[2048];
+    snprintf(text, sizeof text,
+             "link add gw0 type veth peer name eth0 netns %d\n"
+             "addr add %s/30 dev gw0\n"
+             "link set gw0 up\n"
+             "link set lo up\n",
+             (int)init, GATE_ADDR);
+    if (run_in_netns(gate, s->ip, "-batch", text, why)) return -1;
+    snprintf(text, sizeof text,
+             "addr add %s/30 dev eth0\n"
+             "link set eth0 up\n"
+             "route add default via %s\n",
+             GATE_SANDBOX, GATE_ADDR);
+    if (run_in_netns(init, s->ip, "-batch", text, why)) return -1;
+    snprintf(text, sizeof text,
+             "table inet gate {\n"
+             "  chain prerouting {\n"
+             "    type nat hook prerouting priority dstnat; policy accept;\n"
+             "    iifname \"gw0\" tcp dport 80 redirect to :%d\n"
+             "    iifname \"gw0\" tcp dport 443 redirect to :%d\n"
+             "    iifname \"gw0\" udp dport 53 redirect to :%d\n"
+             "  }\n"
+             "  chain refuse {\n"
+             "    type filter hook prerouting priority filter; policy accept;\n"
+             "    iifname \"gw0\" ct status dnat accept\n"
+             "    iifname \"gw0\" meta l4proto tcp reject with tcp reset\n"
+             "    iifname \"gw0\" reject with icmpx type admin-prohibited\n"
+             "  }\n"
+             "  chain input {\n"
+             "    type filter hook input priority filter; policy drop;\n"
+             "    ct state established,related accept\n"
+             "    iif \"lo\" accept\n"
+             "    iifname \"gw0\" ct status dnat accept\n"
+             "  }\n"
+             "  chain forward {\n"
+             "    type filter hook forward priority filter; policy drop;\n"
+             "  }\n"
+             "}\n",
+             GATE_HTTP_PORT, GATE_TLS_PORT, GATE_DNS_PORT);
+    if (run_in_netns(gate, s->nft, "-f", text, why)) return -1;
+    return 0;
+}
+
 static void thaw(const char *freezer)
 {
     if (!freezer) return;
@@ -436,10 +573,12 @@ int cmd_start(struct spec *s, int argc, char **argv)
     if (!s->id || !s->root || !s->upper || !s->work || !s->slots || !s->slot_count || !s->id_base)
         fail_msg("arguments",
                  "start needs --id --root --upper --work --slots --slot-count --id-base");
-    int slirp = s->net && strcmp(s->net, "slirp") == 0;
+    int gated = s->net && strcmp(s->net, "allowlist") == 0;
+    int slirp = gated || (s->net && strcmp(s->net, "slirp") == 0);
     if (!s->net || (!slirp && strcmp(s->net, "none") != 0))
-        fail_msg("arguments", "--net is none or slirp");
-    if (slirp && !s->slirp) fail_msg("arguments", "--net=slirp needs --slirp");
+        fail_msg("arguments", "--net is none, slirp or allowlist");
+    if (slirp && !s->slirp) fail_msg("arguments", "--net=%s needs --slirp", s->net);
+    if (gated && (!s->ip || !s->nft)) fail_msg("arguments", "--net=allowlist needs --ip and --nft");
 
     /* The signals that doom the sandbox (the backend's death arrives as SIGTERM) and SIGCHLD
      * are taken by sigwaitinfo in the wait loop; blocked from the start, none is missed. */
@@ -522,10 +661,24 @@ int cmd_start(struct spec *s, int argc, char **argv)
     if (write(go[1], "g", 1) != 1) die("starting the init", NULL, errno);
     close(go[1]);
     /* slirp4netns needs only the network namespace, which exists: it starts while the init
-     * builds the root. */
-    pid_t net_pid = -1;
-    int net_exit = -1, net_ready = -1;
-    if (slirp) net_pid = start_slirp(s, init, base, &net_exit, &net_ready, &old);
+     * builds the root. An allow-list sandbox's gate process starts now too; its namespace is
+     * wired and given slirp4netns once the init is ready (see below). */
+    pid_t net_pid = -1, gate_pid = -1;
+    int net_exit = -1, net_ready = -1, gate_ready = -1;
+    if (gated) {
+        int gr[2];
+        if (pipe2(gr, O_CLOEXEC) < 0) die("gate: pipe", NULL, errno);
+        gate_pid = fork();
+        if (gate_pid < 0) die("gate: fork", NULL, errno);
+        if (gate_pid == 0) {
+            close(gr[0]);
+            gate_child(s, init, gr[1], &old);
+        }
+        close(gr[1]);
+        gate_ready = gr[0];
+    } else if (slirp) {
+        net_pid = start_slirp(s, init, init, base, &net_exit, &net_ready, &old);
+    }
     char msg[512];
     ssize_t n;
     while ((n = read(report[0], msg, sizeof msg - 1)) < 0 && errno == EINTR) {
@@ -534,6 +687,7 @@ int cmd_start(struct spec *s, int argc, char **argv)
     if (n != 2 || memcmp(msg, "ok", 2) != 0) {
         kill(init, SIGKILL);
         if (net_pid > 0) kill(net_pid, SIGKILL);
+        if (gate_pid > 0) kill(gate_pid, SIGKILL);
         msg[n > 0 ? n : 0] = 0;
         fail_msg("init", "%s", n > 0 ? msg : "it ended before saying it was ready");
     }
@@ -541,13 +695,31 @@ int cmd_start(struct spec *s, int argc, char **argv)
     fflush(stdout);
     /* The network's readiness comes as a second line: an exec waits for it, a create need not
      * (slirp4netns takes ~10 ms to configure, longer than everything else of a start). */
-    if (slirp) {
+    const char *net_failed = NULL;
+    if (gated) {
         char c;
-        while ((n = read(net_ready, &c, 1)) < 0 && errno == EINTR) {
+        const char *why = NULL;
+        while ((n = read(gate_ready, &c, 1)) < 0 && errno == EINTR) {
         }
-        close(net_ready);
-        if (n != 1) {
-            printf("net-failed slirp4netns did not configure the sandbox's network\n");
+        close(gate_ready);
+        if (n != 1)
+            net_failed = "the allow-list gate did not start";
+        else if (wire_gate(s, init, gate_pid, &why) < 0)
+            net_failed = why && strcmp(why, s->nft) == 0
+                             ? "nft could not install the gate's rules"
+                             : "ip could not connect the sandbox to its gate";
+        else
+            net_pid = start_slirp(s, init, gate_pid, base, &net_exit, &net_ready, &old);
+    }
+    if (slirp) {
+        char c = 0;
+        n = 0;
+        while (!net_failed && (n = read(net_ready, &c, 1)) < 0 && errno == EINTR) {
+        }
+        if (net_ready >= 0) close(net_ready);
+        if (net_failed || n != 1) {
+            printf("net-failed %s\n",
+                   net_failed ? net_failed : "slirp4netns did not configure the sandbox's network");
             fflush(stdout);
             thaw(s->freezer);
             kill(init, SIGKILL);
@@ -559,7 +731,7 @@ int cmd_start(struct spec *s, int argc, char **argv)
     int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
     dup2(devnull, 1);
 
-    int status = 0, init_alive = 1, children = net_pid > 0 ? 2 : 1;
+    int status = 0, init_alive = 1, children = 1 + (net_pid > 0) + (gate_pid > 0);
     while (children > 0) {
         siginfo_t si;
         int sig = sigwaitinfo(&waited, &si);
@@ -579,6 +751,7 @@ int cmd_start(struct spec *s, int argc, char **argv)
                 status = st;
                 init_alive = 0;
                 if (net_pid > 0) kill(net_pid, SIGKILL);
+                if (gate_pid > 0) kill(gate_pid, SIGKILL);
                 if (net_exit >= 0) close(net_exit);
             }
         }

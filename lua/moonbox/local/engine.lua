@@ -68,6 +68,45 @@ table inet moonbox {
 }
 ]], 1073741824, 2147483647)
 
+-- How each network policy is built (moonbox-sandbox --net): deny-all has loopback only;
+-- allow-all goes out through slirp4netns; allow-list through its gate (see
+-- docs/local-isolation.md), whose address is also the sandbox's resolver.
+local NET_MODE = { ["deny-all"] = "none", ["allow-all"] = "slirp", ["allow-list"] = "allowlist" }
+local SLIRP_DNS, GATE_ADDR = "10.0.2.3", "10.200.0.1"
+M.MAX_ALLOWED = 200
+
+--- M.check_domain(name) -> true | false, why. Whether name can be an allow-list entry: a host
+-- name (labels of letters, digits, '-' and '_', at most 253 characters, an optional final dot),
+-- optionally with a leftmost "*." wildcard that covers every name below it (never the name
+-- itself); not an IP address, a URL or a name with a port.
+function M.check_domain(name)
+  if type(name) ~= "string" then return false, "expected a host name string, got " .. type(name) end
+  if name:find("://", 1, true) or name:find("/", 1, true) then
+    return false, string.format("%q is a URL; give the host name alone", name)
+  end
+  if name:find(":", 1, true) then
+    return false, string.format("%q has a port; allow-list entries are host names (HTTP and HTTPS " ..
+      "on ports 80 and 443)", name)
+  end
+  local bare = name:gsub("%.$", "")
+  local rest = bare:match("^%*%.(.+)$") or bare
+  if rest:find("*", 1, true) then
+    return false, string.format("%q: only a leftmost \"*.\" wildcard is allowed", name)
+  end
+  if #bare == 0 or #bare > 253 then
+    return false, string.format("%q is not a host name (1 to 253 characters)", name)
+  end
+  for label in (rest .. "."):gmatch("([^.]*)%.") do
+    if #label == 0 or #label > 63 or not label:match("^[%w_]([%w_-]*)$") or label:match("%-$") then
+      return false, string.format("%q is not a host name (label %q)", name, label)
+    end
+  end
+  if rest:match("^[%d.]+$") then
+    return false, string.format("%q is an IP address; allow-list entries are host names", name)
+  end
+  return true
+end
+
 -- Paths hidden from sandboxes whose base is the host's root (an explicit, discouraged mode),
 -- besides the state directory: other programs' temporary files and home directories.
 local HOST_MASKS = { "/tmp", "/var/tmp", "/root", "/home" }
@@ -132,11 +171,12 @@ local function check_abs(what, path)
 end
 
 --- Engine.new{ state_dir = DIR, image = DIR | host_root = true, mask = {paths},
--- cgroup_root = DIR, slots_dir = DIR } -> Engine. state_dir (absolute) holds
+-- cgroup_root = DIR, slots_dir = DIR, dns = IPV4 } -> Engine. state_dir (absolute) holds
 -- sandboxes/<id>/{upper,work,root}. image is the base root filesystem (0-based ids, e.g. from
 -- moonbox.local.image); host_root = true uses the host's / instead (discouraged: files appear
 -- owned by nobody inside, the state dir, /tmp, /var/tmp, /root, /home and mask are hidden).
--- cgroup_root overrides the cgroup hierarchy; slots_dir the machine-wide id-range locks (tests).
+-- cgroup_root overrides the cgroup hierarchy; slots_dir the machine-wide id-range locks (tests);
+-- dns the resolver allow-list gates ask (default: slirp4netns's, which asks the host's).
 -- Keep the engine referenced while its sandboxes live. Does no I/O beyond looking for the
 -- cgroup hierarchy and does not yield; problems surface in eng:check() and the first operation.
 -- Raises on malformed options.
@@ -147,6 +187,9 @@ function M.new(opts)
     error("local.engine.new: an image directory (or host_root = true) is required", 2)
   end
   local image = opts.image and check_abs("image", opts.image)
+  if opts.dns ~= nil and not (type(opts.dns) == "string" and opts.dns:match("^%d+%.%d+%.%d+%.%d+$")) then
+    error("local.engine.new: dns must be an IPv4 address, got " .. tostring(opts.dns), 2)
+  end
   local masks = { state_dir }
   for _, m in ipairs(opts.mask or {}) do masks[#masks + 1] = check_abs("mask entry", m) end
   if opts.host_root then
@@ -163,6 +206,7 @@ function M.new(opts)
     cg = cg,
     cg_problem = cg_problem,
     slots_dir = opts.slots_dir or M.SLOTS_DIR,
+    dns = opts.dns,
     sandboxes = {}, -- id -> sandbox record (see Engine:create)
     tools = nil,    -- absolute paths of host programs, set by prepare
   }, Engine)
@@ -267,7 +311,8 @@ function Engine:prepare()
         .. " has no /bin/sh (build one with " ..
         "`moonbox image build`, or point --image at a Debian root filesystem)")
     end
-    self.tools = { helper = helper, slirp = find_program("slirp4netns"), nft = find_program("nft") }
+    self.tools = { helper = helper, slirp = find_program("slirp4netns"), nft = find_program("nft"),
+      ip = find_program("ip") }
     sys.mkdir_p(M.ROOTS_DIR, tonumber("711", 8))
     if self.tools.nft then
       -- One transaction that replaces the table whole: several backends may do it at once.
@@ -318,7 +363,10 @@ function Engine:check()
   end
   if not find_program("slirp4netns") then
     problem("the host has no slirp4netns (Debian package slirp4netns): sandboxes with network " ..
-      "egress (allow-all) cannot be created; deny-all ones can")
+      "egress (allow-all, allow-list) cannot be created; deny-all ones can")
+  end
+  if not find_program("ip") then
+    problem("the host has no ip (Debian package iproute2): allow-list sandboxes cannot be created")
   end
   if not self.cg then
     problem(self.cg_problem)
@@ -385,7 +433,9 @@ end
 -- milliseconds; the network of an allow-all sandbox may still be coming up: an exec waits for
 -- it). opts: lowers = {layer_dir, ...} (snapshot layers, newest first, 0-based), network =
 -- "allow-all" (default: egress through slirp4netns, no way to the host) | "deny-all" (loopback
--- only), env = {NAME = value} (every exec sees it, on top of PATH and HOME=/root), dev_records =
+-- only) | "allow-list" (HTTP and HTTPS to the names of opts.allowed only, through the sandbox's
+-- gate; names as M.check_domain, at most M.MAX_ALLOWED), env = {NAME = value} (every exec
+-- sees it, on top of PATH and HOME=/root), dev_records =
 -- path of a /dev capture to restore, limits = {memory = bytes, cpus = n, pids = n}. Returns
 -- info as eng:info(id). Raises structured errors (op "local.engine.create"): exists,
 -- invalid_env, invalid_layer, layer_missing, start_failed (with the helper's message),
@@ -394,13 +444,28 @@ function Engine:create(id, opts)
   check_id("create", id)
   opts = opts or {}
   local network = opts.network or "allow-all"
-  if network ~= "allow-all" and network ~= "deny-all" then
-    error("local.engine.create: network must be \"allow-all\" or \"deny-all\", got " .. tostring(network), 2)
+  if network ~= "allow-all" and network ~= "deny-all" and network ~= "allow-list" then
+    error("local.engine.create: network must be \"allow-all\", \"deny-all\" or \"allow-list\", got " ..
+      tostring(network), 2)
+  end
+  local allowed = {}
+  if network == "allow-list" then
+    if type(opts.allowed) ~= "table" then
+      error("local.engine.create: allow-list needs opts.allowed, a list of host names", 2)
+    end
+    if #opts.allowed > M.MAX_ALLOWED then
+      error("local.engine.create: at most " .. M.MAX_ALLOWED .. " allowed names, got " .. #opts.allowed, 2)
+    end
+    for i, name in ipairs(opts.allowed) do
+      local ok, why = M.check_domain(name)
+      if not ok then error("local.engine.create: opts.allowed[" .. i .. "]: " .. why, 2) end
+      allowed[i] = name:lower():gsub("%.$", "")
+    end
   end
   if self.sandboxes[id] then
     fail("create", "exists", id, "sandbox " .. id .. " already exists on this engine")
   end
-  local sb = { id = id, state = "creating", cond = core.cond(), network = network,
+  local sb = { id = id, state = "creating", cond = core.cond(), network = network, allowed = allowed,
     env = exec_env(id, opts.env), lowers = {}, execs = {}, helpers = setmetatable({}, { __mode = "k" }),
     frozen = false, net = network == "deny-all" and "ready" or "pending" }
   for i, l in ipairs(opts.lowers or {}) do sb.lowers[i] = l end
@@ -471,9 +536,21 @@ function Engine:start(sb, opts)
   local id = sb.id
   self:prepare()
   check_layers(id, sb.lowers)
-  if sb.network == "allow-all" and not self.tools.slirp then
-    fail("create", "unsupported", id, "sandbox " .. id .. ": allow-all needs slirp4netns (Debian package " ..
-      "slirp4netns), which this machine lacks; use deny-all or install it")
+  if sb.network ~= "deny-all" then
+    local need = { { "slirp", "slirp4netns", "slirp4netns" }, { "nft", "nft", "nftables" } }
+    if sb.network == "allow-list" then need[#need + 1] = { "ip", "ip", "iproute2" } end
+    for _, t in ipairs(need) do
+      if not self.tools[t[1]] then
+        fail("create", "unsupported", id, string.format("sandbox %s: %s needs %s (Debian package %s), " ..
+          "which this machine lacks; use deny-all or install it", id, sb.network, t[2], t[3]))
+      end
+    end
+    -- Without the host rule, egress could reach services on the host's own addresses.
+    if not self.firewall then
+      fail("create", "unsupported", id, string.format("sandbox %s: %s needs the host firewall rule " ..
+        "that keeps sandboxes off the host's addresses, and nft could not install it: %s", id, sb.network,
+        tostring(self.firewall_error)))
+    end
   end
   if opts.dev_records and not host.exists(opts.dev_records) then
     fail("create", "layer_missing", id, "sandbox " .. id .. ": the /dev capture it needs is gone")
@@ -496,10 +573,16 @@ function Engine:start(sb, opts)
     "--slots=" .. self.slots_dir, "--slot-hint=" .. (tonumber(host.hash(id):sub(1, 6), 16) % M.ID_SLOTS),
     "--slot-count=" .. M.ID_SLOTS, "--id-base=" .. M.ID_BASE,
     "--freezer=" .. self.cg:freezer(id),
-    "--net=" .. (sb.network == "deny-all" and "none" or "slirp"),
-    "--resolv=nameserver 10.0.2.3\n",
+    "--net=" .. NET_MODE[sb.network],
+    "--resolv=nameserver " .. (sb.network == "allow-list" and GATE_ADDR or SLIRP_DNS) .. "\n",
     "--hosts=127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n127.0.1.1\t" .. id .. "\n" }
   if self.tools.slirp then argv[#argv + 1] = "--slirp=" .. self.tools.slirp end
+  if sb.network == "allow-list" then
+    argv[#argv + 1] = "--ip=" .. self.tools.ip
+    argv[#argv + 1] = "--nft=" .. self.tools.nft
+    if self.dns then argv[#argv + 1] = "--dns=" .. self.dns end
+    for _, name in ipairs(sb.allowed) do argv[#argv + 1] = "--allow=" .. name end
+  end
   for _, l in ipairs(sb.lowers) do argv[#argv + 1] = "--layer=" .. l end
   if self.image then argv[#argv + 1] = "--layer=" .. self.image end
   if self.base_root then argv[#argv + 1] = "--base=" .. self.base_root end

@@ -49,7 +49,8 @@ end
 -- 127.0.0.1:8120) with its state under opts.state_dir. opts: image (a root filesystem
 -- directory; default: the "debian-12" image, built on first use), host_root (use the host's /
 -- as the base: discouraged), faults (spec), seed, api_key, workspace, concurrency_limit, log
--- (function(line)), engine (an Engine, for tests), on_image_build (function(line): progress of
+-- (function(line)), dns (the resolver allow-list sandboxes' gates ask; default slirp4netns's),
+-- engine (an Engine, for tests), on_image_build (function(line): progress of
 -- a first image build). Raises when the state dir, the port or the image cannot be set up.
 -- [yields]
 function M.start(opts)
@@ -109,7 +110,7 @@ function M.start(opts)
         "they can read every file of it that is not masked; use an image instead")
     end
     engine = require("moonbox.local.engine").new { state_dir = state_dir, image = base,
-      host_root = opts.host_root }
+      host_root = opts.host_root, dns = opts.dns }
   end
   self.engine = engine
   -- Say at once what this machine cannot do, rather than only through sandboxes that end

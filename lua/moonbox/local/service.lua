@@ -17,6 +17,7 @@ local core = require "moonbox.core"
 local sys = require "moonbox.sys"
 local host = require "moonbox.local.engine.host"
 local ids = require "moonbox.ids"
+local json = require "moonbox.json"
 local image = require "moonbox.local.image"
 
 local M = {}
@@ -188,6 +189,7 @@ function Service:boot(rec, env)
     local snap = rec._snapshot and self.st.snapshots[rec._snapshot]
     local ok, err = pcall(self.engine.create, self.engine, rec.id, {
       lowers = rec._lowers or {}, network = rec.networkPolicy.default, env = env,
+      allowed = rec.networkPolicy.allowedDomains,
       dev_records = snap and snap._dev_records, limits = M.PLANS[rec.plan],
     })
     r.boot = nil
@@ -486,16 +488,12 @@ local function restore_source(self, p, group)
 end
 
 --- svc:create_sandbox(p) -> rec (status creating; it boots in a task). p: plan, timeout,
--- idle_timeout, network ("allow-all" | "deny-all"), env, name, snapshot_id, snapshot_name,
+-- idle_timeout, network ("allow-all" | "deny-all" | "allow-list"), allowed_domains (with
+-- allow-list: names checked by the caller), env, name, snapshot_id, snapshot_name,
 -- group_id — decoded and type-checked by the caller. Raises invalid (plan, snapshot name),
 -- not_found (group, snapshot), conflict (snapshot rules), rate_limited (group at its limit).
 function Service:create_sandbox(p)
   if p.plan then M.plan(p.plan) end
-  if p.network == "allow-list" then
-    fail("invalid", "networkPolicy allow-list is not supported by moonbox local: it cannot yet restrict " ..
-      "HTTP(S) egress to named domains, and it will not pretend to. Use deny-all or allow-all locally; " ..
-      "allow-list works against Render's cloud")
-  end
   local group = p.group_id and self:find_group(p.group_id) or self:default_group()
   local snap = restore_source(self, p, group)
   if snap then
@@ -513,7 +511,9 @@ function Service:create_sandbox(p)
   local rec = {
     id = ids.new("sbx"), status = "creating",
     plan = p.plan or (snap and snap.plan) or self.limits.plan,
-    networkPolicy = { default = p.network or "allow-all" }, region = self.limits.region,
+    networkPolicy = { default = p.network or "allow-all",
+      allowedDomains = p.network == "allow-list" and json.array(p.allowed_domains or {}) or nil },
+    region = self.limits.region,
     timeoutSeconds = p.timeout or self.limits.timeout_seconds,
     idleTimeoutSeconds = p.idle_timeout or self.limits.idle_timeout_seconds,
     createdAt = ids.iso(now()), terminatedAt = nil,

@@ -11,6 +11,7 @@ local fail, field = route.fail, route.field
 -- Render accepts timeouts up to 30 days (0 = none); idle timeouts are 0 (off) or 300..86400.
 local TIMEOUT_MAX = 30 * 86400
 
+-- networkPolicy -> default, allowedDomains (an array for allow-list, else nil).
 local function network(body)
   local np = field(body, "networkPolicy", "object", "networkPolicy")
   if np == nil then return "allow-all" end
@@ -22,10 +23,29 @@ local function network(body)
       default))
   end
   local domains = np.allowedDomains
-  if default ~= "allow-list" and domains ~= nil and domains ~= json.null then
-    fail("invalid", "networkPolicy.allowedDomains is only valid with default allow-list")
+  if default ~= "allow-list" then
+    if domains ~= nil and domains ~= json.null then
+      fail("invalid", "networkPolicy.allowedDomains is only valid with default allow-list")
+    end
+    return default
   end
-  return default
+  if domains == nil or domains == json.null then
+    fail("invalid", "networkPolicy.allowedDomains is required with default allow-list (host names, " ..
+      "optionally with a leftmost \"*.\" wildcard)")
+  end
+  if type(domains) ~= "table" or (next(domains) ~= nil and domains[1] == nil) then
+    fail("invalid", "networkPolicy.allowedDomains must be an array of host names")
+  end
+  local engine = require "moonbox.local.engine"
+  if #domains > engine.MAX_ALLOWED then
+    fail("invalid", string.format("networkPolicy.allowedDomains: at most %d names (got %d)",
+      engine.MAX_ALLOWED, #domains))
+  end
+  for i, d in ipairs(domains) do
+    local ok, why = engine.check_domain(d)
+    if not ok then fail("invalid", string.format("networkPolicy.allowedDomains[%d]: %s", i - 1, why)) end
+  end
+  return default, domains
 end
 
 local function env(body)
@@ -61,10 +81,12 @@ function M.create(b, req)
   if region and region ~= b.svc.limits.region then
     fail("invalid", "unknown region " .. json.encode(region) .. " (only " .. b.svc.limits.region .. ")")
   end
+  local net, domains = network(body)
   local rec = b.svc:create_sandbox {
+    network = net, allowed_domains = domains,
     plan = field(body, "plan", "string", where),
     timeout = field(body, "timeoutSeconds", "integer", where, 0, TIMEOUT_MAX),
-    idle_timeout = idle, network = network(body), env = env(body),
+    idle_timeout = idle, env = env(body),
     name = field(body, "name", "string", where),
     snapshot_id = field(body, "snapshotId", "string", where),
     snapshot_name = field(body, "snapshotName", "string", where),
