@@ -611,6 +611,89 @@ describe("bad input", function()
   end))
 end)
 
+-- Defects found by driving this backend with Render's own TypeScript and Python SDKs; each is
+-- pinned where it was wrong.
+describe("wire defects found with Render's SDKs", function()
+  local sb
+  setup(run(function() sb = B:create() end))
+  teardown(run(function() B:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate") end))
+
+  local function logs_of(exec_id)
+    local resp <close> = http.stream { url = B.url .. "/v1/sandboxes/" .. sb.id
+      .. "/logs?follow=false&execId=" ..
+      exec_id, headers = { Authorization = "Bearer " .. B.key, Accept = "text/event-stream" } }
+    local out = {}
+    while true do
+      local ev = resp:read_event()
+      if not ev then break end
+      if ev.event == "log" then out[#out + 1] = json.decode(ev.data) end
+    end
+    return out
+  end
+
+  it("logs a runs/sync exec's stdout and stderr, each with its execId", T.async(function()
+    local _, tok = B:req("POST", "/v1/sandboxes/" .. sb.id .. "/runs/sync/token",
+      { body = { command = "echo to-out; echo to-err >&2" } })
+    local r = http.request { method = "POST", url = tok.uri, body = json.encode(
+      { command = "echo to-out; echo to-err >&2" }),
+      headers = { Authorization = "Bearer " .. tok.token, ["Content-Type"] = "application/json" } }
+    assert.are.equal(200, r.status)
+    local seen = {}
+    for _, ev in ipairs(logs_of(tok.executionId)) do
+      assert.are.equal(tok.executionId, ev.execId)
+      seen[ev.stream] = (seen[ev.stream] or "") .. ev.data
+    end
+    assert.are.same({ stdout = "to-out\n", stderr = "to-err\n" }, seen)
+  end))
+
+  it("takes a plain-file upload sent with Content-Encoding: gzip, and stores it inflated", T.async(function()
+    local plain = ("a line of text\n"):rep(1000)
+    local gz = proc.run { "gzip", "-c", input = plain }
+    assert.are.equal(0, gz.code)
+    local _, tok = B:req("POST", "/v1/sandboxes/" .. sb.id .. "/files/upload/token",
+      { query = { path = "gz/plain.txt" } })
+    local up = http.request { method = "PUT", url = tok.uri, body = gz.stdout, headers = {
+      Authorization = "Bearer " .. tok.token, ["Content-Type"] = "text/plain",
+        ["Content-Encoding"] = "gzip" } }
+    assert.are.equal(204, up.status, up.body)
+    assert.are.equal(#plain .. "\n", B:exec(sb.id, "wc -c < /root/gz/plain.txt").stdout)
+  end))
+
+  it("downloads /proc/self/status (the reading process's own) as it does /proc/1/cmdline", T.async(function()
+    for _, path in ipairs({ "/proc/self/status", "/proc/1/cmdline" }) do
+      local _, tok = B:req("POST", "/v1/sandboxes/" .. sb.id .. "/files/download/token",
+        { query = { path = path } })
+      local d = http.request { url = tok.uri, headers = { Authorization = "Bearer " .. tok.token } }
+      assert.are.equal(200, d.status, path .. ": " .. d.body)
+      assert.is_true(#d.body > 0, path)
+    end
+  end))
+
+  it("sends ratelimit-* headers on every response, not only on a 429", T.async(function()
+    local probes = {
+      { "GET", "/v1/sandboxes" }, { "GET", "/v1/sandboxes/" .. sb.id }, { "GET", "/v1/sandboxes/sbx-nope" },
+      { "POST", "/v1/sandboxes", { body = { ownerId = B.workspace, plan = "nope" } } },
+    }
+    for _, p in ipairs(probes) do
+      local status, _, h = B:req(p[1], p[2], p[3])
+      for _, name in ipairs({ "ratelimit-limit", "ratelimit-remaining", "ratelimit-reset" }) do
+        assert.matches("^%d+$", h[name], p[1] .. " " .. p[2] .. " (" .. status .. ") has no " .. name)
+      end
+    end
+  end))
+
+  it("names the old plan names too when a plan is unknown (the SDKs still offer them)", T.async(function()
+    local s, body = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, plan = "huge" } })
+    assert.are.equal(400, s)
+    for _, name in ipairs({ "1c%-2g", "8c%-16g", "starter", "standard", "pro" }) do assert.matches(name,
+      body.message) end
+    local s2, made = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, plan = "standard" } })
+    assert.are.equal(201, s2)
+    assert.are.equal("standard", made.plan) -- as sent: an older SDK's enum has no "2c-4g"
+    B:req("POST", "/v1/sandboxes/" .. made.id .. "/terminate")
+  end))
+end)
+
 describe("group deletion", function()
   it("deletes an empty group and refuses one with live sandboxes", T.async(function()
     local _, g = B:req("POST", "/v1/sandbox-groups", { body = { ownerId = B.workspace, name = "temp" } })

@@ -49,7 +49,10 @@ M.PLANS = {
   ["4c-8g"] = { cpus = 4, memory = 8 * GiB, pids = 4096 },
   ["8c-16g"] = { cpus = 8, memory = 16 * GiB, pids = 8192 },
 }
-M.PLANS.starter, M.PLANS.standard, M.PLANS.pro = M.PLANS["1c-2g"], M.PLANS["2c-4g"], M.PLANS["4c-8g"]
+-- Older names get the limits of the size that replaced them, and are answered as sent: an
+-- older SDK parses the plan into its own enum, which has no "2c-4g".
+M.PLAN_ALIASES = { starter = "1c-2g", standard = "2c-4g", pro = "4c-8g" }
+for old, new in pairs(M.PLAN_ALIASES) do M.PLANS[old] = M.PLANS[new] end
 M.PLAN_NAMES = "1c-2g, 2c-4g, 4c-8g or 8c-16g (older names: starter, standard, pro)"
 
 M.SANDBOX_STATUSES = { creating = true, running = true, suspending = true, suspended = true,
@@ -480,7 +483,7 @@ local function restore_source(self, p, group)
       fail("conflict", "snapshot " .. sid .. " is " .. snap.status, "snapshot_not_available")
     end
   end
-  if snap.kind == "runtime" and p.plan and p.plan ~= snap.plan then
+  if snap.kind == "runtime" and p.plan and M.PLANS[p.plan] ~= M.PLANS[snap.plan] then
     fail("conflict", string.format("runtime snapshot %s was captured on plan %s, not %s", snap.id, snap.plan,
       p.plan), "snapshot_plan_mismatch")
   end
