@@ -152,6 +152,7 @@ static int error_tostring(lua_State *L)
     add_field(&b, L, e, "code", "code ", &first);
     add_field(&b, L, e, "sandbox_id", "sandbox ", &first);
     add_field(&b, L, e, "snapshot_id", "snapshot ", &first);
+    add_field(&b, L, e, "group_id", "group ", &first);
     add_field(&b, L, e, "exec_id", "exec ", &first);
     add_field(&b, L, e, "request_id", "request ", &first);
     if (!first) luaL_addstring(&b, "]");

@@ -34,6 +34,18 @@ describe("strings.json_quote", function()
     assert.are.equal(s, json.decode(strings.json_quote(s)))
   end)
 
+  it("decodes whole numbers as integers (within 2^53) and the rest as floats", function()
+    local v = json.decode('{"size":6,"limit":1000,"neg":-3,"big":9007199254740993,"half":1.5,"exp":1e3,' ..
+      '"list":[1,2.5,{"deep":7}],"huge":1e300}')
+    assert.are.same({ "integer", "integer", "integer", "float", "float", "integer", "integer", "float",
+      "integer", "float" }, { math.type(v.size), math.type(v.limit), math.type(v.neg), math.type(v.big),
+      math.type(v.half), math.type(v.exp), math.type(v.list[1]), math.type(v.list[2]),
+      math.type(v.list[3].deep), math.type(v.huge) })
+    assert.are.equal("6", tostring(v.size))
+    assert.are.equal(7, json.decode("7"))
+    assert.are.equal("integer", math.type(json.decode("7")))
+  end)
+
   it("agrees with utf8_valid", function()
     assert.is_true(strings.utf8_valid("plain é"))
     assert.is_false(strings.utf8_valid("bad \255"))

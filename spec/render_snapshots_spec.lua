@@ -25,7 +25,8 @@ local function last_body(path)
 end
 
 describe("render.groups", function()
-  it("has no default group before the first sandbox, then one; create adds a non-default group", T.async(function()
+  it("has no default group before the first sandbox, then one; create adds a non-default group", T.async(
+    function()
     assert.are.same({}, render.groups.list())
     assert.is_nil(render.groups.default())
     do
@@ -45,12 +46,79 @@ describe("render.groups", function()
   end))
 end)
 
+describe("render.groups.delete and list page sizes", function()
+  local function list_queries(since, path)
+    local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = since } })
+    local out = {}
+    for _, e in ipairs(entries) do
+      if e.method == "GET" and e.path == path then out[#out + 1] = (e.query or ""):match("limit=(%d+)") end
+    end
+    return out
+  end
+  local function mark()
+    local _, entries = B:req("GET", "/_moonbox/journal")
+    return entries[#entries] and entries[#entries].seq or 0
+  end
+
+  it("deletes an empty group (g:delete() or by id); a second delete raises not_found", T.async(function()
+    local g = render.groups.create { name = "to-delete" }
+    local h = render.groups.create { name = "by-id" }
+    g:delete()
+    render.groups.delete(h.id)
+    for _, one in ipairs(render.groups.list()) do
+      assert.are_not.equal(g.id, one.id)
+      assert.are_not.equal(h.id, one.id)
+    end
+    local err = raised(render.groups.delete, g)
+    assert.are.equal("not_found", err.code)
+    assert.is_truthy(tostring(err):find(g.id, 1, true))
+  end))
+
+  it("refuses to delete a group with a running sandbox, naming it, and the default group", T.async(function()
+    local g = render.groups.create { name = "busy" }
+    do
+      local sb <close> = render.sandboxes.create { sandbox_group_id = g.id }
+      local err = raised(render.groups.delete, g)
+      assert.are.equal("conflict", err.code)
+      assert.matches(g.id .. " still has 1 sandbox that is not terminated: " .. sb.id, err.message, 1, true)
+    end
+    g:delete()
+    local err = raised(render.groups.delete, render.groups.default())
+    assert.are.equal("conflict", err.code)
+    assert.matches("default group", err.message)
+  end))
+
+  it("asks for page_size items per request and stops at limit", T.async(function()
+    local made = {}
+    for i = 1, 5 do made[i] = render.sandboxes.create {} end
+    local since = mark()
+    local n = 0
+    for _ in render.sandboxes.list { page_size = 2 } do n = n + 1 end
+    assert.is_true(n >= 5)
+    local qs = list_queries(since, "/v1/sandboxes")
+    assert.are.equal(math.ceil((n + 1) / 2), #qs)
+    for _, limit in ipairs(qs) do assert.are.equal("2", limit) end
+    since = mark()
+    local got = {}
+    for sb in render.sandboxes.list { limit = 3 } do got[#got + 1] = sb.id end
+    assert.are.equal(3, #got)
+    assert.are.same({ "3" }, list_queries(since, "/v1/sandboxes"))
+    assert.are.equal(1, #render.groups.list { page_size = 1, limit = 1 })
+    local err = raised(render.sandboxes.list, { limt = 3 })
+    assert.matches("render.sandboxes.list: unknown option 'limt'", tostring(err), 1, true)
+    err = raised(render.snapshots.list, { page_size = 101 })
+    assert.matches("page_size must be an integer from 1 to 100", tostring(err))
+    for _, sb in ipairs(made) do sb:terminate() end
+  end))
+end)
+
 describe("sb:snapshot", function()
   it("captures, waits until available, and restores into a sandbox that has the file", T.async(function()
     local sb <close> = render.sandboxes.create {}
     sb:exec("echo kept > ~/marker.txt"):check()
     local snap = sb:snapshot { name = "restore-me" }
-    assert.are.equal('{"kind":"filesystem","name":"restore-me"}', last_body("/v1/sandboxes/" .. sb.id .. "/snapshots"))
+    assert.are.equal('{"kind":"filesystem","name":"restore-me"}', last_body("/v1/sandboxes/" .. sb.id
+      .. "/snapshots"))
     assert.matches("^snp%-", snap.id)
     assert.are.same({ "available", "filesystem", "restore-me", sb.id, sb.sandbox_group_id },
       { snap.status, snap.kind, snap.name, snap.source_sandbox_id, snap.sandboxGroupId })

@@ -205,6 +205,13 @@ describe("moonbox repl with piped input", function()
     assert.are.equal(1, code)
   end))
 
+  it("prints the API's whole numbers as integers", run(function()
+    local code, out, err = piped('g = render.groups.create{name = "repl-ints"}\ng.concurrency_limit\n' ..
+      'math.type(g.concurrency_limit)\ng:delete()\n')
+    assert.are.equal(0, code, err)
+    assert.matches('^%d+\n"integer"\n', out)
+  end))
+
   it("terminates the sandboxes it created without asking", run(function()
     local code, out, err = piped('sb = render.sandboxes.create{}\nsb.id\nsb:exec("echo piped").stdout\n')
     assert.are.equal(0, code, err)

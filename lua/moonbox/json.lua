@@ -125,13 +125,34 @@ function M.encode(v)
   return table.concat(out)
 end
 
+-- lua-cjson decodes every number as a float; a whole number within ±2^53 (where a double is
+-- exact) becomes a Lua integer, so a size or a limit prints as 6, not 6.0, and compares with
+-- math.type "integer". Tables are changed in place (only existing keys are assigned).
+local MAX_EXACT = 2 ^ 53
+local function integers(v)
+  if math.type(v) == "float" then
+    return (v > -MAX_EXACT and v < MAX_EXACT and math.tointeger(v)) or v
+  end
+  if type(v) == "table" then
+    for k, x in pairs(v) do
+      if type(x) == "table" then
+        integers(x)
+      elseif math.type(x) == "float" then
+        v[k] = integers(x)
+      end
+    end
+  end
+  return v
+end
+
 --- json.decode(s) -> value, or nil and a message when s is not JSON. JSON null becomes
--- json.null; arrays come back as plain sequences (an empty one re-encodes as {} unless marked).
+-- json.null; arrays come back as plain sequences (an empty one re-encodes as {} unless marked);
+-- whole numbers within ±2^53 are integers, others floats.
 function M.decode(s)
   if type(s) ~= "string" then return nil, "expected a JSON string, got " .. type(s) end
   local ok, v = pcall(cjson.decode, s)
   if not ok then return nil, (tostring(v):gsub("^.-: ", "")) end
-  return v
+  return integers(v)
 end
 
 return M

@@ -409,7 +409,7 @@ function Service:find_group(gid)
     fail("invalid", "invalid sandbox group id " .. tostring(gid), "invalid_sandbox_group_id")
   end
   local g = self.st.groups[gid]
-  if not g or g._deleted then fail("not_found", "sandbox group not found") end
+  if not g or g._deleted then fail("not_found", "sandbox group " .. gid .. " not found") end
   return g
 end
 
@@ -436,9 +436,21 @@ end
 
 --- svc:delete_group(g). Raises conflict while it has sandboxes or when it is the default.
 function Service:delete_group(g)
-  if live_count(self, g.id) > 0 then fail("conflict",
-    "sandbox group still has sandboxes that are not terminated") end
-  if g.isDefault then fail("conflict", "the default sandbox group cannot be deleted") end
+  if g.isDefault then fail("conflict", "sandbox group " .. g.id
+    .. " is the default group, which cannot be " ..
+    "deleted") end
+  local live = {}
+  for _, r in pairs(self.st.sandboxes) do
+    if r.sandboxGroupId == g.id and M.LIVE[r.status] then live[#live + 1] = r.id end
+  end
+  if #live > 0 then
+    table.sort(live)
+    fail("conflict", string.format("sandbox group %s still has %d sandbox%s that %s not terminated: %s%s",
+      g.id,
+      #live, #live == 1 and "" or "es", #live == 1 and "is" or "are", table.concat(live, ", ", 1, math.min(
+        #live, 10)),
+      #live > 10 and ", ..." or ""))
+  end
   g._deleted = true
   self.st:save("group", g)
 end

@@ -71,7 +71,7 @@ end
 M.backoff = backoff
 
 --- api.status_error(op, r, ctx, text) -> the typed error of an HTTP answer r that is not 2xx
--- (text: its body, when r.body does not hold it). ctx: sandbox_id, snapshot_id, exec_id, path
+-- (text: its body, when r.body does not hold it). ctx: sandbox_id, snapshot_id, group_id, exec_id, path
 -- are copied into the error. Codes: the one Render sent, else unauthorized (401), not_found
 -- (404), rate_limited (429), server_error (5xx), http_NNN; a 403 whose body is not JSON is
 -- edge_blocked (Render's firewall, not a credentials problem).
@@ -96,6 +96,7 @@ local function status_error(op, r, ctx, text)
   if type(code) ~= "string" then
     if r.status == 401 then code = "unauthorized"
     elseif r.status == 404 then code = "not_found"
+    elseif r.status == 409 then code = "conflict"
     elseif r.status == 429 then code = "rate_limited"
     elseif r.status >= 500 then code = "server_error"
     else code = "http_" .. r.status end
@@ -103,7 +104,9 @@ local function status_error(op, r, ctx, text)
   return api_error {
     op = op, status = r.status, code = code, message = message,
     request_id = r.headers["render-request-id"], retryable = REPEAT_STATUS[r.status] or false,
-    sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id, exec_id = ctx.exec_id, path = ctx.path,
+    sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id, group_id = ctx.group_id,
+      exec_id = ctx.exec_id,
+    path = ctx.path,
     retry_after = tonumber(r.headers["retry-after"]),
   }
 end
@@ -126,11 +129,14 @@ local function transport_error(op, r, ctx, repeatable)
       op = op, code = "unknown_outcome", retryable = false, cause = r.code,
       message = "the request may or may not have been carried out: " .. tostring(r.message) ..
         " (it was sent; no answer came back). Check before repeating it",
-      sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id, exec_id = ctx.exec_id,
+      sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id, group_id = ctx.group_id,
+        exec_id = ctx.exec_id,
     }
   end
   return api_error { op = op, code = r.code, message = r.message, retryable = r.retryable,
-    sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id, exec_id = ctx.exec_id, path = ctx.path }
+    sandbox_id = ctx.sandbox_id, snapshot_id = ctx.snapshot_id, group_id = ctx.group_id,
+      exec_id = ctx.exec_id,
+    path = ctx.path }
 end
 
 --- api.is_interruption(err) -> whether err is the calling task's cancellation or the expiry of
@@ -194,7 +200,7 @@ local function call(conn, op, method, path, opts, info)
     body = json.encode(opts.body)
     headers["Content-Type"] = "application/json"
   end
-  local ctx = { sandbox_id = opts.sandbox_id, snapshot_id = opts.snapshot_id }
+  local ctx = { sandbox_id = opts.sandbox_id, snapshot_id = opts.snapshot_id, group_id = opts.group_id }
   return with_retries(op, opts, info, function(attempt)
     local ok, r = pcall(http.request, { method = method, url = url, headers = headers, body = body,
       timeout = opts.timeout or 60, connect_timeout = 10, fresh_connect = not repeatable })
@@ -230,7 +236,7 @@ M.calls_made = 0
 
 --- api.call(conn, op, method, path, opts) -> decoded body (or true for an empty 2xx), status,
 -- headers. opts: query, body (table → JSON), idempotent (may it be sent again? default: GET and
--- DELETE), sandbox_id / snapshot_id (for errors), timeout (per attempt, default 60 s), deadline
+-- DELETE), sandbox_id / snapshot_id / group_id (for errors), timeout (per attempt, default 60 s), deadline
 -- (overall seconds, default 120), retries (default 5). Raises structured errors (see the file's
 -- header for what is retried). With a trace on, the call is one span (cat "api"). [yields]
 function M.call(conn, op, method, path, opts)
@@ -356,6 +362,47 @@ function M.shielded(fn, ...)
     interruption = interruption or err
   end
   return interruption, core.result(t)
+end
+
+--- api.pages(conn, op, path, query, opts, fname, extra) -> iterator over the items of a list
+-- endpoint, every page, fetched as the iterator reaches them. opts (a recipe's): page_size
+-- (1..100, default 100: the items each request asks for), limit (stop after that many items,
+-- never asking for more), and the keys named in extra (the caller's own options); any other key
+-- raises, naming fname. query: the endpoint's query besides cursor and limit. [yields]
+function M.pages(conn, op, path, query, opts, fname, extra)
+  opts = opts or {}
+  for k in pairs(opts) do
+    if k ~= "page_size" and k ~= "limit" and not (extra and extra[k]) then
+      error(string.format("%s: unknown option '%s' (page_size = 1..100 is the page size, limit = N " ..
+        "the most items to return)", fname, tostring(k)), 3)
+    end
+  end
+  local size, limit = opts.page_size or 100, opts.limit
+  if math.type(size) ~= "integer" or size < 1 or size > 100 then
+    error(fname .. ": page_size must be an integer from 1 to 100, got " .. tostring(opts.page_size), 3)
+  end
+  if limit ~= nil and (math.type(limit) ~= "integer" or limit < 0) then
+    error(fname .. ": limit must be a non-negative integer, got " .. tostring(limit), 3)
+  end
+  local cursor, page, i, done, given = nil, {}, 0, limit == 0, 0
+  return function()
+    i = i + 1
+    if i > #page then
+      if done then return nil end
+      local want = limit and math.min(size, limit - given) or size
+      local q = { cursor = cursor, limit = want }
+      for k, v in pairs(query) do q[k] = v end
+      page = M.call(conn, op, "GET", path, { query = q })
+      i = 1
+      if #page < want then done = true end
+      if #page == 0 then return nil end
+      cursor = page[#page].cursor
+    end
+    given = given + 1
+    if limit and given >= limit then done = true end
+    if limit and given > limit then return nil end
+    return page[i]
+  end
 end
 
 return M

@@ -113,7 +113,7 @@ end
 -- the sandbox (relative paths are under its home directory; the file lands root-owned 0600).
 -- opts: timeout (seconds for the transfer), idle_timeout (default 60). Raises "invalid_path"
 -- before any request for an empty path, and structured errors with op "sandbox:upload" (e.g.
--- http_409 when path is a directory). [yields]
+-- conflict when path is a directory). [yields]
 function M.upload(sb, path, data, opts)
   check_string("upload", "data", data, 2)
   local rpath = normalize_path(path)

@@ -353,25 +353,19 @@ function M.get(id)
 end
 
 --- render.sandboxes.list(opts) -> iterator over every Sandbox (all pages; not guards). opts.status:
--- a status or a list of them (default: Render's, which hides terminated). [yields]
+-- a status or a list of them (default: Render's, which hides terminated); opts.page_size: how
+-- many each request asks for (1..100, default 100); opts.limit: stop after that many sandboxes
+-- (and ask for no more). Unknown options raise. [yields]
 function M.list(opts)
   opts = opts or {}
   local c = conn.default()
   local status = opts.status
   if type(status) == "string" then status = { status } end
-  local cursor, page, i, done = nil, {}, 0, false
+  local items = api.pages(c, "sandboxes.list", "/sandboxes", { ownerId = c.workspace, status = status }, opts,
+    "render.sandboxes.list", { status = true })
   return function()
-    i = i + 1
-    if i > #page then
-      if done then return nil end
-      page = api.call(c, "sandboxes.list", "GET", "/sandboxes",
-        { query = { ownerId = c.workspace, status = status, cursor = cursor, limit = 100 } })
-      i = 1
-      if #page < 100 then done = true end
-      if #page == 0 then return nil end
-      cursor = page[#page].cursor
-    end
-    return wrap(c, page[i].sandbox, false)
+    local item = items()
+    return item and wrap(c, item.sandbox, false)
   end
 end
 

@@ -27,7 +27,8 @@ Snapshot.__tostring = function(s)
   return string.format("Snapshot %s (%s, %s, %s)", s.id, s.name or "unnamed", s.status or "?", s.kind or "?")
 end
 
-local Group = { __name = "moonbox.render.Group", __index = field_index({}) }
+local group_methods = {}
+local Group = { __name = "moonbox.render.Group", __index = field_index(group_methods) }
 Group.__tostring = function(g)
   return string.format("Group %s (%s, %s%s)", g.id, g.name or "?", g.region or "?",
     g.is_default and ", default" or "")
@@ -45,19 +46,18 @@ end
 
 local groups = {}
 
---- render.groups.list() -> array of Group objects (fields in either spelling: g.id, g.name,
+--- render.groups.list(opts) -> array of Group objects (fields in either spelling: g.id, g.name,
 -- g.region, g.is_default / g.isDefault, g.concurrency_limit, ...), all pages. Empty before the
--- workspace's first sandbox. Raises structured errors (op "groups.list"). [yields]
-function groups.list()
+-- workspace's first sandbox. opts: page_size, limit (as render.sandboxes.list). Raises
+-- structured errors (op "groups.list"). [yields]
+function groups.list(opts)
   local c = conn.default()
-  local out, cursor = {}, nil
-  while true do
-    local page = api.call(c, "groups.list", "GET", "/sandbox-groups",
-      { query = { ownerId = c:owner(), cursor = cursor, limit = 100 } })
-    for _, item in ipairs(page) do out[#out + 1] = wrap_group(item.sandboxGroup) end
-    if #page < 100 then return out end
-    cursor = page[#page].cursor
+  local out = {}
+  for item in api.pages(c, "groups.list", "/sandbox-groups", { ownerId = c:owner() }, opts,
+    "render.groups.list") do
+    out[#out + 1] = wrap_group(item.sandboxGroup)
   end
+  return out
 end
 
 --- render.groups.default() -> the workspace's default Group, or nil when it has none yet (the
@@ -82,6 +82,21 @@ function groups.create(opts)
     idempotent = false })
   return wrap_group(data)
 end
+
+--- render.groups.delete(group): deletes a sandbox group (a Group or its id). Its snapshots go
+-- with it. Raises "not_found" (no such group, or deleted already), "conflict" (it still has
+-- sandboxes that are not terminated, or it is the default group: the message says which, with
+-- the ids). Also g:delete(). [yields]
+function groups.delete(g)
+  local id = type(g) == "table" and g.id or g
+  if type(id) ~= "string" then
+    error("render.groups.delete: expected a Group or a group id, got " .. type(g), 2)
+  end
+  local c = conn.default()
+  api.call(c, "groups.delete", "DELETE", "/sandbox-groups/" .. id, { query = { ownerId = c:owner() },
+    idempotent = true, group_id = id })
+end
+group_methods.delete = groups.delete
 
 --- The id of a group option (a Group or an id); nil means the default group, which is looked
 -- up (nil when the workspace has none).
@@ -168,28 +183,21 @@ function snapshots.get(a, b)
 end
 
 --- render.snapshots.list{group = Group or id (default: the default group), status = a status
--- or a list} -> iterator over every Snapshot, all pages, newest first (expired and deleted
--- ones are omitted by Render). Yields nothing when the workspace has no group yet. Raises
--- "invalid_status", "not_found" (unknown group). [yields]
+-- or a list, page_size, limit (as render.sandboxes.list)} -> iterator over every Snapshot, all
+-- pages, newest first (expired and deleted ones are omitted by Render). Yields nothing when the
+-- workspace has no group yet. Raises "invalid_status", "not_found" (unknown group). [yields]
 function snapshots.list(opts)
   opts = opts or {}
   local c = conn.default()
   local gid = group_id(opts.group)
+  if gid == nil then return function() return nil end end
   local status = opts.status
   if type(status) == "string" then status = { status } end
-  local cursor, page, i, done = nil, {}, 0, gid == nil
+  local items = api.pages(c, "snapshots.list", "/sandbox-groups/" .. gid .. "/snapshots",
+    { ownerId = c:owner(), status = status }, opts, "render.snapshots.list", { group = true, status = true })
   return function()
-    i = i + 1
-    if i > #page then
-      if done then return nil end
-      page = api.call(c, "snapshots.list", "GET", "/sandbox-groups/" .. gid .. "/snapshots",
-        { query = { ownerId = c:owner(), status = status, cursor = cursor, limit = 100 } })
-      i = 1
-      if #page < 100 then done = true end
-      if #page == 0 then return nil end
-      cursor = page[#page].cursor
-    end
-    return wrap_snapshot(c, page[i].snapshot)
+    local item = items()
+    return item and wrap_snapshot(c, item.snapshot)
   end
 end
 
