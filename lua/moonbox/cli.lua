@@ -111,7 +111,8 @@ end
 M.bad_backend = bad_backend
 
 command("run", "run a recipe as a task",
-  "moonbox run [--backend URL|local|render] [--trace FILE] [--json] [--progress] FILE [ARGS...]",
+  "moonbox run [--backend URL|local|render] [--trace FILE] [--json] [--progress]\n" ..
+  "                   [--max-sandboxes N] [--max-sandbox-seconds S] FILE [ARGS...]",
   [[Loads FILE as a Lua chunk and runs it as the root task on the event loop, so its top
 level can call any moonbox function that waits. ARGS are in the global `arg` table (arg[0] is
 FILE), as with `lua`. When the chunk returns, tasks it left running are cancelled and unwound.
@@ -131,19 +132,39 @@ task and per sandbox's life, and the adaptive concurrency windows. Never a secre
 --json prints a machine-readable summary as the last line of stdout: outcome, exit status,
 duration, the sandbox ids created, terminated, kept and leaked, API calls, errors.
 --progress shows the progress line (created/running/failed/terminated, elapsed) on stderr even
-when stderr is not a terminal; on a terminal it is always shown.]],
+when stderr is not a terminal; on a terminal it is always shown.
+
+--max-sandboxes N and --max-sandbox-seconds S are the run's budget (docs/reference/render.md,
+"Budgets"): a create beyond N raises budget_exceeded before anything is sent; when the run's
+sandboxes have existed S seconds in total, those still running are terminated and the run
+fails with budget_exceeded. A recipe's render.budget{...} can lower them, never raise them.]],
   function(args)
     local backend, trace_file, want_json, want_progress
+    local limits = {}
     while args[1] and args[1]:match("^%-%-") do
       local a = table.remove(args, 1)
       local name, v = a:match("^%-%-([%w%-]+)=(.*)$")
       name = name or a:sub(3)
-      if name == "backend" or name == "trace" then
+      if name == "backend" or name == "trace" or name == "max-sandboxes" or name == "max-sandbox-seconds" then
         if not v then
           v = table.remove(args, 1)
           if not v then return usage_error("run: --%s needs a value", name) end
         end
-        if name == "backend" then backend = v else trace_file = v end
+        if name == "backend" then
+          backend = v
+        elseif name == "trace" then
+          trace_file = v
+        elseif name == "max-sandboxes" then
+          limits.sandboxes = math.tointeger(tonumber(v))
+          if not limits.sandboxes or limits.sandboxes < 0 then
+            return usage_error("run: --max-sandboxes wants a whole number >= 0, got '%s'", v)
+          end
+        else
+          limits.sandbox_seconds = require("moonbox.duration").parse(v) or tonumber(v)
+          if not limits.sandbox_seconds or limits.sandbox_seconds < 0 then
+            return usage_error("run: --max-sandbox-seconds wants seconds or a duration like 2h, got '%s'", v)
+          end
+        end
       elseif name == "json" and not v then
         want_json = true
       elseif name == "progress" and not v then
@@ -176,11 +197,14 @@ when stderr is not a terminal; on a terminal it is always shown.]],
     end
     local summary = want_json and require("moonbox.run_summary").start() or nil
     local t_start = core.now()
+    local budget_mod = require "moonbox.render.budget"
+    local budget = budget_mod.new(limits)
     local code, err = run_root(function(...)
       -- Errors made where no recipe frame is on the stack (a tail call of the chunk) name the
       -- recipe file rather than moonbox's own.
       local data = core.data(core.current())
       data.site, data.site_recipe = file, true
+      budget_mod.attach(core.current(), budget)
       local progress
       if want_progress or core.isatty(2) then
         progress = require("moonbox.progress").start { tty = core.isatty(2) }
@@ -189,6 +213,14 @@ when stderr is not a terminal; on a terminal it is always shown.]],
       local r = table.pack(xpcall(chunk, core.msgh, ...))
       if progress then progress:stop() end
       M.finish_run()
+      if budget.breach then
+        -- Raised in the watchdog: say where the recipe was when its run was stopped.
+        local e, stopped = budget.breach, r[2]
+        if not r[1] and type(stopped) == "table" and stopped.where then
+          e.where, e.traceback = stopped.where, stopped.traceback
+        end
+        error(e, 0)
+      end
       if not r[1] then error(r[2], 0) end
       return table.unpack(r, 2, r.n)
     end, table.unpack(rest))
@@ -197,10 +229,11 @@ when stderr is not a terminal; on a terminal it is always shown.]],
     end
     local outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed"
     require("moonbox.ledger").close_process(outcome)
+    budget:close()
     if trace_file then trace.stop() end
     if summary then
       io.stdout:write(summary:finish { recipe = file, exit_code = code, error = err,
-        duration_s = core.now() - t_start }, "\n")
+        duration_s = core.now() - t_start, budget = budget }, "\n")
       io.stdout:flush()
     end
     return code

@@ -4,6 +4,8 @@
 --   {"recipe":"r.lua","outcome":"ok"|"failed"|"interrupted","exit_code":0,"duration_s":1.23,
 --    "backend":"http://127.0.0.1:8120/v1","api_calls":12,
 --    "sandboxes":{"created":[ids],"terminated":[ids],"kept":[ids],"leaked":[ids],"failed_creates":n},
+--    "sandbox_seconds":{"total":s,"by_plan":{"1c-2g":s,...}},
+--    "budget":{"sandboxes":n|null,"sandbox_seconds":s|null,"exceeded":"sandboxes"|"sandbox_seconds"|null},
 --    "errors":[{"message":..., "code":..., "op":..., "sandbox_id":..., "request_id":...}]}
 --
 -- "leaked" lists sandboxes this run created and neither terminated nor kept (with
@@ -43,12 +45,15 @@ local function error_entry(e)
       msg = ok and str or "(error object)"
     end
     return { message = msg, code = e.code, op = e.op, status = e.status, sandbox_id = e.sandbox_id,
-      snapshot_id = e.snapshot_id, request_id = e.request_id }
+      snapshot_id = e.snapshot_id, request_id = e.request_id, budget = e.budget }
   end
   return { message = tostring(e) }
 end
 
---- s:finish{recipe, exit_code, error, duration_s} -> the JSON line (without newline).
+local function ms(x) return math.floor(x * 1000 + 0.5) / 1000 end
+
+--- s:finish{recipe, exit_code, error, duration_s, budget} -> the JSON line (without newline).
+-- budget: the run's Budget (moonbox.render.budget), whose usage gives the sandbox-seconds.
 function Summary:finish(info)
   if self.unobserve then self.unobserve() end
   self.unobserve = nil
@@ -73,6 +78,10 @@ function Summary:finish(info)
     end
   end
   local code = info.exit_code
+  local b = info.budget
+  local usage = b and b:usage()
+  local by_plan = json.object {}
+  for plan, secs in pairs(usage and usage.by_plan or {}) do by_plan[plan] = ms(secs) end
   local api = package.loaded["moonbox.render.api"]
   local render = package.loaded["moonbox.render"]
   local conn = render and render.current_connection()
@@ -86,6 +95,9 @@ function Summary:finish(info)
     sandboxes = { created = json.array(created), terminated = json.array(terminated),
       kept = json.array(kept), leaked = json.array(leaked), failed_creates = self.failed_creates },
     errors = json.array(errors),
+    sandbox_seconds = usage and { total = ms(usage.sandbox_seconds), by_plan = by_plan } or nil,
+    budget = b and { sandboxes = b.max_sandboxes or json.null, sandbox_seconds = b.max_seconds or json.null,
+      exceeded = b.breach and b.breach.budget or json.null } or nil,
   }
   return require("moonbox.trace").redact(line)
 end

@@ -14,6 +14,7 @@
 --   moonbox.render.fleet     render.restore
 --   moonbox.render.rebuild   render.snapshots.rebuild (loaded on first use)
 --   moonbox.render.events    render.observe
+--   moonbox.render.budget    render.budget: limits on what a run may create and keep
 -- Every function documents its arguments, results, what it raises, and whether it yields where
 -- it is defined; docs/reference/render.md is the manual.
 local conn = require "moonbox.render.conn"
@@ -23,6 +24,7 @@ local exec = require "moonbox.render.exec"
 local files = require "moonbox.render.files"
 local snapshots = require "moonbox.render.snapshots"
 local fleet = require "moonbox.render.fleet"
+local budget = require "moonbox.render.budget"
 
 local M = {}
 
@@ -56,6 +58,10 @@ M.sandboxes = {
 --- render.snapshots, render.groups (moonbox.render.snapshots).
 M.snapshots = snapshots.snapshots
 M.groups = snapshots.groups
+
+--- render.budget{sandboxes = N, sandbox_seconds = S} -> Budget: limits what the current run may
+-- create and keep (moonbox.render.budget). Does not yield.
+M.budget = budget.set
 
 --- render.restore(snapshot, opts) -> Fleet (moonbox.render.fleet).
 M.restore = fleet.restore

@@ -20,6 +20,7 @@
 local api = require "moonbox.render.api"
 local conn = require "moonbox.render.conn"
 local events = require "moonbox.render.events"
+local budget = require "moonbox.render.budget"
 local object = require "moonbox.render.object"
 local exec = require "moonbox.render.exec"
 local files = require "moonbox.render.files"
@@ -309,11 +310,15 @@ end
 -- none found raises the original error (code "unknown_outcome" for a lost answer). If the
 -- calling task is cancelled, or its deadline passes, while the request is in flight or while
 -- waiting for `running`, or the wait fails, the sandbox is terminated before the error is
--- raised. Raises structured errors (op "sandboxes.create", "sandboxes.wait_running"). [yields]
+-- raised. Raises structured errors (op "sandboxes.create", "sandboxes.wait_running"), and
+-- budget_exceeded before sending anything when the run's budget is spent
+-- (moonbox.render.budget). [yields]
 function M.create(opts)
   opts = opts or {}
   local c = conn.default()
   local body = create_body(c, opts)
+  local b = budget.current()
+  if b then b:before_create() end
   local L, run_id = ledger.for_create(c)
   local intent, label
   if L then
@@ -325,6 +330,7 @@ function M.create(opts)
   events.emit("creating", nil, { name = body.name, snapshot_id = body.snapshotId })
   local interruption, ok, data = api.shielded(create_request, c, body, L, intent, label)
   if not ok then
+    if b and api.definite(data) then b:create_refused() end
     events.emit("create_failed", nil, { name = body.name, error = data })
     error(interruption or data, 0)
   end
