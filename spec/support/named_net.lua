@@ -128,8 +128,10 @@ print("rcode", rcode, " ".join(addrs))
 local Net = {}
 Net.__index = Net
 
---- M.start() -> net {ns, host_addr, addr, far, ca, dir, listener, udp_port}. [yields]
-function M.start()
+--- M.start([opts]) -> net {ns, host_addr, addr, far, ca, dir, listener, udp_port, big_size}.
+-- opts.big: the size of /big in bytes (default 3 MiB + 7). [yields]
+function M.start(opts)
+  opts = opts or {}
   for path, pkg in pairs { [M.NGINX] = "nginx-light", [M.DNSMASQ] = "dnsmasq-base", [M.OPENSSL] = "openssl" } do
     assert(exists(path), "the allow-list spec needs " .. path .. " on the host (Debian package " .. pkg .. ")")
   end
@@ -176,7 +178,7 @@ function M.start()
 
   write(d .. "/nginx.conf", string.format(NGINX_CONF, d, d, d, d, d, d, d, self.addr, self.addr, self.far,
     self.far, d, d, d))
-  self.big_size = 3 * 1024 * 1024 + 7
+  self.big_size = opts.big or (3 * 1024 * 1024 + 7)
   run { "sh", "-c", "head -c \"$1\" /dev/urandom > \"$2\"", "sh", tostring(self.big_size), d .. "/big" }
   self.procs[#self.procs + 1] = proc.spawn { H.IP, "netns", "exec", self.ns, M.NGINX, "-c", d .. "/nginx.conf",
     "-p", d, "-e", d .. "/error.log", stdout = "null", stderr = "null" }

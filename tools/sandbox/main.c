@@ -5,7 +5,7 @@
  *                           [--base=DIR] --slots=DIR --slot-hint=N --id-base=N --slot-count=N
  *                           [--cgroup=DIR]... [--freezer=DIR] --net=none|slirp|allowlist
  *                           [--slirp=PATH] [--resolv=TEXT] [--hosts=TEXT]
- *                           [--allow=NAME]... [--dns=IPV4] [--ip=PATH] [--nft=PATH]
+ *                           [--allow=NAME]... [--dns=IPV4] [--nft=PATH]
  *   moonbox-sandbox exec    --target=PID --uid-base=N [--cgroup=DIR]... [--cwd=DIR] [--setsid]
  *                           -- PROGRAM ARG...          (environment: MBENV_NAME=VALUE)
  *   moonbox-sandbox files   --target=PID --uid-base=N [--cgroup=DIR]... --op=OP --path=PATH
@@ -142,8 +142,6 @@ static void parse(struct spec *s, int argc, char **argv)
             add(&s->allow, v, "allow");
         else if (KEY("dns"))
             s->dns = v;
-        else if (KEY("ip"))
-            s->ip = v;
         else if (KEY("nft"))
             s->nft = v;
         else if (KEY("resolv"))

@@ -10,6 +10,8 @@
  *   fileops.c  `files`: reading and writing the sandbox's files with our own code, inside it
  *   shift.c    `capture`: copying an upper layer into a snapshot layer with ids made 0-based
  *   gate.c     the allow-list gate: the only way out of an "allow-list" sandbox
+ *   gate_parse.c  what the gate reads of the sandbox's traffic (fuzzed)
+ *   netconf.c  the allow-list sandbox's veth pair, addresses and route
  *
  * Invariants: the program is linked statically and never loads code from a sandbox's
  * filesystem (no dynamic loader, no NSS, no iconv); every step that runs after a process entered
@@ -58,7 +60,7 @@ struct spec {
     const char *slirp;       /* start: the slirp4netns program */
     struct str_list allow;   /* start: allowlist: the names let through ("*.x": below x) */
     const char *dns;         /* start: allowlist: the upstream resolver (default slirp's) */
-    const char *ip, *nft;    /* start: allowlist: the ip and nft programs */
+    const char *nft;         /* start: allowlist: the nft program */
     const char *resolv;     /* start: contents of /etc/resolv.conf (binds when the image has one) */
     const char *hosts;      /* start: contents of /etc/hosts */
     pid_t target;           /* exec, files: the sandbox's init (host pid) */
@@ -119,6 +121,14 @@ int cmd_capture(struct spec *s);
  * allow: normalized names ("a.b" or "*.b"); dns: the upstream resolver (NULL: slirp4netns's). */
 void gate_bind(const struct str_list *allow, const char *dns);
 void gate_serve(void) __attribute__((noreturn));
+
+/* netconf.c: network settings in the current network namespace; each returns 0 or an errno. */
+/* A veth pair: name here, peer moved into the network namespace of fd peer_netns. */
+int net_veth(const char *name, const char *peer, int peer_netns);
+/* An IPv4 address and netmask on interface ifname, which is brought up. */
+int net_addr_up(const char *ifname, const char *addr, const char *mask);
+/* The default route via gateway. */
+int net_default_route(const char *gateway);
 
 /* gate_parse.c: what the gate reads of the sandbox's traffic. Names are written to out buffers
  * of GATE_NAME_MAX + 1 bytes, lower-cased, without a final dot. */

@@ -433,7 +433,7 @@ static pid_t start_slirp(const struct spec *s, pid_t init, pid_t netpid, unsigne
  * can never reach it: the gate runs in the host's PID namespace, invisible from inside, and no
  * process inside may call setns (confine.c). The gate process itself runs as the sandbox's
  * nobody, confined, chrooted into an empty tmpfs, in the sandbox's cgroups (frozen, limited and
- * killed with it). The keeper, host root, configures both namespaces with ip(8) and nft(8). */
+ * killed with it). The keeper, host root, wires both namespaces (netconf.c) and runs nft(8). */
 
 /* The gate child: makes the gate's namespace, binds, confines itself, reports on ready_w. */
 static void gate_child(const struct spec *s, pid_t init, int ready_w, const sigset_t *mask)
@@ -475,10 +475,10 @@ static void gate_child(const struct spec *s, pid_t init, int ready_w, const sigs
     gate_serve();
 }
 
-/* Runs program (ip or nft) with text on its stdin in the network namespace of pid netpid.
- * Returns 0, or sets *why and returns -1 (its own error went to our stderr). */
-static int run_in_netns(pid_t netpid, const char *program, const char *arg, const char *text,
-                        const char **why)
+/* Starts program with text on its stdin in the network namespace of pid netpid; returns its
+ * pid, or -1 with *why set. Its own error messages go to our stderr. */
+static pid_t start_in_netns(pid_t netpid, const char *program, const char *arg, const char *text,
+                            const char **why)
 {
     char p[64];
     snprintf(p, sizeof p, "/proc/%d/ns/net", (int)netpid);
@@ -504,30 +504,52 @@ static int run_in_netns(pid_t netpid, const char *program, const char *arg, cons
     close(in[0]);
     int werr = write_all(in[1], text, strlen(text)); /* a few hundred bytes: within the pipe */
     close(in[1]);
+    if (werr) {
+        kill(pid, SIGKILL);
+        *why = "writing to nft";
+    }
+    return pid;
+}
+
+/* Waits for child pid; whether it exited 0. */
+static int succeeded(pid_t pid)
+{
     int st;
     while (waitpid(pid, &st, 0) < 0 && errno == EINTR) {
     }
-    if (werr || !WIFEXITED(st) || WEXITSTATUS(st) != 0) return *why = program, -1;
-    return 0;
+    return WIFEXITED(st) && WEXITSTATUS(st) == 0;
 }
 
-/* Connects the sandbox (init) to the gate (gate) and installs the gate's rules. */
+/* The wiring child: in the gate's namespace, the veth pair (its eth0 end moved into the
+ * sandbox's namespace) and gw0's address; then in the sandbox's, eth0's address and the default
+ * route. Exits 0, or prints what failed and exits EXIT_HELPER. */
+static void wire_child(pid_t init, pid_t gate)
+{
+    char p[64];
+    snprintf(p, sizeof p, "/proc/%d/ns/net", (int)gate);
+    int gate_ns = open(p, O_RDONLY | O_CLOEXEC);
+    snprintf(p, sizeof p, "/proc/%d/ns/net", (int)init);
+    int sandbox_ns = open(p, O_RDONLY | O_CLOEXEC);
+    if (gate_ns < 0 || sandbox_ns < 0) die("gate wiring: opening the namespaces", NULL, errno);
+    if (setns(gate_ns, CLONE_NEWNET) < 0)
+        die("gate wiring: entering the gate's namespace", NULL, errno);
+    int e = net_veth("gw0", "eth0", sandbox_ns);
+    if (e) die("gate wiring: creating the veth pair", NULL, e);
+    if ((e = net_addr_up("gw0", GATE_ADDR, "255.255.255.252")) || (e = loopback_up()))
+        die("gate wiring: configuring gw0", NULL, e);
+    if (setns(sandbox_ns, CLONE_NEWNET) < 0)
+        die("gate wiring: entering the sandbox's namespace", NULL, errno);
+    if ((e = net_addr_up("eth0", GATE_SANDBOX, "255.255.255.252")) ||
+        (e = net_default_route(GATE_ADDR)))
+        die("gate wiring: configuring eth0", NULL, e);
+    _exit(0);
+}
+
+/* Connects the sandbox (init) to the gate (gate) and installs the gate's rules with nft, both
+ * at once. Returns 0, or -1 with *why naming the part that failed. */
 static int wire_gate(const struct spec *s, pid_t init, pid_t gate, const char **why)
 {
     char text[2048];
-    snprintf(text, sizeof text,
-             "link add gw0 type veth peer name eth0 netns %d\n"
-             "addr add %s/30 dev gw0\n"
-             "link set gw0 up\n"
-             "link set lo up\n",
-             (int)init, GATE_ADDR);
-    if (run_in_netns(gate, s->ip, "-batch", text, why)) return -1;
-    snprintf(text, sizeof text,
-             "addr add %s/30 dev eth0\n"
-             "link set eth0 up\n"
-             "route add default via %s\n",
-             GATE_SANDBOX, GATE_ADDR);
-    if (run_in_netns(init, s->ip, "-batch", text, why)) return -1;
     snprintf(text, sizeof text,
              "table inet gate {\n"
              "  chain prerouting {\n"
@@ -553,8 +575,17 @@ static int wire_gate(const struct spec *s, pid_t init, pid_t gate, const char **
              "  }\n"
              "}\n",
              GATE_HTTP_PORT, GATE_TLS_PORT, GATE_DNS_PORT);
-    if (run_in_netns(gate, s->nft, "-f", text, why)) return -1;
-    return 0;
+    const char *nft_why = NULL;
+    pid_t nft = start_in_netns(gate, s->nft, "-f", text, &nft_why);
+    pid_t wire = fork();
+    if (wire == 0) wire_child(init, gate);
+    int wired = wire > 0 && succeeded(wire);
+    int ruled = nft > 0 && succeeded(nft) && !nft_why;
+    if (!wired)
+        *why = "wiring";
+    else if (!ruled)
+        *why = "nft";
+    return wired && ruled ? 0 : -1;
 }
 
 static void thaw(const char *freezer)
@@ -578,7 +609,7 @@ int cmd_start(struct spec *s, int argc, char **argv)
     if (!s->net || (!slirp && strcmp(s->net, "none") != 0))
         fail_msg("arguments", "--net is none, slirp or allowlist");
     if (slirp && !s->slirp) fail_msg("arguments", "--net=%s needs --slirp", s->net);
-    if (gated && (!s->ip || !s->nft)) fail_msg("arguments", "--net=allowlist needs --ip and --nft");
+    if (gated && !s->nft) fail_msg("arguments", "--net=allowlist needs --nft");
 
     /* The signals that doom the sandbox (the backend's death arrives as SIGTERM) and SIGCHLD
      * are taken by sigwaitinfo in the wait loop; blocked from the start, none is missed. */
@@ -661,10 +692,12 @@ int cmd_start(struct spec *s, int argc, char **argv)
     if (write(go[1], "g", 1) != 1) die("starting the init", NULL, errno);
     close(go[1]);
     /* slirp4netns needs only the network namespace, which exists: it starts while the init
-     * builds the root. An allow-list sandbox's gate process starts now too; its namespace is
-     * wired and given slirp4netns once the init is ready (see below). */
+     * builds the root. For an allow-list sandbox, the gate's namespace exists once its process
+     * says so: slirp4netns starts on that one, and the keeper wires it to the sandbox's,
+     * while the init still builds the root. */
     pid_t net_pid = -1, gate_pid = -1;
-    int net_exit = -1, net_ready = -1, gate_ready = -1;
+    int net_exit = -1, net_ready = -1;
+    const char *net_failed = NULL;
     if (gated) {
         int gr[2];
         if (pipe2(gr, O_CLOEXEC) < 0) die("gate: pipe", NULL, errno);
@@ -675,7 +708,21 @@ int cmd_start(struct spec *s, int argc, char **argv)
             gate_child(s, init, gr[1], &old);
         }
         close(gr[1]);
-        gate_ready = gr[0];
+        char c;
+        ssize_t got;
+        while ((got = read(gr[0], &c, 1)) < 0 && errno == EINTR) {
+        }
+        close(gr[0]);
+        const char *why = NULL;
+        if (got != 1) {
+            net_failed = "the allow-list gate did not start";
+        } else {
+            net_pid = start_slirp(s, init, gate_pid, base, &net_exit, &net_ready, &old);
+            if (wire_gate(s, init, gate_pid, &why) < 0)
+                net_failed = why && strcmp(why, s->nft) == 0
+                                 ? "nft could not install the gate's rules"
+                                 : "ip could not connect the sandbox to its gate";
+        }
     } else if (slirp) {
         net_pid = start_slirp(s, init, init, base, &net_exit, &net_ready, &old);
     }
@@ -695,22 +742,6 @@ int cmd_start(struct spec *s, int argc, char **argv)
     fflush(stdout);
     /* The network's readiness comes as a second line: an exec waits for it, a create need not
      * (slirp4netns takes ~10 ms to configure, longer than everything else of a start). */
-    const char *net_failed = NULL;
-    if (gated) {
-        char c;
-        const char *why = NULL;
-        while ((n = read(gate_ready, &c, 1)) < 0 && errno == EINTR) {
-        }
-        close(gate_ready);
-        if (n != 1)
-            net_failed = "the allow-list gate did not start";
-        else if (wire_gate(s, init, gate_pid, &why) < 0)
-            net_failed = why && strcmp(why, s->nft) == 0
-                             ? "nft could not install the gate's rules"
-                             : "ip could not connect the sandbox to its gate";
-        else
-            net_pid = start_slirp(s, init, gate_pid, base, &net_exit, &net_ready, &old);
-    }
     if (slirp) {
         char c = 0;
         n = 0;

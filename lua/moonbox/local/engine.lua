@@ -311,8 +311,7 @@ function Engine:prepare()
         .. " has no /bin/sh (build one with " ..
         "`moonbox image build`, or point --image at a Debian root filesystem)")
     end
-    self.tools = { helper = helper, slirp = find_program("slirp4netns"), nft = find_program("nft"),
-      ip = find_program("ip") }
+    self.tools = { helper = helper, slirp = find_program("slirp4netns"), nft = find_program("nft") }
     sys.mkdir_p(M.ROOTS_DIR, tonumber("711", 8))
     if self.tools.nft then
       -- One transaction that replaces the table whole: several backends may do it at once.
@@ -364,9 +363,6 @@ function Engine:check()
   if not find_program("slirp4netns") then
     problem("the host has no slirp4netns (Debian package slirp4netns): sandboxes with network " ..
       "egress (allow-all, allow-list) cannot be created; deny-all ones can")
-  end
-  if not find_program("ip") then
-    problem("the host has no ip (Debian package iproute2): allow-list sandboxes cannot be created")
   end
   if not self.cg then
     problem(self.cg_problem)
@@ -538,7 +534,6 @@ function Engine:start(sb, opts)
   check_layers(id, sb.lowers)
   if sb.network ~= "deny-all" then
     local need = { { "slirp", "slirp4netns", "slirp4netns" }, { "nft", "nft", "nftables" } }
-    if sb.network == "allow-list" then need[#need + 1] = { "ip", "ip", "iproute2" } end
     for _, t in ipairs(need) do
       if not self.tools[t[1]] then
         fail("create", "unsupported", id, string.format("sandbox %s: %s needs %s (Debian package %s), " ..
@@ -578,7 +573,6 @@ function Engine:start(sb, opts)
     "--hosts=127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n127.0.1.1\t" .. id .. "\n" }
   if self.tools.slirp then argv[#argv + 1] = "--slirp=" .. self.tools.slirp end
   if sb.network == "allow-list" then
-    argv[#argv + 1] = "--ip=" .. self.tools.ip
     argv[#argv + 1] = "--nft=" .. self.tools.nft
     if self.dns then argv[#argv + 1] = "--dns=" .. self.dns end
     for _, name in ipairs(sb.allowed) do argv[#argv + 1] = "--allow=" .. name end
