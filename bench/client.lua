@@ -1,5 +1,6 @@
 -- bench/client.lua MODE N URL — moonbox doing what curl_loop does: `seq` makes N sequential
--- GETs (keep-alive), `conc` starts N GETs at once, each in its own task.
+-- GETs (keep-alive), `conc` starts N GETs at once, each in its own task, `conc64` makes N GETs
+-- from 64 tasks that each make their share one after the other (64 in flight).
 local task = require "moonbox.task"
 local http = require "moonbox.http"
 
@@ -11,6 +12,19 @@ if mode == "seq" then
     if r.status == 200 then ok = ok + 1 end
     bytes = bytes + #r.body
   end
+elseif mode == "conc64" then
+  local tasks, next_i = {}, 0
+  for i = 1, 64 do
+    tasks[i] = task.spawn(function()
+      while next_i < n do
+        next_i = next_i + 1
+        local r = http.request { url = url }
+        if r.status == 200 then ok = ok + 1 end
+        bytes = bytes + #r.body
+      end
+    end)
+  end
+  for i = 1, 64 do task.join(tasks[i]) end
 else
   local tasks = {}
   for i = 1, n do

@@ -2,8 +2,10 @@
  * curl_loop.c — the floor: a minimal C libcurl client doing what the moonbox client does, with
  * nothing on top. `curl_loop seq N URL` makes N sequential GETs on one reused easy handle
  * (keep-alive); `curl_loop conc N URL` starts N GETs at once on one multi handle and drives them
- * with curl_multi_poll. Bodies are counted and dropped. $BENCH_AUTH, when set, is sent as an
- * Authorization header (bench/run.sh uses it to call moonbox local's API).
+ * with curl_multi_poll; `curl_loop conc64 N URL` keeps 64 GETs in flight on one multi handle
+ * until N are done (a finished handle is re-added for the next request, the
+ * connection cache sized to the 64). Bodies are counted and dropped. $BENCH_AUTH, when set, is sent
+ * as an Authorization header (bench/run.sh uses it to call moonbox local's API).
  */
 #include <curl/curl.h>
 #include <stdio.h>
@@ -20,7 +22,7 @@ static size_t sink(char *p, size_t s, size_t n, void *ud)
 int main(int argc, char **argv)
 {
     if (argc != 4) {
-        fprintf(stderr, "usage: curl_loop seq|conc N URL\n");
+        fprintf(stderr, "usage: curl_loop seq|conc|conc64 N URL\n");
         return 2;
     }
     long n = strtol(argv[2], NULL, 10);
@@ -48,6 +50,41 @@ int main(int argc, char **argv)
                 ok++;
         }
         curl_easy_cleanup(e);
+    } else if (strcmp(argv[1], "conc64") == 0) {
+        enum { INFLIGHT = 64 };
+        CURLM *m = curl_multi_init();
+        curl_multi_setopt(m, CURLMOPT_MAXCONNECTS, (long)INFLIGHT);
+        long started = 0;
+        for (; started < n && started < INFLIGHT; started++) {
+            CURL *e = curl_easy_init();
+            curl_easy_setopt(e, CURLOPT_URL, url);
+            curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
+            curl_easy_setopt(e, CURLOPT_WRITEDATA, &bytes);
+            curl_multi_add_handle(m, e);
+        }
+        int running = 1;
+        while (running) {
+            curl_multi_perform(m, &running);
+            CURLMsg *msg;
+            int left;
+            while ((msg = curl_multi_info_read(m, &left))) {
+                if (msg->msg != CURLMSG_DONE) continue;
+                CURL *e = msg->easy_handle;
+                long code = 0;
+                curl_easy_getinfo(e, CURLINFO_RESPONSE_CODE, &code);
+                if (msg->data.result == CURLE_OK && code == 200) ok++;
+                curl_multi_remove_handle(m, e);
+                if (started < n) {
+                    started++;
+                    curl_multi_add_handle(m, e); /* same options: a reuse, no reset needed */
+                    running = 1;
+                } else {
+                    curl_easy_cleanup(e);
+                }
+            }
+            if (running) curl_multi_poll(m, NULL, 0, 1000, NULL);
+        }
+        curl_multi_cleanup(m);
     } else {
         CURLM *m = curl_multi_init();
         for (long i = 0; i < n; i++) {

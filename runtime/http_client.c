@@ -24,6 +24,7 @@
 #include <curl/curl.h>
 
 #define EASY_POOL_MAX 64
+#define CACHE_MIN     16 /* connections kept however few requests ever ran at once */
 
 typedef struct sock_watch {
     ev_io io;
@@ -38,6 +39,9 @@ struct http_client {
     int closing; /* the owner called http_client_free */
     CURL *pool[EASY_POOL_MAX];
     int npool;
+    /* The connection cache (see cache_fit): requests in curl now, and the cache's size. */
+    long inflight;
+    long maxconnects;
     http_request *pending; /* requests with events to deliver */
 };
 
@@ -269,6 +273,8 @@ http_client *http_client_new(struct ev_loop *loop, char *err, size_t errlen)
     curl_multi_setopt(c->multi, CURLMOPT_TIMERFUNCTION, multi_timer_cb);
     curl_multi_setopt(c->multi, CURLMOPT_TIMERDATA, c);
     curl_multi_setopt(c->multi, CURLMOPT_PIPELINING, (long)CURLPIPE_MULTIPLEX);
+    c->maxconnects = CACHE_MIN;
+    curl_multi_setopt(c->multi, CURLMOPT_MAXCONNECTS, c->maxconnects);
     return c;
 }
 
@@ -423,6 +429,28 @@ static size_t read_cb(char *buffer, size_t size, size_t nitems, void *ud)
     return n;
 }
 
+/* ---- the connection cache ------------------------------------------------------------------ */
+
+/* Grows the multi handle's connection cache to the most requests ever in flight at once (never
+ * below CACHE_MIN, never shrinking). libcurl's default cache is 4x the easy handles in the multi
+ * handle at the moment a transfer ends; with handles leaving as they finish it shrinks under a
+ * steady load and closes connections the next request then reopens (10,000 GETs at 64 in
+ * flight opened 640-790 connections instead of 64). A cache the size of the peak concurrency
+ * keeps one idle connection for every request that can come back. Called whenever a request
+ * joins the multi handle. */
+static void cache_fit(http_client *c)
+{
+    if (c->inflight <= c->maxconnects) return;
+    c->maxconnects = c->inflight;
+    curl_multi_setopt(c->multi, CURLMOPT_MAXCONNECTS, c->maxconnects);
+}
+
+static void request_left_multi(http_request *r)
+{
+    r->in_multi = 0;
+    r->c->inflight--;
+}
+
 /* ---- completion -------------------------------------------------------------------------- */
 
 static void pool_put(http_client *c, CURL *easy)
@@ -455,7 +483,7 @@ static void check_done(http_client *c)
                      r->errbuf[0] ? r->errbuf : curl_easy_strerror(cc));
         }
         curl_multi_remove_handle(c->multi, easy);
-        r->in_multi = 0;
+        request_left_multi(r);
         r->easy = NULL;
         pool_put(c, easy);
         if (r->out_file) {
@@ -617,6 +645,8 @@ http_request *http_request_start(http_client *c, const http_request_spec *spec,
         return NULL;
     }
     r->in_multi = 1;
+    c->inflight++;
+    cache_fit(c);
     return r;
 }
 
@@ -626,7 +656,10 @@ void http_request_free(http_request *r)
     http_client *c = r->c;
     unlink_pending(r);
     if (r->easy) {
-        if (r->in_multi) curl_multi_remove_handle(c->multi, r->easy);
+        if (r->in_multi) {
+            curl_multi_remove_handle(c->multi, r->easy);
+            request_left_multi(r);
+        }
         pool_put(c, r->easy);
         r->easy = NULL;
     }
