@@ -11,6 +11,7 @@
 #include "mb.h"
 
 #include "http_client.h"
+#include "output_event.h"
 #include "sse.h"
 
 #include <curl/curl.h>
@@ -33,9 +34,27 @@ typedef struct http_op {
     int closed;
     int sse_ready;
     sse_parser sse;
+    lua_Integer qhead, qtail; /* read_event's queue: items qhead+1 .. qtail of the table */
+    struct out_queue *outq;   /* read_output's queue, made on first use */
     char method[16];
     char url[512];
 } http_op;
+
+/* read_output's queue of decoded events: their bytes back to back in one buffer that is reused
+ * (reset whenever the queue runs empty), items taken from `head` on, never shifted. */
+typedef struct out_item {
+    int kind;                  /* OUTPUT_STDOUT / OUTPUT_STDERR, or 0: another event, raw */
+    size_t off, len;           /* the payload (decoded output bytes, or the raw data) in bytes */
+    size_t name_off, name_len; /* the event name, for kind 0 */
+} out_item;
+
+typedef struct out_queue {
+    char *bytes;
+    size_t len, cap;
+    out_item *items;
+    size_t n, cap_items, head;
+    int failed; /* out of memory: reported as a malformed stream */
+} out_queue;
 
 /* ---- the client ------------------------------------------------------------------------------ */
 
@@ -307,8 +326,18 @@ static http_op *check_response(lua_State *L, int idx)
     return (http_op *)luaL_checkudata(L, idx, RESPONSE_MT);
 }
 
+static void outq_free(out_queue *q)
+{
+    if (!q) return;
+    free(q->bytes);
+    free(q->items);
+    free(q);
+}
+
 static void response_release(http_op *op)
 {
+    outq_free(op->outq);
+    op->outq = NULL;
     if (op->req) {
         http_request_free(op->req);
         op->req = NULL;
@@ -432,6 +461,7 @@ static int resp_read(lua_State *L)
 typedef struct event_sink {
     lua_State *L;
     int queue;
+    http_op *op;
 } event_sink;
 
 static int push_event(void *ud, const sse_event *ev)
@@ -439,22 +469,20 @@ static int push_event(void *ud, const sse_event *ev)
     event_sink *s = (event_sink *)ud;
     lua_State *L = s->L;
     mb_push_sse_event(L, ev);
-    lua_rawseti(L, s->queue, (lua_Integer)luaL_len(L, s->queue) + 1);
+    lua_rawseti(L, s->queue, ++s->op->qtail);
     return 0;
 }
 
-/* Pops the first queued event onto the stack; returns 0 when the queue is empty. */
-static int dequeue_event(lua_State *L, int queue)
+/* Pops the first queued event onto the stack; returns 0 when the queue is empty. O(1): the
+ * queue is read from its head index and restarts at 1 once empty. */
+static int dequeue_event(lua_State *L, http_op *op, int queue)
 {
-    lua_Integer n = luaL_len(L, queue);
-    if (n == 0) return 0;
-    lua_rawgeti(L, queue, 1);
-    for (lua_Integer i = 1; i < n; i++) {
-        lua_rawgeti(L, queue, i + 1);
-        lua_rawseti(L, queue, i);
-    }
+    if (op->qhead == op->qtail) return 0;
+    lua_Integer i = ++op->qhead;
+    lua_rawgeti(L, queue, i);
     lua_pushnil(L);
-    lua_rawseti(L, queue, n);
+    lua_rawseti(L, queue, i);
+    if (op->qhead == op->qtail) op->qhead = op->qtail = 0;
     return 1;
 }
 
@@ -473,8 +501,8 @@ static int read_event_k(lua_State *L, int status, lua_KContext ctx)
         lua_setfield(L, -3, "events");
     }
     int queue = lua_gettop(L);
-    if (dequeue_event(L, queue)) return 1;
-    event_sink sink = {L, queue};
+    if (dequeue_event(L, op, queue)) return 1;
+    event_sink sink = {L, queue, op};
     op->sse.fn = push_event;
     op->sse.ud = &sink;
     size_t len;
@@ -497,7 +525,7 @@ static int read_event_k(lua_State *L, int status, lua_KContext ctx)
             lua_pushboolean(L, 1);
             lua_setfield(L, queue - 1, "finished");
         }
-        if (rc == 0 && !dequeue_event(L, queue)) lua_pushnil(L);
+        if (rc == 0 && !dequeue_event(L, op, queue)) lua_pushnil(L);
         if (rc == 0) {
             op->sse.fn = NULL;
             return 1;
@@ -509,7 +537,7 @@ static int read_event_k(lua_State *L, int status, lua_KContext ctx)
                      op->method, op->url, sse_parser_error(&op->sse));
         return lua_error(L);
     }
-    if (dequeue_event(L, queue)) return 1;
+    if (dequeue_event(L, op, queue)) return 1;
     lua_settop(L, 1);
     if (len > 0) return read_event_k(L, LUA_OK, 0); /* consumed bytes without a whole event */
     mb_task *t = mb_task_of(L);
@@ -526,6 +554,156 @@ static int resp_read_event(lua_State *L)
     mb_task_check_yieldable(L, "response:read_event");
     lua_settop(L, 1);
     return read_event_k(L, LUA_OK, 0);
+}
+
+/* ---- resp:read_output ---------------------------------------------------------------------- */
+
+/* Makes room for `more` bytes and one item; 0 on success. */
+static int outq_reserve(out_queue *q, size_t more)
+{
+    if (more > q->cap - q->len) {
+        size_t cap = q->cap ? q->cap : 64 * 1024;
+        while (cap - q->len < more)
+            cap *= 2;
+        char *b = (char *)realloc(q->bytes, cap);
+        if (!b) return -1;
+        q->bytes = b;
+        q->cap = cap;
+    }
+    if (q->n == q->cap_items) {
+        size_t c = q->cap_items ? q->cap_items * 2 : 16;
+        out_item *it = (out_item *)realloc(q->items, c * sizeof *it);
+        if (!it) return -1;
+        q->items = it;
+        q->cap_items = c;
+    }
+    return 0;
+}
+
+/* The parser's callback for read_output: an output event of the usual shape is decoded into
+ * the queue's bytes (joined to the item before it when that one is output of the same stream
+ * and nothing came between), any other event is queued raw. Never calls Lua. */
+static int queue_output(void *ud, const sse_event *ev)
+{
+    out_queue *q = (out_queue *)ud;
+    if (outq_reserve(q, ev->data_len + ev->event_len) != 0) {
+        q->failed = 1;
+        return 1; /* stops the parser; reported by the reader */
+    }
+    if (ev->event_len == 6 && memcmp(ev->event, "output", 6) == 0) {
+        size_t len = 0;
+        int kind = output_event_decode(ev->data, ev->data_len, q->bytes + q->len, &len);
+        if (kind != OUTPUT_NOT_SHAPE) {
+            out_item *last = q->n > q->head ? &q->items[q->n - 1] : NULL;
+            if (last && last->kind == kind && last->off + last->len == q->len) {
+                last->len += len;
+            } else {
+                q->items[q->n++] = (out_item){kind, q->len, len, 0, 0};
+            }
+            q->len += len;
+            return 0;
+        }
+    }
+    out_item *it = &q->items[q->n++];
+    it->kind = 0;
+    it->name_off = q->len;
+    it->name_len = ev->event_len;
+    memcpy(q->bytes + q->len, ev->event, ev->event_len);
+    q->len += ev->event_len;
+    it->off = q->len;
+    it->len = ev->data_len;
+    memcpy(q->bytes + q->len, ev->data, ev->data_len);
+    q->len += ev->data_len;
+    return 0;
+}
+
+/* Pushes the next queued item (3 values); returns 0 when the queue is empty. */
+static int outq_pop(lua_State *L, out_queue *q)
+{
+    if (q->head == q->n) return 0;
+    out_item *it = &q->items[q->head++];
+    if (it->kind) {
+        lua_pushliteral(L, "output");
+        if (it->kind == OUTPUT_STDOUT)
+            lua_pushliteral(L, "stdout");
+        else
+            lua_pushliteral(L, "stderr");
+    } else {
+        lua_pushlstring(L, q->bytes + it->name_off, it->name_len);
+        lua_pushnil(L);
+    }
+    lua_pushlstring(L, q->bytes + it->off, it->len);
+    if (q->head == q->n) q->head = q->n = q->len = 0; /* empty: the buffers start over */
+    return 3;
+}
+
+static int read_output_k(lua_State *L, int status, lua_KContext ctx)
+{
+    http_op *op = check_response(L, 1);
+    (void)status;
+    (void)ctx;
+    op->waiter = NULL;
+    if (op->closed) return luaL_error(L, "response:read_output: the response was closed");
+    out_queue *q = op->outq;
+    for (;;) {
+        int n = outq_pop(L, q);
+        if (n) return n;
+        size_t len;
+        const char *data = http_request_peek(op->req, &len);
+        int rc = 0;
+        op->sse.fn = queue_output;
+        op->sse.ud = q;
+        if (len > 0) {
+            rc = sse_parser_feed(&op->sse, data, len);
+            http_request_consume(op->req, len);
+        } else if (http_request_done(op->req)) {
+            if (http_request_result(op->req) != HTTP_OK) {
+                op->sse.fn = NULL;
+                push_transfer_error(L, op);
+                return lua_error(L);
+            }
+            if (op->sse_ready == 1) {
+                rc = sse_parser_finish(&op->sse);
+                op->sse_ready = 2; /* finished: the next read ends the stream */
+            } else if (rc == 0) {
+                op->sse.fn = NULL;
+                if ((n = outq_pop(L, q))) return n;
+                lua_pushnil(L);
+                return 1;
+            }
+        } else {
+            op->sse.fn = NULL;
+            mb_task *t = mb_task_of(L);
+            op->waiter = t;
+            return mb_task_park(L, t, stream_abort, op, 0, read_output_k);
+        }
+        op->sse.fn = NULL;
+        if (rc != 0) {
+            mb_error_new(L, "response:read_output", "malformed_response", "%s %s: event stream: %s",
+                         op->method, op->url,
+                         q->failed ? "out of memory queueing events" : sse_parser_error(&op->sse));
+            return lua_error(L);
+        }
+    }
+}
+
+/* resp:read_output() -> event, stream, payload for the next Server-Sent Event of an exec
+ * stream, or nil at its end. For `output` events whose data has the usual shape
+ * ({"stream":..., "data":"..."}) event is "output", stream "stdout" or "stderr" and payload the
+ * decoded bytes, with consecutive output of one stream that arrived together joined into one
+ * payload; for every other event stream is nil and payload is the raw data, for the caller to
+ * decode. No table is built per event. Use either this or read_event on one response, not
+ * both. Raises as read_event. [yields] */
+static int resp_read_output(lua_State *L)
+{
+    http_op *op = check_response(L, 1);
+    mb_task_check_yieldable(L, "response:read_output");
+    lua_settop(L, 1);
+    if (!op->outq && !op->closed) {
+        op->outq = (out_queue *)calloc(1, sizeof *op->outq);
+        if (!op->outq) return luaL_error(L, "response:read_output: out of memory");
+    }
+    return read_output_k(L, LUA_OK, 0);
 }
 
 /* resp:close(): aborts the transfer if it is still running; idempotent. */
@@ -594,9 +772,8 @@ static const luaL_Reg funcs[] = {
 };
 
 static const luaL_Reg resp_methods[] = {
-    {"read", resp_read},   {"read_event", resp_read_event},
-    {"close", resp_close}, {"stats", resp_stats},
-    {NULL, NULL},
+    {"read", resp_read},   {"read_event", resp_read_event}, {"read_output", resp_read_output},
+    {"close", resp_close}, {"stats", resp_stats},           {NULL, NULL},
 };
 
 int luaopen_moonbox_http(lua_State *L)

@@ -1,10 +1,12 @@
 /*
  * sse.c — module moonbox.sse: the incremental Server-Sent Events parser (runtime/sse.c) for
  * Lua code that gets its bytes from elsewhere (a process, a file). http's response:read_event()
- * uses the same parser directly.
+ * uses the same parser directly. Also the exec output decoder (runtime/output_event.c) that
+ * response:read_output uses, so that it can be compared with the general JSON decoder.
  */
 #include "mb.h"
 
+#include "output_event.h"
 #include "sse.h"
 
 #define PARSER_MT "moonbox.sse.Parser"
@@ -94,6 +96,27 @@ static int p_gc(lua_State *L)
     return 0;
 }
 
+/* sse.decode_output(data) -> stream, bytes when data is an output event's payload of the usual
+ * shape ({"stream":"stdout"|"stderr","data":"..."}), else nil (decode it as JSON instead).
+ * Does not yield. */
+static int l_decode_output(lua_State *L)
+{
+    size_t n;
+    const char *s = luaL_checklstring(L, 1, &n);
+    luaL_Buffer b;
+    char *out = luaL_buffinitsize(L, &b, n ? n : 1);
+    size_t len = 0;
+    int kind = output_event_decode(s, n, out, &len);
+    if (kind == OUTPUT_NOT_SHAPE) {
+        lua_pushnil(L);
+        return 1;
+    }
+    luaL_pushresultsize(&b, len);
+    lua_pushstring(L, kind == OUTPUT_STDOUT ? "stdout" : "stderr");
+    lua_insert(L, -2);
+    return 2;
+}
+
 int luaopen_moonbox_sse(lua_State *L)
 {
     static const luaL_Reg methods[] = {
@@ -110,5 +133,7 @@ int luaopen_moonbox_sse(lua_State *L)
     lua_newtable(L);
     lua_pushcfunction(L, l_parser);
     lua_setfield(L, -2, "parser");
+    lua_pushcfunction(L, l_decode_output);
+    lua_setfield(L, -2, "decode_output");
     return 1;
 }

@@ -154,6 +154,22 @@ sb:exec("echo working; exit 9", { env = { API_TOKEN = %q } }):check()
 end)
 
 describe("output", function()
+  it("delivers NULs and multi-megabyte output byte for byte, invalid UTF-8 as U+FFFD", T.async(function()
+    -- The backend sends output as UTF-8 text: bytes that are not UTF-8 arrive as U+FFFD.
+    local r = sb:exec([[printf 'a\0b\377c\303\251'; printf 'e\0rr' >&2]])
+    assert.are.equal("a\0b\239\191\189c\195\169", r.stdout)
+    assert.are.equal("e\0rr", r.stderr)
+    -- many events, interleaved streams, lines cut anywhere by the pipes
+    local n = 3 * 1024 * 1024
+    local big = sb:exec("yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c " .. n ..
+      "; echo done >&2", { max_output = 4 * n })
+    local line = "0123456789abcdefghijklmnopqrstuvwxyz\n"
+    local want = string.rep(line, n // #line + 1):sub(1, n)
+    assert.are.equal(n, #big.stdout)
+    assert.is_true(want == big.stdout, "stdout differs from the command's output")
+    assert.are.equal("done\n", big.stderr)
+  end))
+
   it("truncates each stream at max_output bytes with multi-byte output", T.async(function()
     local r = sb:exec("for i in $(seq 100); do printf 'é'; done; printf 'ab' >&2", { max_output = 7 })
     assert.is_true(r.truncated)

@@ -206,17 +206,26 @@ function Process:kill(sig, opts)
   return how
 end
 
---- Reads the run's SSE stream into p's outputs and line queue until the exit event.
+--- Reads the run's SSE stream into p's outputs and line queue until the exit event. Output
+-- events come decoded from C (resp:read_output: the bytes, no JSON value per event; output of
+-- one stream that arrived together as one chunk); every other event's data is JSON-decoded
+-- here, and so is an output event of an unusual shape.
 local function pump(p, resp, opts)
   local max = opts.max_output or DEFAULT_MAX_OUTPUT
   local kept = { stdout = 0, stderr = 0 }
+  local on_output = opts.on_output
   while true do
-    local ev = resp:read_event()
-    if not ev then break end
-    local d = json.decode(ev.data)
-    if ev.event == "output" and type(d) == "table" and p.out[d.stream] then
-      local stream, data = d.stream, d.data or ""
-      if opts.on_output then opts.on_output(stream, data) end
+    local event, stream, data = resp:read_output()
+    if not event then break end
+    local d
+    if stream == nil then
+      d = json.decode(data)
+      if event == "output" and type(d) == "table" and p.out[d.stream] then
+        stream, data = d.stream, d.data or ""
+      end
+    end
+    if stream then
+      if on_output then on_output(stream, data) end
       if p.line_stream == stream then
         p.lines_buf[#p.lines_buf + 1] = data
         p.cond:broadcast()
@@ -236,9 +245,9 @@ local function pump(p, resp, opts)
       elseif #data > 0 then
         p.truncated = true
       end
-    elseif ev.event == "exit" and type(d) == "table" then
+    elseif event == "exit" and type(d) == "table" then
       p.code = math.tointeger(d.exit_code) or d.exit_code
-    elseif ev.event == "error" and type(d) == "table" then
+    elseif event == "error" and type(d) == "table" then
       p.failure = api.error { op = "sandbox:exec", code = "exec_error", status = d.status,
         sandbox_id = p.sb.id, exec_id = p.exec_id, message = tostring(d.message) }
       break

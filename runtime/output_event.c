@@ -1,0 +1,179 @@
+/* output_event.c - decodes the data of an exec `output` event (see output_event.h).
+ *
+ * A hand-written scanner for one fixed object shape: it walks the text once, copying the data
+ * string's bytes to the output as it goes, so an event costs one pass and no allocation. Any
+ * deviation returns OUTPUT_NOT_SHAPE at once; correctness for odd input is the general decoder's
+ * job, this file only has to be exact for the input it accepts.
+ */
+#include "output_event.h"
+
+#include <string.h>
+
+static size_t skip_ws(const char *s, size_t i, size_t n)
+{
+    while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r'))
+        i++;
+    return i;
+}
+
+static int hex4(const char *s, unsigned *v)
+{
+    unsigned x = 0;
+    for (int k = 0; k < 4; k++) {
+        unsigned char c = (unsigned char)s[k];
+        unsigned d;
+        if (c >= '0' && c <= '9')
+            d = c - '0';
+        else if (c >= 'a' && c <= 'f')
+            d = c - 'a' + 10;
+        else if (c >= 'A' && c <= 'F')
+            d = c - 'A' + 10;
+        else
+            return 0;
+        x = x * 16 + d;
+    }
+    *v = x;
+    return 1;
+}
+
+static size_t put_utf8(char *o, unsigned cp)
+{
+    if (cp < 0x80) {
+        o[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        o[0] = (char)(0xC0 | (cp >> 6));
+        o[1] = (char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        o[0] = (char)(0xE0 | (cp >> 12));
+        o[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        o[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    o[0] = (char)(0xF0 | (cp >> 18));
+    o[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+    o[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+    o[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+/* Decodes the JSON string whose opening quote is s[i-1]; writes its bytes to out (when out is
+ * not NULL) and their count to *len. Returns the index after the closing quote, or 0 when the
+ * string is not one this decoder accepts. */
+static size_t scan_string(const char *s, size_t i, size_t n, char *out, size_t *len)
+{
+    size_t o = 0;
+    while (i < n) {
+        /* the run of plain bytes up to the next quote, backslash or control character */
+        size_t j = i;
+        while (j < n && s[j] != '"' && s[j] != '\\' && (unsigned char)s[j] >= 0x20)
+            j++;
+        if (out && j > i) memcpy(out + o, s + i, j - i);
+        o += j - i;
+        if (j == n) return 0;
+        if (s[j] == '"') {
+            *len = o;
+            return j + 1;
+        }
+        if (s[j] != '\\') return 0; /* a raw control character */
+        if (j + 1 >= n) return 0;
+        char e = s[j + 1], c;
+        i = j + 2;
+        switch (e) {
+        case '"':
+        case '\\':
+        case '/':
+            c = e;
+            break;
+        case 'b':
+            c = '\b';
+            break;
+        case 'f':
+            c = '\f';
+            break;
+        case 'n':
+            c = '\n';
+            break;
+        case 'r':
+            c = '\r';
+            break;
+        case 't':
+            c = '\t';
+            break;
+        case 'u': {
+            unsigned cp;
+            if (i + 4 > n || !hex4(s + i, &cp)) return 0;
+            i += 4;
+            if (cp >= 0xDC00 && cp <= 0xDFFF) return 0; /* a low surrogate alone */
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                unsigned lo;
+                if (i + 6 > n || s[i] != '\\' || s[i + 1] != 'u' || !hex4(s + i + 2, &lo) ||
+                    lo < 0xDC00 || lo > 0xDFFF)
+                    return 0;
+                i += 6;
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+            }
+            char tmp[4];
+            size_t k = put_utf8(out ? out + o : tmp, cp);
+            o += k;
+            continue;
+        }
+        default:
+            return 0;
+        }
+        if (out) out[o] = c;
+        o++;
+    }
+    return 0;
+}
+
+int output_event_decode(const char *s, size_t n, char *out, size_t *out_len)
+{
+    int stream = 0, have_data = 0;
+    size_t i = skip_ws(s, 0, n);
+    if (i >= n || s[i] != '{') return OUTPUT_NOT_SHAPE;
+    i++;
+    for (int field = 0; field < 2; field++) {
+        i = skip_ws(s, i, n);
+        if (i >= n || s[i] != '"') return OUTPUT_NOT_SHAPE;
+        size_t key = i + 1, klen;
+        /* keys are plain ASCII here: a key with an escape is not this shape */
+        size_t end = key;
+        while (end < n && s[end] != '"' && s[end] != '\\')
+            end++;
+        if (end >= n || s[end] != '"') return OUTPUT_NOT_SHAPE;
+        klen = end - key;
+        i = skip_ws(s, end + 1, n);
+        if (i >= n || s[i] != ':') return OUTPUT_NOT_SHAPE;
+        i = skip_ws(s, i + 1, n);
+        if (i >= n || s[i] != '"') return OUTPUT_NOT_SHAPE;
+        i++;
+        if (klen == 6 && memcmp(s + key, "stream", 6) == 0 && !stream) {
+            if (i + 7 <= n && memcmp(s + i, "stdout\"", 7) == 0)
+                stream = OUTPUT_STDOUT;
+            else if (i + 7 <= n && memcmp(s + i, "stderr\"", 7) == 0)
+                stream = OUTPUT_STDERR;
+            else
+                return OUTPUT_NOT_SHAPE;
+            i += 7;
+        } else if (klen == 4 && memcmp(s + key, "data", 4) == 0 && !have_data) {
+            size_t len;
+            i = scan_string(s, i, n, out, &len);
+            if (i == 0) return OUTPUT_NOT_SHAPE;
+            *out_len = len;
+            have_data = 1;
+        } else {
+            return OUTPUT_NOT_SHAPE;
+        }
+        i = skip_ws(s, i, n);
+        if (i >= n) return OUTPUT_NOT_SHAPE;
+        if (field == 0 && s[i] != ',') return OUTPUT_NOT_SHAPE;
+        if (field == 1 && s[i] != '}') return OUTPUT_NOT_SHAPE;
+        i++;
+    }
+    if (skip_ws(s, i, n) != n) return OUTPUT_NOT_SHAPE;
+    return stream;
+}
