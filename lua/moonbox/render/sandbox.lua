@@ -27,6 +27,7 @@ local files = require "moonbox.render.files"
 local snapshots = require "moonbox.render.snapshots"
 local ledger = require "moonbox.ledger"
 local json = require "moonbox.json"
+local http = require "moonbox.http"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local trace = require "moonbox.trace"
@@ -106,25 +107,64 @@ local function adopt(sb)
   return sb
 end
 
---- sb:wait_running{timeout = 120, interval = 0.01} -> sb once it is running. Polls the
--- sandbox, the interval doubling from `interval` up to 1 s (a local create runs in ~20 ms, a
--- cloud one in seconds: 10 ms first keeps the first without flooding the second). Raises code
--- "sandbox_not_running" if it becomes errored or terminated, and "timeout" after the deadline
--- (the sandbox is then left as it is: whoever owns it decides). Does not wake a suspended
--- sandbox. [yields]
+-- ---- waiting for a status ---------------------------------------------------------------------
+
+-- The poll schedule of wait_running: without an event stream the interval doubles from POLL_FAST
+-- up to 1 s (a local create runs in ~20 ms, a cloud one in seconds: 10 ms first catches the
+-- first without flooding the second); while the sandbox's log stream is open the poll is only
+-- a safety net and starts at POLL_NET (an event wakes the wait at once).
+local POLL_FAST, POLL_NET, POLL_MAX = 0.01, 0.25, 1
+
+--- Follows the sandbox's log stream (GET /sandboxes/{id}/logs, SSE) and calls poke(type) for
+-- every lifecycle event it carries (the stream replays the sandbox's history first, then
+-- follows). Calls opened() once the stream answers 2xx. Returns quietly when the stream cannot
+-- be opened, fails or ends: the caller's poll goes on regardless. [yields]
+local function follow_lifecycle(sb, opened, poke)
+  local c = connection(sb)
+  local ok, resp = pcall(http.stream, { url = c.base .. "/sandboxes/" .. sb.id .. "/logs",
+    headers = { Authorization = "Bearer " .. c.api_key, Accept = "text/event-stream",
+      ["User-Agent"] = "moonbox/" .. core.version }, connect_timeout = 10, idle_timeout = 120 })
+  if not ok then
+    if task.is_cancelled(resp) then error(resp, 0) end
+    return
+  end
+  local _ <close> = resp
+  if resp.status < 200 or resp.status >= 300 then return end
+  opened()
+  while true do
+    local rok, ev = pcall(resp.read_event, resp)
+    if not rok then
+      if task.is_cancelled(ev) then error(ev, 0) end
+      return
+    end
+    if not ev then return end
+    if ev.event == "lifecycle" then
+      local dok, d = pcall(json.decode, ev.data)
+      if dok and type(d) == "table" and type(d.type) == "string" then poke(d.type) end
+    end
+  end
+end
+
+--- sb:wait_running{timeout = 120, interval} -> sb once it is running. Learns the transition
+-- from the sandbox's log stream, whose lifecycle events wake the wait as soon as the backend
+-- records them; each wake (an event, or a poll) re-reads the sandbox, and that answer decides
+-- (the stream replays old transitions first). The poll goes on beside the stream as a safety
+-- net, in case the stream says nothing (or cannot be opened): from `interval` (default 10 ms,
+-- or 0.25 s once the stream is open), doubling up to 1 s. Raises code "sandbox_not_running"
+-- if it becomes errored or terminated, and "timeout" after the deadline (the sandbox is then
+-- left as it is: whoever owns it decides). Does not wake a suspended sandbox. [yields]
 local function wait_running(sb, opts)
   opts = opts or {}
   local limit = opts.timeout or 120
   local deadline = core.now() + limit
-  local interval = opts.interval or 0.01
-  while true do
+  local function check()
     local s = sb.status
     if s == "running" then
       if not rawget(sb, "_seen_running") then
         rawset(sb, "_seen_running", true)
         events.emit("running", sb)
       end
-      return sb
+      return true
     end
     if s == "errored" or s == "terminated" then
       error(api.error { op = "sandboxes.wait_running", code = "sandbox_not_running", sandbox_id = sb.id,
@@ -134,10 +174,39 @@ local function wait_running(sb, opts)
       error(api.error { op = "sandboxes.wait_running", code = "timeout", sandbox_id = sb.id,
         message = string.format("sandbox %s still %s after %g s", sb.id, tostring(s), limit) }, 0)
     end
-    task.sleep(interval)
-    interval = math.min(interval * 2, 1)
-    refresh(sb)
+    return false
   end
+  if check() then return sb end
+  -- A wake is pending until the wait has re-read the sandbox, so none is lost while it does.
+  local wake, pending = core.cond(), false
+  local function poke()
+    pending = true
+    wake:broadcast()
+  end
+  local streaming = false
+  local follower = task.spawn(follow_lifecycle, sb, function() streaming = true end, poke)
+  core.observe(follower)
+  local poller = task.spawn(function()
+    local interval = opts.interval or POLL_FAST
+    while true do
+      task.sleep(math.max(0, math.min(interval, deadline - core.now())))
+      poke()
+      interval = math.min(interval * 2, POLL_MAX)
+      if streaming and not opts.interval and interval < POLL_NET then interval = POLL_NET end
+    end
+  end)
+  local ok, err = pcall(function()
+    while true do
+      if not pending then wake:wait() end
+      pending = false
+      refresh(sb)
+      if check() then return end
+    end
+  end)
+  task.cancel(poller)
+  task.cancel(follower)
+  if not ok then error(err, 0) end
+  return sb
 end
 
 --- The methods of every Sandbox, each from the part that implements it. This table is the one

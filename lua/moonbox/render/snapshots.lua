@@ -124,29 +124,52 @@ function snapshot_methods.refresh(snap)
   return snap
 end
 
---- snap:wait_available{timeout = 300, interval = 0.1} -> snap once its status is "available".
--- Polls with backoff (the interval doubles up to 2 s). Raises code "snapshot_failed" (message:
--- the snapshot's error text) if capture failed, "timeout" after the deadline. [yields]
+-- The poll of wait_available. Render's API has no event for a snapshot's capture, so the wait
+-- polls, adaptively: its first look is at the backend's typical capture time, learned from the
+-- last capture this process waited for (FIRST_LOOK before there is one), a little before it;
+-- after that each look comes SLACK of the time since the request after the previous one (at
+-- least MIN_STEP, at most MAX_STEP apart). A capture that ends between two looks is therefore
+-- seen at most 10% of its own duration late (plus one GET), and a capture of T seconds costs
+-- about log(T / first look) / log(1.1) GETs, not T / interval.
+local FIRST_LOOK, SLACK, MIN_STEP, MAX_STEP = 0.05, 0.1, 0.005, 2
+local learned -- seconds from request to available of the last capture waited for, or nil
+
+--- snapshots.learned_capture_seconds() -> what the last capture this process waited for took
+-- (from its request to the look that saw it available), or nil before the first.
+function M.learned_capture_seconds() return learned end
+
+--- snap:wait_available{timeout = 300, interval} -> snap once its status is "available". Polls
+-- adaptively (see above); interval, when given, is the first look's delay in seconds after the
+-- capture was requested. Raises code "snapshot_failed" (message: the snapshot's error text)
+-- if capture failed, "timeout" after the deadline. [yields]
 function snapshot_methods.wait_available(snap, opts)
   opts = opts or {}
   local limit = opts.timeout or 300
-  local deadline = core.now() + limit
-  local interval = opts.interval or 0.1
+  local start = core.now()
+  local deadline = start + limit
+  local requested = rawget(snap, "_requested") -- when this process asked for the capture
+  local t0 = requested or start
+  local next_look = t0 + (opts.interval or (learned and learned * (1 - SLACK)) or FIRST_LOOK)
   while true do
     local s = rawget(snap, "_data").status
-    if s == "available" then return snap end
+    if s == "available" then
+      if requested then learned = core.now() - requested end
+      return snap
+    end
     if s == "failed" then
       error(api.error { op = "snapshots.wait_available", code = "snapshot_failed", snapshot_id = snap.id,
         sandbox_id = snap.source_sandbox_id,
         message = "snapshot " .. snap.id .. " failed: " .. tostring(snap.error or "no reason given") }, 2)
     end
-    if core.now() >= deadline then
+    local now = core.now()
+    if now >= deadline then
       error(api.error { op = "snapshots.wait_available", code = "timeout", snapshot_id = snap.id,
         message = string.format("snapshot %s still %s after %g s", snap.id, tostring(s), limit) }, 2)
     end
-    task.sleep(math.min(interval, math.max(deadline - core.now(), 0)))
-    interval = math.min(interval * 2, 2)
+    task.sleep(math.max(0, math.min(next_look, deadline) - now))
     snap:refresh()
+    local elapsed = core.now() - t0
+    next_look = t0 + elapsed + math.min(math.max(elapsed * SLACK, MIN_STEP), MAX_STEP)
   end
 end
 
@@ -257,11 +280,13 @@ function M.capture(sb, opts)
     error("sb:snapshot: expires_at must be a unix time or an RFC 3339 string", 2)
   end
   local c = sb:connection()
+  local requested = core.now()
   local data = api.call(c, "sandbox:snapshot", "POST", "/sandboxes/" .. sb.id .. "/snapshots", {
     query = { ownerId = c.workspace },
     body = { kind = kind, name = opts.name, expiresAt = expires },
     idempotent = false, sandbox_id = sb.id })
   local snap = wrap_snapshot(c, data)
+  rawset(snap, "_requested", requested)
   if opts.wait ~= false then snap:wait_available { timeout = opts.wait_timeout } end
   return snap
 end
