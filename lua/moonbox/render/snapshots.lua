@@ -126,16 +126,19 @@ end
 
 -- The poll of wait_available. Render's API has no event for a snapshot's capture, so the wait
 -- polls, adaptively: its first look is at the backend's typical capture time, learned from the
--- last capture this process waited for (FIRST_LOOK before there is one), a little before it;
--- after that each look comes SLACK of the time since the request after the previous one (at
--- least MIN_STEP, at most MAX_STEP apart). A capture that ends between two looks is therefore
--- seen at most 10% of its own duration late (plus one GET), and a capture of T seconds costs
--- about log(T / first look) / log(1.1) GETs, not T / interval.
-local FIRST_LOOK, SLACK, MIN_STEP, MAX_STEP = 0.05, 0.1, 0.005, 2
-local learned -- seconds from request to available of the last capture waited for, or nil
+-- last capture this process waited for (FIRST_LOOK before there is one); after that each look
+-- comes SLACK of the time since the request after the previous one (at least MIN_STEP, at most
+-- MAX_STEP apart). A capture that ends between two looks is therefore seen at most 10% of its
+-- own duration late (plus one GET), and a capture of T seconds costs about
+-- log(T / first look) / log(1.1) GETs, not T / interval. What is learned is a lower bound of the
+-- capture's time: the last look that still saw "creating"; when the very first look already
+-- saw "available" the capture may have been much quicker, and the next first look comes at
+-- EARLIER of this one, so the estimate follows quicker captures down within a few.
+local FIRST_LOOK, SLACK, MIN_STEP, MAX_STEP, EARLIER = 0.05, 0.1, 0.005, 2, 0.6
+local learned -- seconds from request to the end of the last capture waited for (see above)
 
---- snapshots.learned_capture_seconds() -> what the last capture this process waited for took
--- (from its request to the look that saw it available), or nil before the first.
+--- snapshots.learned_capture_seconds() -> how long the next capture is expected to take at
+-- least, from the last one this process waited for (see above), or nil before the first.
 function M.learned_capture_seconds() return learned end
 
 --- snap:wait_available{timeout = 300, interval} -> snap once its status is "available". Polls
@@ -149,11 +152,13 @@ function snapshot_methods.wait_available(snap, opts)
   local deadline = start + limit
   local requested = rawget(snap, "_requested") -- when this process asked for the capture
   local t0 = requested or start
-  local next_look = t0 + (opts.interval or (learned and learned * (1 - SLACK)) or FIRST_LOOK)
+  local first_look = opts.interval or learned or FIRST_LOOK
+  local next_look = t0 + first_look
+  local still_creating -- seconds after t0 of the last look that saw "creating"
   while true do
     local s = rawget(snap, "_data").status
     if s == "available" then
-      if requested then learned = core.now() - requested end
+      if requested then learned = still_creating or first_look * EARLIER end
       return snap
     end
     if s == "failed" then
@@ -167,7 +172,9 @@ function snapshot_methods.wait_available(snap, opts)
         message = string.format("snapshot %s still %s after %g s", snap.id, tostring(s), limit) }, 2)
     end
     task.sleep(math.max(0, math.min(next_look, deadline) - now))
+    local looked = core.now() - t0
     snap:refresh()
+    if snap.status == "creating" then still_creating = looked end
     local elapsed = core.now() - t0
     next_look = t0 + elapsed + math.min(math.max(elapsed * SLACK, MIN_STEP), MAX_STEP)
   end
