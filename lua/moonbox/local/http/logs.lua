@@ -1,11 +1,17 @@
 --- moonbox.local.http.logs — GET /v1/sandboxes/:id/logs: a sandbox's log and lifecycle events
--- as SSE, following until it ends (or not, with follow=false).
+-- as SSE, following until it ends (or not, with follow=false). An event is written the moment
+-- the service records it (svc:emit wakes the followers), so a client waiting for a status
+-- (render's wait_running) learns it at once. A follower with nothing to say sends a keep-alive
+-- comment every KEEPALIVE seconds, as Render's streams do: libmicrohttpd notices a client that
+-- left only when something is written to it, and the follower is then freed.
 local json = require "moonbox.json"
+local task = require "moonbox.task"
 local ids = require "moonbox.ids"
 local route = require "moonbox.local.http.route"
 
 local M = {}
 local fail = route.fail
+local KEEPALIVE = 15
 
 function M.logs(b, req, ctx, res)
   local rec = b.svc:find_sandbox(req.captures.id)
@@ -35,7 +41,11 @@ function M.logs(b, req, ctx, res)
         end
       end
       if finished or not follow then break end
-      cond:wait()
+      local woke, err = pcall(task.timeout, KEEPALIVE, cond.wait, cond)
+      if not woke then
+        if not (type(err) == "table" and err.op == "task.timeout") then error(err, 0) end
+        w:comment("keep-alive")
+      end
     end
   end)
   if ok then w:close() end
