@@ -7,7 +7,28 @@
  */
 #include "output_event.h"
 
+#include <stdint.h>
 #include <string.h>
+
+/* The word-at-a-time scan needs the first byte in memory to be the lowest of the word. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define WORDWISE 1
+#else
+#define WORDWISE 0
+#endif
+
+#define ONES  0x0101010101010101ull
+#define HIGHS 0x8080808080808080ull
+
+/* The flags (0x80 in each byte) of the bytes of w that are a quote, a backslash or below
+ * 0x20: the classic "has a zero byte" test on w XOR the byte, and "has a byte less than n" for
+ * the controls. A borrow may flag a byte above a real hit too, never one below the first: the
+ * lowest flag is exact, which is all the scanner uses. */
+static uint64_t specials8(uint64_t w)
+{
+    uint64_t q = w ^ (ONES * '"'), b = w ^ (ONES * '\\');
+    return (((q - ONES) & ~q) | ((b - ONES) & ~b) | ((w - ONES * 0x20) & ~w)) & HIGHS;
+}
 
 static size_t skip_ws(const char *s, size_t i, size_t n)
 {
@@ -60,18 +81,36 @@ static size_t put_utf8(char *o, unsigned cp)
     return 4;
 }
 
-/* Decodes the JSON string whose opening quote is s[i-1]; writes its bytes to out (when out is
- * not NULL) and their count to *len. Returns the index after the closing quote, or 0 when the
+/* Decodes the JSON string whose opening quote is s[i-1]; writes its bytes to out (room for
+ * n - i bytes) and their count to *len. Returns the index after the closing quote, or 0 when the
  * string is not one this decoder accepts. */
 static size_t scan_string(const char *s, size_t i, size_t n, char *out, size_t *len)
 {
     size_t o = 0;
     while (i < n) {
-        /* the run of plain bytes up to the next quote, backslash or control character */
+        /* the run of plain bytes up to the next quote, backslash or control character, eight
+         * bytes at a time: each word is copied whole (o + 8 <= j + 8 <= n: within out), and the
+         * first special byte in it, if any, ends the run (little-endian: the lowest flag is the
+         * first byte) */
         size_t j = i;
-        while (j < n && s[j] != '"' && s[j] != '\\' && (unsigned char)s[j] >= 0x20)
-            j++;
-        if (out && j > i) memcpy(out + o, s + i, j - i);
+        for (;;) {
+            if (j + 8 > n || !WORDWISE) {
+                while (j < n && s[j] != '"' && s[j] != '\\' && (unsigned char)s[j] >= 0x20) {
+                    out[o + (j - i)] = s[j];
+                    j++;
+                }
+                break;
+            }
+            uint64_t w;
+            memcpy(&w, s + j, 8);
+            memcpy(out + o + (j - i), &w, 8);
+            uint64_t hit = specials8(w);
+            if (hit) {
+                j += (size_t)__builtin_ctzll(hit) / 8;
+                break;
+            }
+            j += 8;
+        }
         o += j - i;
         if (j == n) return 0;
         if (s[j] == '"') {
@@ -116,16 +155,13 @@ static size_t scan_string(const char *s, size_t i, size_t n, char *out, size_t *
                 i += 6;
                 cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
             }
-            char tmp[4];
-            size_t k = put_utf8(out ? out + o : tmp, cp);
-            o += k;
+            o += put_utf8(out + o, cp);
             continue;
         }
         default:
             return 0;
         }
-        if (out) out[o] = c;
-        o++;
+        out[o++] = c;
     }
     return 0;
 }

@@ -260,9 +260,14 @@ static int sse_parse(sse_parser *p, const char *buf, size_t len)
             if (buf[i] == ' ') i++;
             p->state = SSE_ST_VALUE;
             continue;
-        default:
-            while (j < len && buf[j] != '\r' && buf[j] != '\n')
-                j++;
+        default: {
+            /* Values are long (a 64 KiB output event is one data line): find the line end with
+             * memchr, which scans a word or a vector at a time, not byte by byte. */
+            const char *lf = memchr(buf + i, '\n', len - i);
+            size_t end = lf ? (size_t)(lf - buf) : len;
+            const char *cr = memchr(buf + i, '\r', end - i);
+            j = cr ? (size_t)(cr - buf) : end;
+        }
             if ((rc = sse_take_value(p, buf + i, j - i)) != 0) return rc;
             if (j == len) return 0;
             break;

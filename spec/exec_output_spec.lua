@@ -41,6 +41,20 @@ describe("sse.decode_output", function()
     end
   end)
 
+  it("gives back the bytes of random strings the JSON encoder escaped", function()
+    -- quotes, backslashes, controls, NULs, high bytes, each at every offset of an 8-byte word
+    local alphabet = { "a", "b", "\"", "\\", "/", "\n", "\0", "\1", "\31", " ", "\127", "\128", "\255", "é" }
+    math.randomseed(13)
+    for _ = 1, 500 do
+      local parts = {}
+      for k = 1, math.random(0, 80) do parts[k] = alphabet[math.random(#alphabet)] end
+      local text = table.concat(parts)
+      local stream, bytes = sse.decode_output(cjson.encode({ stream = "stdout", data = text }))
+      assert.are.equal("stdout", stream)
+      assert.are.equal(text, bytes)
+    end
+  end)
+
   it("declines every other shape, leaving it to the JSON decoder", function()
     for _, json in ipairs({
       '{"stream":"stdout"}', '{"data":"x"}', '{"stream":"stdin","data":"x"}',
