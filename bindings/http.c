@@ -119,47 +119,88 @@ static int valid_header_text(const char *s, size_t n)
     return 1;
 }
 
-/* Collects opts.headers ({name = value} or {"Name: value"}) into a NULL-terminated array of
- * strings anchored in a Lua table at the top of the stack. Rejects CR/LF (header injection). */
-static const char **collect_headers(lua_State *L, int t, int *anchor)
+/* The header lines of the request being started, "Name: value" each, NUL-terminated, back to
+ * back; reused by every request (the lines are only read while http_request_start copies or
+ * compares them, and one Lua state drives the client), so starting a request allocates nothing
+ * for its headers once the buffers have grown. */
+static struct {
+    char *text;
+    size_t len, cap;
+    size_t *offs;
+    const char **lines;
+    size_t n, cap_n;
+} g_hdr;
+
+/* Appends a line made of a, sep and b (each with its length) to g_hdr; raises when out of
+ * memory. */
+static void hdr_append(lua_State *L, const char *a, size_t al, const char *sep, size_t sl,
+                       const char *b, size_t bl)
 {
-    lua_newtable(L);
-    *anchor = lua_gettop(L);
-    int n = 0;
-    if (lua_getfield(L, t, "headers") == LUA_TTABLE) {
-        int h = lua_gettop(L);
-        lua_pushnil(L);
-        while (lua_next(L, h)) {
-            size_t kl = 0, vl = 0;
-            if (lua_type(L, -2) == LUA_TNUMBER) {
-                const char *line = luaL_tolstring(L, -1, &vl);
-                if (!valid_header_text(line, vl) || !memchr(line, ':', vl))
-                    luaL_error(L, "http: header line %q is not 'Name: value'", line);
-                lua_rawseti(L, *anchor, ++n);
-            } else {
-                const char *k = lua_tolstring(L, -2, &kl);
-                const char *v = luaL_tolstring(L, -1, &vl);
-                if (!k || !valid_header_text(k, kl) || !valid_header_text(v, vl))
-                    luaL_error(L, "http: header %s contains a line break or NUL", k ? k : "?");
-                lua_pushfstring(L, "%s: %s", k, v);
-                lua_rawseti(L, *anchor, ++n);
-                lua_pop(L, 1);
-            }
-            lua_pop(L, 1);
+    size_t need = al + sl + bl + 1;
+    if (need > g_hdr.cap - g_hdr.len) {
+        size_t cap = g_hdr.cap ? g_hdr.cap : 1024;
+        while (cap - g_hdr.len < need)
+            cap *= 2;
+        char *t = (char *)realloc(g_hdr.text, cap);
+        if (!t) luaL_error(L, "http: out of memory building request headers");
+        g_hdr.text = t;
+        g_hdr.cap = cap;
+    }
+    if (g_hdr.n + 1 >= g_hdr.cap_n) {
+        size_t c = g_hdr.cap_n ? g_hdr.cap_n * 2 : 16;
+        size_t *o = (size_t *)realloc(g_hdr.offs, c * sizeof *o);
+        if (!o) luaL_error(L, "http: out of memory building request headers");
+        g_hdr.offs = o;
+        const char **l = (const char **)realloc(g_hdr.lines, c * sizeof *l);
+        if (!l) luaL_error(L, "http: out of memory building request headers");
+        g_hdr.lines = l;
+        g_hdr.cap_n = c;
+    }
+    g_hdr.offs[g_hdr.n++] = g_hdr.len;
+    char *p = g_hdr.text + g_hdr.len;
+    memcpy(p, a, al);
+    memcpy(p + al, sep, sl);
+    memcpy(p + al + sl, b, bl);
+    p[al + sl + bl] = '\0';
+    g_hdr.len += need;
+}
+
+/* Collects opts.headers ({name = value} or {"Name: value"}) into a NULL-terminated array of
+ * lines valid until the next call (NULL when there are none). Rejects CR/LF (header
+ * injection). Leaves the stack as it found it. */
+static const char **collect_headers(lua_State *L, int t)
+{
+    g_hdr.len = g_hdr.n = 0;
+    int type = lua_getfield(L, t, "headers");
+    if (type == LUA_TNIL) {
+        lua_pop(L, 1);
+        return NULL;
+    }
+    if (type != LUA_TTABLE) luaL_error(L, "http: option 'headers' must be a table");
+    int h = lua_gettop(L);
+    lua_pushnil(L);
+    while (lua_next(L, h)) {
+        size_t kl = 0, vl = 0;
+        if (lua_type(L, -2) == LUA_TNUMBER) {
+            const char *line = luaL_tolstring(L, -1, &vl);
+            if (!valid_header_text(line, vl) || !memchr(line, ':', vl))
+                luaL_error(L, "http: header line %q is not 'Name: value'", line);
+            hdr_append(L, line, vl, "", 0, "", 0);
+        } else {
+            const char *k = lua_tolstring(L, -2, &kl);
+            const char *v = luaL_tolstring(L, -1, &vl);
+            if (!k || !valid_header_text(k, kl) || !valid_header_text(v, vl))
+                luaL_error(L, "http: header %s contains a line break or NUL", k ? k : "?");
+            hdr_append(L, k, kl, ": ", 2, v, vl);
         }
-    } else if (!lua_isnil(L, -1)) {
-        luaL_error(L, "http: option 'headers' must be a table");
+        lua_pop(L, 2); /* the tolstring result and the value */
     }
     lua_pop(L, 1);
-    const char **arr = (const char **)lua_newuserdatauv(L, sizeof(char *) * (size_t)(n + 1), 0);
-    for (int i = 1; i <= n; i++) {
-        lua_rawgeti(L, *anchor, i);
-        arr[i - 1] = lua_tostring(L, -1);
-        lua_pop(L, 1);
-    }
-    arr[n] = NULL;
-    lua_rawseti(L, *anchor, n + 1); /* keeps the array alive with the strings */
-    return arr;
+    if (g_hdr.n == 0) return NULL;
+    for (size_t i = 0; i < g_hdr.n; i++)
+        g_hdr.lines[i] = g_hdr.text + g_hdr.offs[i];
+    g_hdr.lines[g_hdr.n] = NULL;
+    return g_hdr.lines;
 }
 
 static void notify_cb(http_request *r, void *ud, int events)
@@ -179,8 +220,8 @@ static http_op *start_op(lua_State *L, http_op *op, int stream)
     spec.url = opt_string(L, 1, "url");
     if (!spec.url) luaL_error(L, "http: option 'url' is required");
     spec.method = opt_string(L, 1, "method");
-    int anchor;
-    spec.headers = collect_headers(L, 1, &anchor);
+    int top = lua_gettop(L);
+    spec.headers = collect_headers(L, 1);
     if (lua_getfield(L, 1, "body") != LUA_TNIL) {
         if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "http: option 'body' must be a string");
         spec.body = lua_tolstring(L, -1, &spec.body_len);
@@ -210,7 +251,7 @@ static http_op *start_op(lua_State *L, http_op *op, int stream)
     op->stream = stream;
     char err[512];
     op->req = http_request_start(get_client(L), &spec, notify_cb, op, err, sizeof err);
-    lua_settop(L, anchor - 1);
+    lua_settop(L, top);
     if (!op->req) {
         mb_error_new(L, "http.request", "request_failed", "%s %s: %s", op->method, op->url, err);
         return NULL;

@@ -25,6 +25,8 @@
 
 #define EASY_POOL_MAX 64
 #define CACHE_MIN     16 /* connections kept however few requests ever ran at once */
+#define REQ_POOL_MAX  64
+#define REQ_KEEP_BUF  (256 * 1024) /* a body buffer larger than this is not kept for reuse */
 
 typedef struct sock_watch {
     ev_io io;
@@ -39,6 +41,9 @@ struct http_client {
     int closing; /* the owner called http_client_free */
     CURL *pool[EASY_POOL_MAX];
     int npool;
+    /* Finished requests kept for reuse with their buffers and header list (see req_alloc). */
+    struct http_request *spare[REQ_POOL_MAX];
+    int nspare;
     /* The connection cache (see cache_fit): requests in curl now, and the cache's size. */
     long inflight;
     long maxconnects;
@@ -91,6 +96,7 @@ struct http_request {
 
 static void deliver_pending(http_client *c);
 static void check_done(http_client *c);
+static void req_destroy(http_request *r);
 
 /* ---- results ------------------------------------------------------------------------------- */
 
@@ -284,6 +290,8 @@ static void client_release(http_client *c)
     ev_timer_stop(c->loop, &c->timer);
     for (int i = 0; i < c->npool; i++)
         curl_easy_cleanup(c->pool[i]);
+    for (int i = 0; i < c->nspare; i++)
+        req_destroy(c->spare[i]);
     /* Socket callbacks (CURL_POLL_REMOVE) may run here; sock_cb tolerates them. */
     curl_multi_cleanup(c->multi);
     ev_timer_stop(c->loop, &c->timer);
@@ -517,6 +525,85 @@ static void deliver_pending(http_client *c)
     }
 }
 
+/* ---- the request pool ------------------------------------------------------------------------ */
+
+/* Frees a request struct and everything it keeps. */
+static void req_destroy(http_request *r)
+{
+    curl_slist_free_all(r->headers_out);
+    free(r->hbuf);
+    free(r->hdrs);
+    free(r->buf);
+    free(r);
+}
+
+/* Returns a zeroed request, reusing a finished one when there is one: its header, header-span
+ * and body buffers keep their capacity (lengths 0), and its header list is kept for
+ * set_headers to compare with. A steady stream of similar requests thus allocates none of
+ * these. NULL when out of memory. */
+static http_request *req_alloc(http_client *c)
+{
+    if (c->nspare == 0) return (http_request *)calloc(1, sizeof(http_request));
+    http_request *r = c->spare[--c->nspare];
+    struct curl_slist *headers = r->headers_out;
+    char *hbuf = r->hbuf, *buf = r->buf;
+    size_t hcap = r->hcap, cap = r->cap, chdrs = r->chdrs;
+    header *hdrs = r->hdrs;
+    memset(r, 0, sizeof *r);
+    r->headers_out = headers;
+    r->hbuf = hbuf;
+    r->hcap = hcap;
+    r->hdrs = hdrs;
+    r->chdrs = chdrs;
+    r->buf = buf;
+    r->cap = cap;
+    return r;
+}
+
+/* Keeps a finished request for req_alloc (its per-transfer resources already released), or
+ * frees it when the pool is full or the client is closing. */
+static void req_recycle(http_client *c, http_request *r)
+{
+    if (c->closing || c->nspare == REQ_POOL_MAX) {
+        req_destroy(r);
+        return;
+    }
+    if (r->cap > REQ_KEEP_BUF) {
+        free(r->buf);
+        r->buf = NULL;
+        r->cap = 0;
+    }
+    c->spare[c->nspare++] = r;
+}
+
+/* Points r->headers_out at "Expect:" (which stops curl waiting a second for 100-continue
+ * before large uploads) followed by the lines of `headers`, reusing the list r already holds
+ * (from the request it was before) when it has exactly those lines. Returns 0, or -1 when out of
+ * memory. */
+static int set_headers(http_request *r, const char *const *headers)
+{
+    struct curl_slist *l = r->headers_out;
+    if (l) {
+        const struct curl_slist *n = l->next;
+        const char *const *h = headers;
+        while (n && h && *h && strcmp(n->data, *h) == 0) {
+            n = n->next;
+            h++;
+        }
+        if (!n && (!h || !*h)) return 0;
+        curl_slist_free_all(l);
+        r->headers_out = NULL;
+    }
+    r->headers_out = curl_slist_append(NULL, "Expect:");
+    if (!r->headers_out) return -1;
+    struct curl_slist *tail = r->headers_out;
+    for (const char *const *h = headers; h && *h; h++) {
+        if (!curl_slist_append(tail, *h)) return -1;
+        tail = tail->next;
+    }
+    return 0;
+}
+
 /* ---- requests -------------------------------------------------------------------------------- */
 
 static void unlink_pending(http_request *r)
@@ -532,7 +619,7 @@ static void unlink_pending(http_request *r)
 http_request *http_request_start(http_client *c, const http_request_spec *spec,
                                  http_notify_fn notify, void *ud, char *err, size_t errlen)
 {
-    http_request *r = (http_request *)calloc(1, sizeof *r);
+    http_request *r = req_alloc(c);
     if (!r) {
         snprintf(err, errlen, "out of memory");
         return NULL;
@@ -615,16 +702,10 @@ http_request *http_request_start(http_client *c, const http_request_spec *spec,
         }
     }
 
-    /* "Expect:" stops curl waiting a second for 100-continue before large uploads. */
-    r->headers_out = curl_slist_append(NULL, "Expect:");
-    for (const char *const *h = spec->headers; h && *h; h++) {
-        struct curl_slist *n = curl_slist_append(r->headers_out, *h);
-        if (!n) {
-            snprintf(err, errlen, "out of memory building request headers");
-            http_request_free(r);
-            return NULL;
-        }
-        r->headers_out = n;
+    if (set_headers(r, spec->headers) != 0) {
+        snprintf(err, errlen, "out of memory building request headers");
+        http_request_free(r);
+        return NULL;
     }
     curl_easy_setopt(e, CURLOPT_HTTPHEADER, r->headers_out);
 
@@ -665,12 +746,8 @@ void http_request_free(http_request *r)
     }
     if (r->in_file) fclose(r->in_file);
     if (r->out_file) fclose(r->out_file);
-    curl_slist_free_all(r->headers_out);
     free(r->body_copy);
-    free(r->hbuf);
-    free(r->hdrs);
-    free(r->buf);
-    free(r);
+    req_recycle(c, r);
     client_release(c);
 }
 
