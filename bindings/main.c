@@ -28,6 +28,73 @@
 #ifndef MOONBOX_INSTALL_CMOD_REL
 #define MOONBOX_INSTALL_CMOD_REL "../lib/moonbox/exe"
 #endif
+#ifndef MOONBOX_BUILD_LUAC_DIR
+#define MOONBOX_BUILD_LUAC_DIR ""
+#endif
+
+/* Where the bytecode of the source tree's Lua library is (see bytecode_searcher), "" if none. */
+static char g_luadir[PATH_MAX];
+
+static int newer_or_same(const struct stat *a, const struct stat *b)
+{
+    if (a->st_mtim.tv_sec != b->st_mtim.tv_sec) return a->st_mtim.tv_sec > b->st_mtim.tv_sec;
+    return a->st_mtim.tv_nsec >= b->st_mtim.tv_nsec;
+}
+
+/* A package.searchers entry, before Lua's own file searcher: for moonbox.* modules of the source
+ * tree this binary was built from, loads the build's precompiled bytecode (CMakeLists.txt,
+ * moonbox-luac) instead of parsing the source, as long as the bytecode is at least as new as
+ * the source (an edited source is parsed until the next build). The chunk keeps its source
+ * name, so errors and tracebacks are the same as with the source; like Lua's searcher it passes
+ * the source's path as the loader's second value. Anything else is left to the next searcher. */
+static int bytecode_searcher(lua_State *L)
+{
+    const char *name = luaL_checkstring(L, 1);
+    if (strncmp(name, "moonbox.", 8) != 0) {
+        lua_pushliteral(L, "\n\tnot a moonbox module (no bytecode)");
+        return 1;
+    }
+    char rel[512];
+    size_t n = strlen(name);
+    if (n >= sizeof rel - 16) return 0;
+    for (size_t i = 0; i <= n; i++)
+        rel[i] = name[i] == '.' ? '/' : name[i];
+    static const char *const forms[] = {"%s/%s.lua", "%s/%s/init.lua"};
+    for (int k = 0; k < 2; k++) {
+        char src[PATH_MAX + 600], bc[PATH_MAX + 600];
+        struct stat ss, bs;
+        snprintf(src, sizeof src, forms[k], g_luadir, rel);
+        if (stat(src, &ss) != 0) continue;
+        snprintf(bc, sizeof bc, forms[k], MOONBOX_BUILD_LUAC_DIR, rel);
+        strncat(bc, "c", sizeof bc - strlen(bc) - 1);
+        if (stat(bc, &bs) != 0 || !newer_or_same(&bs, &ss)) break;
+        if (luaL_loadfilex(L, bc, "b") != LUA_OK) {
+            lua_pop(L, 1);
+            break;
+        }
+        lua_pushstring(L, src);
+        return 2;
+    }
+    lua_pushliteral(L, "\n\tno current bytecode");
+    return 1;
+}
+
+/* Puts bytecode_searcher second in package.searchers (after the preload searcher) when luadir is
+ * the source tree this binary was built from and the build made bytecode. */
+static void install_bytecode_searcher(lua_State *L, const char *luadir)
+{
+    if (!MOONBOX_BUILD_LUAC_DIR[0] || strcmp(luadir, MOONBOX_SOURCE_LUA_DIR) != 0) return;
+    snprintf(g_luadir, sizeof g_luadir, "%s", luadir);
+    lua_getglobal(L, "package");
+    lua_getfield(L, -1, "searchers");
+    for (lua_Integer i = luaL_len(L, -1); i >= 2; i--) {
+        lua_rawgeti(L, -1, i);
+        lua_rawseti(L, -2, i + 1);
+    }
+    lua_pushcfunction(L, bytecode_searcher);
+    lua_rawseti(L, -2, 2);
+    lua_pop(L, 2);
+}
 
 static int has_library(const char *dir)
 {
@@ -119,6 +186,7 @@ int main(int argc, char **argv)
     lua_concat(L, 2);
     lua_setfield(L, -2, "cpath");
     lua_pop(L, 1);
+    install_bytecode_searcher(L, luadir);
 
     /* moonbox.build: facts about this binary, for the CLI and the tests. */
     luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);

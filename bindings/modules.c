@@ -1,19 +1,21 @@
 /*
- * modules.c — the list of moonbox's C modules, for two hosts: the moonbox binary (which puts
- * them in package.preload) and plain lua5.4, which loads the shared library moonbox.so and finds
- * each luaopen_moonbox_* through its all-in-one C loader.
+ * modules.c — the list of moonbox's C modules built into the binary, which puts them in
+ * package.preload. The modules that bring large libraries (moonbox.http: libcurl, moonbox.httpd:
+ * libmicrohttpd, moonbox.store: SQLite, moonbox.lineedit: libedit, moonbox.archive: libarchive)
+ * are not here: they are lib/exe/moonbox/NAME.so, found through the binary's package.cpath by
+ * the first require (CMakeLists.txt, moonbox_lazy_module). Plain lua5.4 loads the shared
+ * library moonbox.so, which has them all, and finds each luaopen_moonbox_* through its
+ * all-in-one C loader.
  */
 #include "mb.h"
 
 #include <lualib.h>
 
 static const luaL_Reg c_modules[] = {
-    {"moonbox.core", luaopen_moonbox_core},         {"moonbox.http", luaopen_moonbox_http},
-    {"moonbox.httpd", luaopen_moonbox_httpd},       {"moonbox.proc", luaopen_moonbox_proc},
-    {"moonbox.sse", luaopen_moonbox_sse},           {"moonbox.store", luaopen_moonbox_store},
-    {"moonbox.strings", luaopen_moonbox_strings},   {"moonbox.timer", luaopen_moonbox_timer},
-    {"moonbox.lineedit", luaopen_moonbox_lineedit}, {"moonbox.cron", luaopen_moonbox_cron},
-    {"moonbox.sys", luaopen_moonbox_sys},           {NULL, NULL},
+    {"moonbox.core", luaopen_moonbox_core},   {"moonbox.proc", luaopen_moonbox_proc},
+    {"moonbox.sse", luaopen_moonbox_sse},     {"moonbox.strings", luaopen_moonbox_strings},
+    {"moonbox.timer", luaopen_moonbox_timer}, {"moonbox.cron", luaopen_moonbox_cron},
+    {"moonbox.sys", luaopen_moonbox_sys},     {NULL, NULL},
 };
 
 void mb_preload_modules(lua_State *L)

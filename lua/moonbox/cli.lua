@@ -228,7 +228,9 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
       eprintf("moonbox: recipe %s failed: %s\n", file, M.format_error(err))
     end
     local outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed"
-    require("moonbox.ledger").close_process(outcome)
+    -- A run that never loaded the ledger has none to close (and need not load SQLite for it).
+    local ledger = package.loaded["moonbox.ledger"]
+    if ledger then ledger.close_process(outcome) end
     budget:close()
     if trace_file then trace.stop() end
     if summary then
