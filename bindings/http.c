@@ -131,6 +131,18 @@ static struct {
     size_t n, cap_n;
 } g_hdr;
 
+/* Frees g_hdr's buffers; the __gc of a registry sentinel made by luaopen_moonbox_http, so they
+ * go when the state closes (before the module itself may be unloaded). */
+static int hdr_gc(lua_State *L)
+{
+    (void)L;
+    free(g_hdr.text);
+    free(g_hdr.offs);
+    free(g_hdr.lines);
+    memset(&g_hdr, 0, sizeof g_hdr);
+    return 0;
+}
+
 /* Appends a line made of a, sep and b (each with its length) to g_hdr; raises when out of
  * memory. */
 static void hdr_append(lua_State *L, const char *a, size_t al, const char *sep, size_t sl,
@@ -834,6 +846,15 @@ int luaopen_moonbox_http(lua_State *L)
     if (luaL_newmetatable(L, OP_GUARD_MT)) {
         lua_pushcfunction(L, op_guard_gc);
         lua_setfield(L, -2, "__gc");
+    }
+    lua_pop(L, 1);
+    if (lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.http.scratch") == LUA_TNIL) {
+        lua_newuserdatauv(L, 1, 0);
+        lua_createtable(L, 0, 1);
+        lua_pushcfunction(L, hdr_gc);
+        lua_setfield(L, -2, "__gc");
+        lua_setmetatable(L, -2);
+        lua_setfield(L, LUA_REGISTRYINDEX, "moonbox.http.scratch");
     }
     lua_pop(L, 1);
     luaL_newlib(L, funcs);
