@@ -28,7 +28,12 @@ URL="$BASE_URL/x"
 cpu_ms() {
   perf stat -r "$REPS" -x, -e task-clock "$@" 2>&1 >/dev/null | awk -F, '/task-clock/ {printf "%.1f", $1}'
 }
-conns() { "$@" >/dev/null; curl -s "$BASE_URL/_conns"; }
+# conns CMD... -> connections one run of CMD opened (the count is reset first)
+conns() {
+  curl -s "$BASE_URL/_conns" >/dev/null
+  "$@" >/dev/null
+  curl -s "$BASE_URL/_conns"
+}
 
 clients=("bare C libcurl|$BUILD/bench_curl_loop" "moonbox|$BUILD/moonbox run bench/client.lua")
 if [ -n "${BASE_DIR:-}" ]; then
@@ -37,7 +42,6 @@ fi
 
 echo "| scenario | client | CPU ms for $N GETs | µs per GET | vs bare C | connections |"
 echo "|---|---|---:|---:|---:|---:|"
-curl -s "$BASE_URL/_conns" >/dev/null
 for mode in seq conc64; do
   floor=""
   for c in "${clients[@]}"; do
