@@ -34,11 +34,17 @@ local state_home = require("moonbox.path").state_home
 function M.default_state_dir() return state_home() .. "/local" end
 
 --- conn:note(op, method, path, status, attempt): records a call, for traces and tests
--- (conn.calls is a bounded list, oldest first).
+-- (conn.calls is a bounded list, oldest first: the last 1000 to 2000 calls). The oldest 1000
+-- go at once when it reaches 2000, not one per call (shifting 1000 entries on every call cost
+-- every Render call of a long run O(1000)).
 function Conn:note(op, method, path, status, attempt)
   local calls = self.calls
-  calls[#calls + 1] = { op = op, method = method, path = path, status = status, attempt = attempt }
-  if #calls > 1000 then table.remove(calls, 1) end
+  local n = #calls + 1
+  calls[n] = { op = op, method = method, path = path, status = status, attempt = attempt }
+  if n >= 2000 then
+    table.move(calls, 1001, n, 1)
+    for i = n - 999, n do calls[i] = nil end
+  end
 end
 
 --- conn:owner() -> the workspace id (the API's ownerId). Raises when none is known.
