@@ -121,20 +121,34 @@ local POLL_FAST, POLL_NET, POLL_MAX = 0.01, 0.25, 1
 -- be opened, fails or ends: the caller's poll goes on regardless. [yields]
 local function follow_lifecycle(sb, opened, poke)
   local c = connection(sb)
-  local ok, resp = pcall(http.stream, { url = c.base .. "/sandboxes/" .. sb.id .. "/logs",
+  local path = "/sandboxes/" .. sb.id .. "/logs"
+  -- A request like any other: counted, and one span (cat "api") in a trace.
+  api.calls_made = api.calls_made + 1
+  local info = {}
+  local _span <close> = api.span("sandboxes.wait_running.logs", "GET", path, { sandbox_id = sb.id }, info)
+  local ok, resp = pcall(http.stream, { url = c.base .. path,
     headers = { Authorization = "Bearer " .. c.api_key, Accept = "text/event-stream",
       ["User-Agent"] = "moonbox/" .. core.version }, connect_timeout = 10, idle_timeout = 120 })
   if not ok then
-    if task.is_cancelled(resp) then error(resp, 0) end
+    if task.is_cancelled(resp) then
+      _span:close_with(nil) -- the wait ended: the normal end of this request
+      error(resp, 0)
+    end
+    info.status = type(resp) == "table" and resp.code or nil
     return
   end
   local _ <close> = resp
+  info.status, info.request_id = resp.status, resp.headers["render-request-id"]
+  c:note("sandboxes.wait_running.logs", "GET", path, resp.status, 1)
   if resp.status < 200 or resp.status >= 300 then return end
   opened()
   while true do
     local rok, ev = pcall(resp.read_event, resp)
     if not rok then
-      if task.is_cancelled(ev) then error(ev, 0) end
+      if task.is_cancelled(ev) then
+        _span:close_with(nil) -- the wait ended: the normal end of this request
+        error(ev, 0)
+      end
       return
     end
     if not ev then return end
