@@ -22,6 +22,9 @@ function M.logs(b, req, ctx, res)
   local exec_id = req:query_param("execId")
   local w = res:stream(200, { ["Content-Type"] = "text/event-stream; charset=utf-8",
     ["Cache-Control"] = "no-cache", ["render-request-id"] = ctx.rid })
+  -- Answered: the journal says so now, not when the follower ends (which, for a client that
+  -- went away, is only at the next event or keep-alive). A follower is not work in progress.
+  ctx.entry.status = 200
   local cond = b.svc:log_cond(rec.id)
   local seen = 0 -- events carry increasing numbers; the oldest may have been dropped meanwhile
   local ok = pcall(function()
