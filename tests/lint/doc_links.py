@@ -14,14 +14,17 @@ each problem as FILE:LINE: what, when
     (the patterns in FORBIDDEN below) or cites a document by section sign (a section sign is
     fine only after an RFC number, which names a public standard).
 
-Links with a scheme (https:, mailto:) are not fetched: the suite sends no traffic beyond
+The files are what git tracks or would track (ignored files and build trees are not the
+project's). Links with a scheme (https:, mailto:) are not fetched: the suite sends no traffic beyond
 loopback. Code blocks and code spans are not Markdown links and are skipped. Only the standard
 library is used, so the lint needs nothing but python3; ctest fails it loudly when python3 is
 missing (see CMakeLists.txt), it never skips.
 """
 
+import fnmatch
 import os
 import re
+import subprocess
 import sys
 import urllib.parse
 
@@ -49,18 +52,48 @@ SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 LINE_ANCHOR = re.compile(r"^L\d+(-L\d+)?$")
 
 
-def is_build_dir(path, name):
-    """A build tree: CMake's cache marks it, whatever its name (build/, build-asan/, ...)."""
-    return name.startswith("build") or os.path.exists(os.path.join(path, "CMakeCache.txt"))
+def ignored_dirs(root):
+    """The directory patterns anchored at the root in .gitignore (/build*/, /bench/out/, ...)."""
+    pats = []
+    try:
+        with open(os.path.join(root, ".gitignore")) as fh:
+            for line in fh:
+                line = line.strip()
+                if line.startswith("/") and line.endswith("/") and not line.startswith("/!"):
+                    pats.append(line.strip("/"))
+    except OSError:
+        pass
+    return pats
 
 
 def project_files(root):
-    """Every regular file under root, relative, skipping VCS and build directories."""
+    """The project's files, relative to root: what git tracks or would track (ignored files
+    and build trees left out). Without git, a walk that skips .gitignore's anchored
+    directories and every CMake build tree."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=True).stdout
+        files = sorted(set(f for f in out.decode("utf-8", "replace").split("\0") if f))
+        for rel in files:
+            full = os.path.join(root, rel)
+            if os.path.isfile(full) and not os.path.islink(full):
+                yield rel
+        return
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    skip = ignored_dirs(root)
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            d for d in dirnames
-            if d not in SKIP_DIRS and not is_build_dir(os.path.join(dirpath, d), d)
-        )
+        rel_dir = os.path.relpath(dirpath, root)
+        keep = []
+        for d in sorted(dirnames):
+            rel = os.path.normpath(os.path.join(rel_dir, d))
+            if d in SKIP_DIRS or any(fnmatch.fnmatch(rel, p) for p in skip) \
+                    or (rel_dir == "." and d.startswith("build")) \
+                    or os.path.exists(os.path.join(dirpath, d, "CMakeCache.txt")):
+                continue
+            keep.append(d)
+        dirnames[:] = keep
         for f in sorted(filenames):
             full = os.path.join(dirpath, f)
             if os.path.isfile(full) and not os.path.islink(full):
