@@ -10,15 +10,18 @@ each problem as FILE:LINE: what, when
     (GitHub's slugs: lowercase, punctuation removed, spaces to '-', `-1`, `-2` for repeats);
   - a link leaves the repository: a relative path climbing above the root, an absolute path,
     or a file: URL;
+  - a source file names a page that does not exist (`docs/page.md`), or a section of it that
+    is not there (`docs/page.md, "Heading"` or `docs/page.md ("Heading", "Other")`: a heading
+    that is or begins with that name, else at least that text in the page);
   - any text file of the project mentions the design notes the repository does not contain
     (the patterns in FORBIDDEN below) or cites a document by section sign (a section sign is
     fine only after an RFC number, which names a public standard).
 
 The files are what git tracks or would track (ignored files and build trees are not the
-project's). Links with a scheme (https:, mailto:) are not fetched: the suite sends no traffic beyond
-loopback. Code blocks and code spans are not Markdown links and are skipped. Only the standard
-library is used, so the lint needs nothing but python3; ctest fails it loudly when python3 is
-missing (see CMakeLists.txt), it never skips.
+project's). Links with a scheme (https:, mailto:) are not fetched: the suite sends no traffic
+beyond loopback. Code blocks and code spans are not Markdown links and are skipped. Only the
+standard library is used, so the lint needs nothing but python3; ctest fails it loudly when
+python3 is missing (see CMakeLists.txt), it never skips.
 """
 
 import fnmatch
@@ -50,6 +53,8 @@ HTML_ANCHOR = re.compile(r"<a\s+(?:[^>]*\s)?(?:name|id)\s*=\s*\"([^\"]+)\"", re.
 REF_DEF = re.compile(r"^ {0,3}\[([^\]]+)\]:\s*(<[^>]*>|\S+)")
 SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 LINE_ANCHOR = re.compile(r"^L\d+(-L\d+)?$")
+DOC_MENTION = re.compile(r"(?<![\w/.-])(docs/[\w./-]+\.md)")
+QUOTED_HEADINGS = re.compile(r'^(?:,\s*|\s*\(\s*)((?:"[^"]+"(?:,\s*|\s+and\s+)?)+)')
 
 
 def ignored_dirs(root):
@@ -300,6 +305,33 @@ class Checker:
                                  "link the project's own page (only RFC sections may be cited so)")
                     break
 
+    def check_doc_mentions(self, rel, text):
+        """Code and comments name pages as `docs/page.md, "Heading"`: both must exist."""
+        for n, line in enumerate(text.split("\n"), 1):
+            for m in DOC_MENTION.finditer(line):
+                page = m.group(1).rstrip(".")
+                where = "%s:%d" % (rel, n)
+                if not os.path.isfile(os.path.join(self.root, page)):
+                    self.problem(where, "names %s, which does not exist" % page)
+                    continue
+                q = QUOTED_HEADINGS.match(line[m.end():])
+                if not q:
+                    continue
+                for name in re.findall(r'"([^"]+)"', q.group(1)):
+                    if not self.has_section(page, name):
+                        self.problem(where, "names the section \"%s\" of %s, which has no "
+                                     "heading (nor text) of that name" % (name, page))
+
+    def has_section(self, page, name):
+        """A heading that is, or begins with, name ("Exec" for "Exec: sb:exec, ..."); failing
+        that, the name in the page's text (a bullet's lead, a term)."""
+        want = slug(name)
+        for a in self.anchors(page):
+            if a == want or a.startswith(want + "-"):
+                return True
+        text = read_text(os.path.join(self.root, page)) or ""
+        return name.lower() in text.lower()
+
     def run(self):
         me = os.path.realpath(__file__)
         count = 0
@@ -311,6 +343,8 @@ class Checker:
             if text is None:
                 continue
             self.check_mentions(rel, text)
+            if not rel.endswith(".md"):
+                self.check_doc_mentions(rel, text)
             if rel.endswith(".md"):
                 count += 1
                 self.check_markdown(rel, text)
