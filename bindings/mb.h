@@ -2,7 +2,7 @@
  * mb.h — what every binding shares: the runtime (one libev loop + one Lua state), tasks, the
  * run queue, parking and waking, registry-ref accounting and structured errors.
  *
- * Invariants (DESIGN.md §3):
+ * Invariants (docs/architecture.md, "Rules of the runtime core"):
  *  - Only the drain (the run queue's ev_prepare callback) resumes coroutines. libev, libcurl and
  *    libmicrohttpd callbacks never call Lua: they store results and call mb_task_wake() or
  *    mb_defer().

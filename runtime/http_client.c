@@ -1,5 +1,5 @@
 /*
- * http_client.c — libcurl's multi interface on a libev loop (DESIGN.md §3 rules 6 and 7).
+ * http_client.c — libcurl's multi interface on a libev loop (docs/architecture.md, rules 6 and 7).
  *
  * curl tells us which sockets to watch (socket callback → one ev_io each, attached with
  * curl_multi_assign) and when to call it back (timer callback → one ev_timer; a timeout of 0 is

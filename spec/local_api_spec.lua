@@ -1,5 +1,5 @@
--- `moonbox local` over real HTTP: every endpoint of render-api.md §2 with its status codes,
--- bodies and error codes (§1.6, §7.6), against a real backend process running real sandboxes.
+-- `moonbox local` over real HTTP: every endpoint of docs/wire.md ("Endpoints") with its status codes,
+-- bodies and error codes ("Errors", "Restore"), against a real backend process running real sandboxes.
 local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local http = require "moonbox.http"

@@ -1,4 +1,4 @@
--- Pins the task scheduler's contract (DESIGN.md §3 rules 1-5).
+-- Pins the task scheduler's contract (docs/architecture.md, "Rules of the runtime core" 1-5).
 local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local core = require "moonbox.core"

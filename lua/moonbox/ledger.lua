@@ -1,4 +1,4 @@
---- moonbox.ledger — what every run created, written down before it exists (DESIGN.md §6).
+--- moonbox.ledger — what every run created, written down before it exists (docs/reference/ledger.md).
 --
 -- `$XDG_STATE_HOME/moonbox/moonbox.db` (SQLite, WAL) holds one row per `moonbox run` (pid,
 -- process start time, recipe, backend, the embedded backend's state dir when it used one,

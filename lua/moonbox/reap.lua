@@ -1,5 +1,5 @@
 --- moonbox.reap — `moonbox ps` and `moonbox reap`: what runs hold, and finishing the cleanup of
--- runs that died (DESIGN.md §6).
+-- runs that died (docs/reference/ledger.md).
 --
 -- A run is dead when its process is gone (pid and process start time no longer match) or it
 -- recorded an end. reap goes through every dead run that still holds something, each over its

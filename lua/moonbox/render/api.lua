@@ -22,7 +22,7 @@ local trace = require "moonbox.trace"
 
 local M = {}
 
--- Answers that say "try again later" (render-api.md §1.6); 500 too, for repeatable requests:
+-- Answers that say "try again later" (docs/wire.md, "Errors"); 500 too, for repeatable requests:
 -- repeating a request that is safe to repeat costs little, and Render's 500s are mostly
 -- transient.
 local REPEAT_STATUS = { [429] = true, [500] = true, [502] = true, [503] = true, [504] = true }

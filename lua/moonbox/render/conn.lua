@@ -1,7 +1,7 @@
 --- moonbox.render.conn — which backend a recipe talks to, with what credentials, and the
 -- process's default connection.
 --
--- Selection (DESIGN.md §7), first match wins:
+-- Selection (docs/reference/render.md, "Which backend"), first match wins:
 --   1. an explicit choice: render.connect{ backend = URL | "local" | "render", ... } (the CLI's
 --      --backend sets it);
 --   2. RENDER_LOCAL_DEV_URL, or RENDER_USE_LOCAL_DEV=true (http://localhost:8120);

@@ -1,5 +1,5 @@
 --- moonbox.render.exec — running commands in a sandbox: sb:exec, sb:spawn and sb:run_sync,
--- with the semantics of DESIGN.md §4 "Exec". A part of the Sandbox class
+-- with the semantics of docs/reference/render.md, "Exec". A part of the Sandbox class
 -- (lua/moonbox/render/sandbox.lua lists its methods); it sees a sandbox only through sb.id and
 -- sb:connection().
 --
