@@ -11,7 +11,8 @@ local clock_mod = require "moonbox.schedule.clock"
 local M = {}
 
 M.command = {
-  usage = "moonbox schedule FILE [--drain] [--backend URL|local|render]\n" ..
+  usage = "moonbox schedule FILE [--drain] [--backend URL|local|render] [--listen [HOST:]PORT]\n" ..
+    "       [--webhook URL]... [--trace-dir DIR] [--control-token-file FILE]\n" ..
     "       moonbox schedule FILE --list | --next NAME [N] | --trigger NAME | --pause NAME | --resume NAME",
   detail = [[Loads FILE, a recipe that registers schedules with schedule.cron / schedule.every
 (moonbox.schedule), and fires them until SIGTERM or SIGINT: each fire runs as a task with its
@@ -31,6 +32,17 @@ second signal cancels them), records their outcome and exits 0. The event log go
   --resume NAME    resume NAME and clear its failure count
   --drain          on SIGTERM/SIGINT let running runs finish instead of cancelling them
   --backend B      as for `moonbox run`
+
+Operating it (docs/schedule.md, "Operating a daemon"):
+  --listen [HOST:]PORT    serve /healthz, /metrics (Prometheus) and the status page at /;
+                          a bare PORT binds 127.0.0.1; another address only when written
+                          out as an IP (e.g. 0.0.0.0:9464)
+  --webhook URL           POST a JSON alert on a failed run, a pause and a recovery
+                          (repeatable; added to each schedule's own `webhooks`)
+  --webhook-timeout S     seconds per webhook attempt (default 10)
+  --trace-dir DIR         write a Chrome trace (Perfetto) per run: DIR/run-ID.json
+  --control-token-file F  enable the page's pause/resume/trigger buttons with the token in F
+                          (or MOONBOX_CONTROL_TOKEN); without one the page is read-only
 
 `moonbox runs` prints the history. For tests only, MOONBOX_TEST_CLOCK=
 "start=2026-03-01T00:00:00Z,scale=600" runs schedule time from that start 600x faster
@@ -80,10 +92,61 @@ local function list(store, clock)
   end
 end
 
+--- M.ops_options(opts, modes) -> the options of moonbox.schedule.ops.attach (any = true when
+-- one was given), or nil and a usage message. Reads the control token file.
+function M.ops_options(opts, modes)
+  local o = { webhooks = opts.webhook or {} }
+  local given = opts.listen or opts.webhook or opts["trace-dir"] or opts["control-token-file"]
+    or opts["webhook-timeout"]
+  if given and #modes > 0 then
+    return nil, "--listen, --webhook, --trace-dir and --control-token-file apply to the daemon, not to " ..
+      table.concat(modes, " ")
+  end
+  if opts.listen then
+    local ops = require "moonbox.schedule.ops"
+    local host, port = ops.parse_listen(opts.listen)
+    if not host then return nil, "--listen: " .. port end
+    o.host, o.port = host, port
+  end
+  for i, u in ipairs(o.webhooks) do
+    local ok, why = schedule.check_webhook(u)
+    if not ok then return nil, string.format("--webhook (the %d. one): %s", i, why) end
+  end
+  if opts["webhook-timeout"] then
+    local v = tonumber(opts["webhook-timeout"])
+    if not v or v <= 0 then return nil, "--webhook-timeout: expected a number of seconds > 0" end
+    o.webhook_timeout = v
+  end
+  if opts["trace-dir"] then
+    local dir = opts["trace-dir"]
+    if dir:sub(1, 1) ~= "/" then dir = require("moonbox.sys").getcwd() .. "/" .. dir end
+    o.trace_dir = dir
+  end
+  local tok_file = opts["control-token-file"]
+  if tok_file then
+    local tok, err = require("moonbox.schedule.ops").read_token(tok_file)
+    if not tok then return nil, "--control-token-file: " .. err end
+    o.control_token = tok
+  elseif opts.listen and (os.getenv("MOONBOX_CONTROL_TOKEN") or "") ~= "" then
+    o.control_token = os.getenv("MOONBOX_CONTROL_TOKEN")
+    if #o.control_token < 16 then return nil, "MOONBOX_CONTROL_TOKEN must have at least 16 characters" end
+  end
+  if o.control_token and not o.host then return nil, "a control token needs --listen (the page's buttons)" end
+  local hf = io.open("/etc/hostname")
+  if hf then
+    o.hostname = hf:read("l")
+    hf:close()
+  end
+  o.any = given and true or false
+  return o
+end
+
 --- main(args, cli) -> exit status.
 function M.main(args, cli)
   local opts, rest = cli.parse_flags(args, { list = "flag", next = "value", trigger = "value",
-    pause = "value", resume = "value", drain = "flag", backend = "value" })
+    pause = "value", resume = "value", drain = "flag", backend = "value", listen = "value",
+    webhook = "list", ["webhook-timeout"] = "value", ["trace-dir"] = "value",
+    ["control-token-file"] = "value" })
   if not opts then return cli.usage_error("schedule: %s", rest) end
   local file = rest[1]
   if not file then return cli.usage_error("schedule: missing the recipe FILE") end
@@ -106,6 +169,8 @@ function M.main(args, cli)
   end
   local bad = cli.bad_backend("schedule", opts.backend)
   if bad then return bad end
+  local ops_opts, operr = M.ops_options(opts, modes)
+  if not ops_opts then return cli.usage_error("schedule: %s", operr) end
   local cok, clock = pcall(clock_mod.from_env)
   if not cok then return cli.usage_error("schedule: %s", tostring(clock)) end
   local chunk, lerr = loadfile(file)
@@ -166,7 +231,20 @@ function M.main(args, cli)
         local run = d:trigger(s)
         if run.outcome ~= "ok" then status = cli.EXIT_FAIL end
       else
-        d:run()
+        local ops
+        if ops_opts.any then
+          ops_opts.recipe, ops_opts.schedules, ops_opts.clock, ops_opts.store = file, all, clock, store
+          ops_opts.log = function(text) line_out(clock_mod.format(clock:now()) .. " " .. text) end
+          ops = require("moonbox.schedule.ops").attach(d, ops_opts)
+          if ops.srv then
+            line_out(string.format("%s listening on %s (/healthz, /metrics, status page at /%s)",
+              clock_mod.format(clock:now()), ops.srv.url, ops_opts.control_token and "; control enabled" or
+              "; read-only"))
+          end
+        end
+        local rok, rerr = pcall(d.run, d)
+        if ops then ops:close() end
+        if not rok then error(rerr, 0) end
       end
     end
     if ledger.run_id then ledger:end_run("ok") end
