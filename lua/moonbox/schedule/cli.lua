@@ -49,8 +49,9 @@ Operating it (docs/schedule.md, "Operating a daemon"):
 (docs/schedule.md, "The test clock").]],
 }
 
+-- Every line passes moonbox.trace.redact: a run's error may quote the API key or an env value.
 local function line_out(s)
-  io.stdout:write(s, "\n")
+  io.stdout:write(require("moonbox.trace").redact(s), "\n")
   io.stdout:flush()
 end
 
@@ -179,6 +180,7 @@ function M.main(args, cli)
     return cli.EXIT_FAIL
   end
   cli.set_arg(file, {})
+  require("moonbox.trace").secret(os.getenv("RENDER_API_KEY"), true) -- never in a log line
   schedule._set_running(true)
   local build = require "moonbox.build"
   build.ledger = true
@@ -226,7 +228,7 @@ function M.main(args, cli)
     else
       local d = require("moonbox.schedule.daemon").new { recipe = file, schedules = all, clock = clock,
         store = store, out = line_out, drain = opts.drain, format_error = cli.format_error,
-        errout = function(text) io.stderr:write(text) end }
+        errout = function(text) io.stderr:write(require("moonbox.trace").redact(text)) end }
       if opts.trigger then
         local run = d:trigger(s)
         if run.outcome ~= "ok" then status = cli.EXIT_FAIL end

@@ -17,6 +17,7 @@ local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
 local clock_mod = require "moonbox.schedule.clock"
 local ledger_mod = require "moonbox.ledger"
+local trace = require "moonbox.trace"
 
 local M = {}
 local Daemon = {}
@@ -35,6 +36,7 @@ local function one_line(err)
     local ok, v = pcall(tostring, err)
     s = ok and v or "(an error object)"
   end
+  s = trace.redact(s) -- the history must not keep the API key or an env value a message quoted
   if #s > 2000 then s = s:sub(1, 2000) .. " [...]" end
   return s
 end

@@ -82,6 +82,7 @@ end
 -- trace_dir, control_token. Raises a structured listen error when the address cannot be bound.
 function M.attach(d, o)
   trace.keep_secrets()
+  trace.secret(os.getenv("RENDER_API_KEY"), true) -- before any connection registers it
   local self = setmetatable({ d = d, recipe = o.recipe, schedules = o.schedules, clock = o.clock,
     store = o.store, log = o.log, token = o.control_token, loop_running = false }, Ops)
   self.metrics = require("moonbox.schedule.ops.metrics").new { schedules = o.schedules, store = o.store,
