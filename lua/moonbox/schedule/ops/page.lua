@@ -56,7 +56,7 @@ function M.html(st)
     '<th>state</th><th>last runs (oldest to newest)</th>', st.control and '<th></th>' or '', '</tr></thead><tbody>')
   for _, s in ipairs(st.schedules) do
     w('<tr data-schedule="', esc(s.name), '"><td class="name">', esc(s.name), '</td><td>', esc(s.spec),
-      '</td><td>', s.paused and '- (paused)' or esc(t(s.next_fire)), '</td><td>')
+      '</td><td class="t">', s.paused and '- (paused)' or esc(t(s.next_fire)), '</td><td>')
     if s.paused then
       w('<span class="badge paused">paused</span> ', esc(s.paused_reason or ""))
     else
@@ -86,7 +86,8 @@ function M.html(st)
     '<th>trace</th></tr></thead><tbody>')
   for _, r in ipairs(st.runs) do
     w('<tr class="run ', esc(r.outcome), '" data-run="', esc(r.id), '"><td>', esc(r.id), '</td><td>',
-      esc(r.schedule), '</td><td>', esc(t(r.slot)), '</td><td>', esc(r.trigger), '</td><td>', esc(t(r.started_at)),
+      esc(r.schedule), '</td><td class="t">', esc(t(r.slot)), '</td><td>', esc(r.trigger), '</td><td class="t">',
+      esc(t(r.started_at)),
       '</td><td>', esc(took(r)), '</td><td><span class="badge ', esc(r.outcome), '">', esc(r.outcome),
       '</span></td><td class="sandboxes">')
     local held = {}
@@ -114,6 +115,7 @@ h1 { font-size: 1.4em; margin: 0; } h2 { font-size: 1.1em; margin-top: 1.5em; }
 table { border-collapse: collapse; width: 100%; background: #fff; }
 th, td { text-align: left; padding: .3em .6em; border-bottom: 1px solid #e5e5e5; vertical-align: top; }
 th { font-weight: 600; background: #f0f0f0; }
+td.t { white-space: nowrap; }
 td.error { color: #a00; white-space: pre-wrap; word-break: break-word; max-width: 40em; }
 .strip .cell { display: inline-block; width: 10px; height: 18px; margin-right: 2px; border-radius: 2px; background: #ccc; }
 .cell.ok { background: #2e9d4f; } .cell.failed, .cell.timeout { background: #d33; }
