@@ -4,7 +4,8 @@
 -- schedules and the failed run's error as text (the markup in it escaped, no element made of
 -- it), links each run's trace, which downloads as Chrome trace JSON; a screenshot goes to
 -- build/ops/status-page.png. With a control token the pause button, clicked in the browser
--- after typing the token, pauses the schedule (the store says so). Without one the page has no
+-- after typing the token, pauses the schedule (the store says so), and a trigger request starts
+-- a manual run in the daemon. Without one the page has no
 -- buttons and control requests are refused; a wrong token, none, or another origin too.
 local T = require "moonbox.testing"
 local proc = require "moonbox.proc"
@@ -115,7 +116,16 @@ describe("moonbox schedule status page", function()
     assert.are.equal(0, list.code, list.stderr)
     assert.matches("nightly%s.-paused %(paused from the status page", list.stdout)
     d:wait_for("nightly: slot .* passed while paused")
+    -- trigger (the page's third button; here as a script would, with a bearer token)
+    local tr = post(d.url .. "/api/schedules/broken/trigger", { Authorization = "Bearer " .. TOKEN })
+    assert.are.equal(202, tr.status, tr.body)
+    d:wait_for("broken: run %d+ started %(slot [^,]+, manual%)")
+    d:wait_for("broken: run %d+ failed", 3)
+    assert.are.equal(404, post(d.url .. "/api/schedules/nope/pause", { ["X-Moonbox-Token"] = TOKEN }).status)
     assert.are.equal(0, d:stop())
+    local manual = 0
+    for _, r in ipairs(e:runs("broken")) do if r.trigger == "manual" then manual = manual + 1 end end
+    assert.are.equal(1, manual)
   end))
 
   it("is read-only without a control token", T.async(function()
