@@ -3,13 +3,19 @@
 -- come from the history alone —, and /healthz answers 503 naming the store while the state
 -- file is moved away (the failure of a disk or a deleted file: the daemon's open connection
 -- would go on writing to a file nobody can find) and 200 again once it is back. Plus the
--- listen address rules. A real daemon on the test clock; nothing here times anything.
+-- listen address rules. And against a real `moonbox local` with an injected 429: the live
+-- sandbox gauge, API call and 429 counters, and the sandbox a running run holds (from the
+-- ledger) on the status page's data. A real daemon on the test clock; nothing here times
+-- anything.
 local T = require "moonbox.testing"
 local proc = require "moonbox.proc"
 local json = require "moonbox.json"
 local task = require "moonbox.task"
 local SE = require "spec.support.schedule_env"
 local ops = require "moonbox.schedule.ops"
+local core = require "moonbox.core"
+local httpd = require "moonbox.httpd"
+local L = require "spec.support.local_backend"
 
 local RECIPE = [[
 local schedule = require "moonbox.schedule"
@@ -189,5 +195,56 @@ describe("moonbox schedule --listen", function()
     r = e:moonbox { "schedule", e.recipe, "--listen", "somewhere.example:80" }
     assert.are.equal(2, r.code)
     assert.matches("not an IP address", r.stderr)
+  end))
+end)
+
+describe("moonbox schedule --listen with a real backend", function()
+  local B, e
+  setup(T.async(function() B = L.start { args = { "--faults", "POST /v1/sandboxes=429:1#1" } } end))
+  teardown(T.async(function()
+    if e then e:destroy() end
+    if B then B:destroy() end
+  end))
+
+  it("counts live sandboxes, API calls and 429s, and shows the sandbox a running run holds", T.async(function()
+    -- the run holds its sandbox until the spec answers its request to /release
+    local gate <close> = httpd.listen { port = 0 }
+    local release, released = core.cond(), false
+    gate:route("GET", "/release", function()
+      while not released do release:wait() end
+      return 200, "go"
+    end)
+    e = SE.new([[
+local schedule = require "moonbox.schedule"
+local render = require "moonbox.render"
+local http = require "moonbox.http"
+schedule.every("holder", "10m", function()
+  local sb <close> = render.sandboxes.create { network = "deny-all" }
+  print("created " .. sb.id) io.stdout:flush()
+  http.request { url = os.getenv("SPEC_GATE"), timeout = 120 }
+end, { overlap = "skip" })
+]], { env = { "SPEC_GATE=" .. gate.url .. "/release", "RENDER_LOCAL_DEV_URL=" .. B.url,
+      "RENDER_API_KEY=" .. B.key, "RENDER_WORKSPACE_ID=" .. B.workspace } })
+    local d = e:daemon { "--listen", "0" }
+    local id = d:wait_for("^created sbx%-"):match("(sbx%-%S+)")
+    local m = samples(e:get(d, "/metrics").body)
+    assert.are.equal(1, m["moonbox_sandboxes_live"])
+    assert.are.equal(1, m["moonbox_api_throttled_total"], "the injected 429")
+    assert.is_true(m['moonbox_api_calls_total{outcome="ok"}'] >= 1)
+    assert.are.equal(1, m['moonbox_schedule_runs_active{schedule="holder"}'])
+    local st = json.decode(e:get(d, "/api/status").body)
+    local run
+    for _, r in ipairs(st.runs) do if r.outcome == "running" then run = r end end
+    assert.is_not_nil(run, "the running run is listed")
+    assert.are.same({ id }, run.sandboxes)
+    assert.are.same({ id }, run.held, "the ledger says the run still holds it")
+    released = true
+    release:broadcast()
+    d:wait_for("holder: run %d+ ok %(sandboxes " .. id:gsub("%-", "%%-"))
+    m = samples(e:get(d, "/metrics").body)
+    assert.are.equal(0, m["moonbox_sandboxes_live"])
+    assert.are.equal(0, m['moonbox_schedule_runs_active{schedule="holder"}'])
+    assert.are.equal(0, d:stop())
+    assert.are.equal(0, B:live())
   end))
 end)
