@@ -237,7 +237,17 @@ function M.main(args, cli)
         if ops_opts.any then
           ops_opts.recipe, ops_opts.schedules, ops_opts.clock, ops_opts.store = file, all, clock, store
           ops_opts.log = function(text) line_out(clock_mod.format(clock:now()) .. " " .. text) end
-          ops = require("moonbox.schedule.ops").attach(d, ops_opts)
+          local aok, aerr = pcall(require("moonbox.schedule.ops").attach, d, ops_opts)
+          if not aok then
+            error(string.format("moonbox schedule: --listen %s: %s", tostring(opts.listen),
+              type(aerr) == "table" and tostring(aerr.message or aerr) or tostring(aerr)), 0)
+          end
+          ops = aerr
+          if ops.srv and not require("moonbox.schedule.ops").is_loopback(ops.srv.host) then
+            io.stderr:write(string.format("moonbox schedule: warning: the status page and /metrics listen " ..
+              "on %s, not a loopback address: whoever can reach it reads run errors and history%s\n",
+              ops.srv.url, ops_opts.control_token and " and may try control tokens" or ""))
+          end
           if ops.srv then
             line_out(string.format("%s listening on %s (/healthz, /metrics, status page at /%s)",
               clock_mod.format(clock:now()), ops.srv.url, ops_opts.control_token and "; control enabled" or
