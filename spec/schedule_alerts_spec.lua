@@ -32,7 +32,10 @@ local function collect(srv, inject)
   local box = { got = {}, hits = 0, cond = core.cond() }
   srv:route("POST", "/hook", function(req)
     box.hits = box.hits + 1
-    if box.hits <= inject then return 500, "injected failure" end
+    if box.hits <= inject then
+      -- the first one says when to come back (real seconds); the next leaves it to the backoff
+      return 500, "injected failure", box.hits == 1 and { ["Retry-After"] = "1" } or nil
+    end
     box.got[#box.got + 1] = { body = req.body, msg = json.decode(req.body), query = req.query,
       auth = req:header("authorization"), ctype = req:header("content-type") }
     box.cond:broadcast()
@@ -53,6 +56,22 @@ local function find(got, schedule, event)
   end
   return out
 end
+
+describe("alerts.retry_after", function()
+  local alerts = require "moonbox.schedule.ops.alerts"
+  it("reads delay-seconds and HTTP dates, never negative", function()
+    assert.are.equal(3, alerts.retry_after("3", 1000))
+    assert.are.equal(0, alerts.retry_after("-5", 1000))
+    assert.are.equal(30, alerts.retry_after("Sun, 06 Nov 1994 08:49:37 GMT", 784111747))
+    assert.are.equal(0, alerts.retry_after("Sun, 06 Nov 1994 08:49:37 GMT", 784111800))
+    assert.is_nil(alerts.retry_after("soon", 0))
+    assert.is_nil(alerts.retry_after(nil, 0))
+  end)
+  it("logs a webhook URL without its credentials, query or fragment", function()
+    assert.are.equal("https://hooks.example:8443/services/T0/B0",
+      alerts.safe_url("https://u:p@hooks.example:8443/services/T0/B0?token=x#frag"))
+  end)
+end)
 
 describe("moonbox schedule alerts", function()
   local e
@@ -120,7 +139,9 @@ describe("moonbox schedule alerts", function()
         end
       end
       local log = table.concat(d.log, "\n") .. "\n" .. d.stderr()
-      assert.matches("attempt 1 failed (HTTP 500); retrying", log, 1, true)
+      assert.matches("attempt 1 failed (HTTP 500); retrying in 1s", log, 1, true)
+      -- the backoff's 2 s are schedule time: 2/600 s at the test clock's 600x
+      assert.matches("attempt 2 failed (HTTP 500); retrying in 0.00333s", log, 1, true)
       assert.matches("http://127.0.0.1:" .. srv.port .. "/hook:", log, 1, true)
       for _, secret in ipairs { API_KEY, "SEKRETPASS", "SEKRETQUERY", "alice" } do
         assert.is_nil(log:find(secret, 1, true), secret .. " in the daemon's log")

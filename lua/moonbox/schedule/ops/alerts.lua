@@ -38,18 +38,29 @@ function M.safe_url(u)
   return scheme .. "://" .. authority .. path
 end
 
+local MONTHS = { Jan = 1, Feb = 2, Mar = 3, Apr = 4, May = 5, Jun = 6, Jul = 7, Aug = 8, Sep = 9, Oct = 10,
+  Nov = 11, Dec = 12 }
+
 --- alerts.retry_after(value, now) -> seconds to wait, or nil: the Retry-After header's value,
 -- delay-seconds or an HTTP date.
 function M.retry_after(v, now)
   if not v then return nil end
   local n = tonumber(v)
   if n then return math.max(0, n) end
-  local t = require("moonbox.rfc3339").parse_http_date
-  if t then
-    local at = t(v)
-    if at then return math.max(0, at - now) end
-  end
-  return nil
+  -- IMF-fixdate, the form HTTP/1.1 requires: "Sun, 06 Nov 1994 08:49:37 GMT"
+  local d, mon, y, hh, mm, ss = v:match("^%a+, (%d%d) (%a%a%a) (%d%d%d%d) (%d%d):(%d%d):(%d%d) GMT$")
+  local m = mon and MONTHS[mon]
+  if not m then return nil end
+  y, m, d = tonumber(y), m, tonumber(d)
+  -- days from the civil date (proleptic Gregorian), no os.time (that is local time)
+  y = m <= 2 and y - 1 or y
+  local era = y // 400
+  local yoe = y - era * 400
+  local doy = (153 * (m + (m > 2 and -3 or 9)) + 2) // 5 + d - 1
+  local doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
+  local days = era * 146097 + doe - 719468
+  local at = days * 86400 + tonumber(hh) * 3600 + tonumber(mm) * 60 + tonumber(ss)
+  return math.max(0, at - now)
 end
 
 --- alerts.new{daemon, clock, webhooks (daemon-wide), schedules, metrics, log, timeout} -> Alerts,
