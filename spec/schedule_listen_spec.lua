@@ -5,7 +5,8 @@
 -- would go on writing to a file nobody can find) and 200 again once it is back. Plus the
 -- listen address rules. And against a real `moonbox local` with an injected 429: the live
 -- sandbox gauge, API call and 429 counters, and the sandbox a running run holds (from the
--- ledger) on the status page's data. A real daemon on the test clock; nothing here times
+-- ledger) on the status page's data, and an env value a failed run quotes redacted from the
+-- history and the log. A real daemon on the test clock; nothing here times
 -- anything.
 local T = require "moonbox.testing"
 local proc = require "moonbox.proc"
@@ -206,7 +207,8 @@ describe("moonbox schedule --listen with a real backend", function()
     if B then B:destroy() end
   end))
 
-  it("counts live sandboxes, API calls and 429s, and shows the sandbox a running run holds", T.async(function()
+  it("counts live sandboxes, API calls and 429s, shows the sandbox a run holds, redacts env values",
+    T.async(function()
     -- the run holds its sandbox until the spec answers its request to /release
     local gate <close> = httpd.listen { port = 0 }
     local release, released = core.cond(), false
@@ -219,9 +221,11 @@ local schedule = require "moonbox.schedule"
 local render = require "moonbox.render"
 local http = require "moonbox.http"
 schedule.every("holder", "10m", function()
-  local sb <close> = render.sandboxes.create { network = "deny-all" }
+  local secret = "env-secret-value-4242"
+  local sb <close> = render.sandboxes.create { network = "deny-all", env = { SPEC_SECRET = secret } }
   print("created " .. sb.id) io.stdout:flush()
   http.request { url = os.getenv("SPEC_GATE"), timeout = 120 }
+  error("the run quotes its env value " .. secret)
 end, { overlap = "skip" })
 ]], { env = { "SPEC_GATE=" .. gate.url .. "/release", "RENDER_LOCAL_DEV_URL=" .. B.url,
       "RENDER_API_KEY=" .. B.key, "RENDER_WORKSPACE_ID=" .. B.workspace } })
@@ -240,11 +244,18 @@ end, { overlap = "skip" })
     assert.are.same({ id }, run.held, "the ledger says the run still holds it")
     released = true
     release:broadcast()
-    d:wait_for("holder: run %d+ ok %(sandboxes " .. id:gsub("%-", "%%-"))
+    d:wait_for("holder: run %d+ failed %(sandboxes " .. id:gsub("%-", "%%-"))
     m = samples(e:get(d, "/metrics").body)
     assert.are.equal(0, m["moonbox_sandboxes_live"])
     assert.are.equal(0, m['moonbox_schedule_runs_active{schedule="holder"}'])
     assert.are.equal(0, d:stop())
     assert.are.equal(0, B:live())
+    -- an env value given to a create is redacted from the history and the daemon's output
+    local failed
+    for _, r in ipairs(e:runs("holder")) do if r.outcome == "failed" then failed = r end end
+    assert.matches("the run quotes its env value [redacted]", failed.error, 1, true)
+    local out = table.concat(d.log, "\n") .. d.stderr()
+    assert.matches("quotes its env value [redacted]", out, 1, true)
+    assert.is_nil(out:find("env-secret-value-4242", 1, true))
   end))
 end)
