@@ -3,7 +3,8 @@
 -- answered 500 to the first attempts (retried with backoff); no secret (the API key, the
 -- webhook URL's password and query token) is in a message or a log line; and a webhook that
 -- never answers, next to one on a closed port, delays no slot (each fire record is on time
--- by the test clock). A real daemon on the test clock.
+-- by the test clock) while its full queue drops messages, counted in /metrics. A real daemon
+-- on the test clock.
 local T = require "moonbox.testing"
 local json = require "moonbox.json"
 local core = require "moonbox.core"
@@ -161,7 +162,7 @@ describe("moonbox schedule alerts", function()
     e = SE.new([[require("moonbox.schedule").every("tick", "1m", function() error("always fails") end)]],
       { scale = 60 })
     local d = e:daemon { "--webhook", hang.url .. "/hook", "--webhook", closed_url, "--webhook-timeout", "30",
-      "--listen", "0" }
+      "--webhook-queue", "2", "--listen", "0" }
     d:wait_for("tick: run %d+ failed", 6)
     local m = e:get(d, "/metrics").body
     assert.are.equal(0, d:stop())
@@ -178,7 +179,10 @@ describe("moonbox schedule alerts", function()
       if i > 1 then assert.are.equal(60, r.slot_unix - cron[i - 1].slot_unix, "consecutive slots") end
     end
     assert.matches('moonbox_webhook_attempts_total{result="failed"} [1-9]', m)
+    -- the hanging webhook: one message in its attempt, 2 waiting, the later ones dropped
     assert.matches('moonbox_webhook_queue_length [1-9]', m)
+    assert.matches('moonbox_webhook_messages_total{result="dropped"} [1-9]', m)
+    assert.matches('moonbox_webhook_messages_total{result="failed"} [1-9]', m)
     local log = table.concat(d.log, "\n")
     assert.matches("message%(s%) dropped: the daemon stopped", log)
   end))

@@ -40,6 +40,8 @@ Operating it (docs/schedule.md, "Operating a daemon"):
   --webhook URL           POST a JSON alert on a failed run, a pause and a recovery
                           (repeatable; added to each schedule's own `webhooks`)
   --webhook-timeout S     seconds per webhook attempt (default 10)
+  --webhook-queue N       messages a webhook may have waiting before new ones are dropped
+                          (default 100)
   --trace-dir DIR         write a Chrome trace (Perfetto) per run: DIR/run-ID.json
   --control-token-file F  enable the page's pause/resume/trigger buttons with the token in F
                           (or MOONBOX_CONTROL_TOKEN); without one the page is read-only
@@ -98,7 +100,7 @@ end
 function M.ops_options(opts, modes)
   local o = { webhooks = opts.webhook or {} }
   local given = opts.listen or opts.webhook or opts["trace-dir"] or opts["control-token-file"]
-    or opts["webhook-timeout"]
+    or opts["webhook-timeout"] or opts["webhook-queue"]
   if given and #modes > 0 then
     return nil, "--listen, --webhook, --trace-dir and --control-token-file apply to the daemon, not to " ..
       table.concat(modes, " ")
@@ -117,6 +119,11 @@ function M.ops_options(opts, modes)
     local v = tonumber(opts["webhook-timeout"])
     if not v or v <= 0 then return nil, "--webhook-timeout: expected a number of seconds > 0" end
     o.webhook_timeout = v
+  end
+  if opts["webhook-queue"] then
+    local v = math.tointeger(tonumber(opts["webhook-queue"]))
+    if not v or v < 1 then return nil, "--webhook-queue: expected an integer >= 1" end
+    o.webhook_queue = v
   end
   if opts["trace-dir"] then
     local dir = opts["trace-dir"]
@@ -146,7 +153,7 @@ end
 function M.main(args, cli)
   local opts, rest = cli.parse_flags(args, { list = "flag", next = "value", trigger = "value",
     pause = "value", resume = "value", drain = "flag", backend = "value", listen = "value",
-    webhook = "list", ["webhook-timeout"] = "value", ["trace-dir"] = "value",
+    webhook = "list", ["webhook-timeout"] = "value", ["webhook-queue"] = "value", ["trace-dir"] = "value",
     ["control-token-file"] = "value" })
   if not opts then return cli.usage_error("schedule: %s", rest) end
   local file = rest[1]

@@ -1,7 +1,8 @@
 --- moonbox.schedule.ops.alerts — webhook alerts of `moonbox schedule`: a failed run, a pause
 -- after N failures, a recovery (the first ok run after failures).
 --
--- Each webhook URL has its own delivery task and its own bounded queue (QUEUE messages), so a
+-- Each webhook URL has its own delivery task and its own bounded queue (QUEUE messages, or
+-- --webhook-queue), so a
 -- webhook that fails, answers slowly or never answers holds up only its own messages: the
 -- daemon's subscriber only formats the message and appends it (never waits), and when a queue
 -- is full the new message is dropped and counted. A delivery POSTs the JSON with a timeout per
@@ -63,12 +64,12 @@ function M.retry_after(v, now)
   return math.max(0, at - now)
 end
 
---- alerts.new{daemon, clock, webhooks (daemon-wide), schedules, metrics, log, timeout} -> Alerts,
+--- alerts.new{daemon, clock, webhooks (daemon-wide), schedules, metrics, log, timeout, queue} -> Alerts,
 -- subscribed to the daemon's events.
 function M.new(o)
   local a = setmetatable({ clock = o.clock, log = o.log or function() end, metrics = o.metrics,
     timeout = o.timeout or 10, daemon_hooks = o.webhooks or {}, by_schedule = {}, sinks = {},
-    recipe = o.recipe, host = o.host }, Alerts)
+    recipe = o.recipe, host = o.host, queue_max = o.queue or M.QUEUE }, Alerts)
   for _, s in ipairs(o.schedules) do
     local list, seen = {}, {}
     for _, u in ipairs(a.daemon_hooks) do
@@ -157,10 +158,10 @@ function Alerts:enqueue(u, body)
     sink.task = task.spawn(self.deliver_loop, self, sink)
   end
   local w = self.metrics and self.metrics.webhook
-  if self.closing or #sink.queue >= M.QUEUE then
+  if self.closing or #sink.queue >= self.queue_max then
     if w then w.dropped = w.dropped + 1 end
     self.log(string.format("alerts: %s: message dropped (%s)", sink.safe,
-      self.closing and "the daemon is stopping" or ("the queue of " .. M.QUEUE .. " is full")))
+      self.closing and "the daemon is stopping" or ("the queue of " .. self.queue_max .. " is full")))
     return
   end
   sink.queue[#sink.queue + 1] = body

@@ -78,7 +78,7 @@ function M.read_token(file)
 end
 
 --- ops.attach(d, o) -> Ops. d: the Daemon (not yet running); o: recipe, schedules, clock, store,
--- log (line), listen (host, port or nil), webhooks (daemon-wide URLs), webhook_timeout,
+-- log (line), listen (host, port or nil), webhooks (daemon-wide URLs), webhook_timeout, webhook_queue,
 -- trace_dir, control_token. Raises a structured listen error when the address cannot be bound.
 function M.attach(d, o)
   trace.keep_secrets()
@@ -89,7 +89,7 @@ function M.attach(d, o)
     daemon = d }
   self.alerts = require("moonbox.schedule.ops.alerts").new { daemon = d, clock = o.clock,
     webhooks = o.webhooks, schedules = o.schedules, metrics = self.metrics, log = o.log,
-    timeout = o.webhook_timeout, recipe = o.recipe, host = o.hostname }
+    timeout = o.webhook_timeout, queue = o.webhook_queue, recipe = o.recipe, host = o.hostname }
   if o.trace_dir then
     self.traces = require("moonbox.schedule.ops.traces").new { dir = o.trace_dir, daemon = d, log = o.log }
   end
