@@ -206,10 +206,9 @@ function Daemon:finish(s, run, outcome, message)
   local failures = self.store:count_outcome(s.name, outcome)
   local sandboxes = run.ledger_run and self.store.ledger:sandboxes(run.ledger_run) or {}
   self:emit("finished", { schedule = s.name, id = run.id, outcome = outcome, message = message,
-    slot = run.slot,
-    trigger = run.trigger, started_at = run.started_at, ended_at = now, run = run, error = run.error,
-    failures = failures, failures_before = before and before.failures or 0, ledger_run = run.ledger_run,
-    sandboxes = sandboxes })
+    slot = run.slot, trigger = run.trigger, started_at = run.started_at, ended_at = now, run = run,
+    error = run.error, failures = failures, failures_before = before and before.failures or 0,
+    ledger_run = run.ledger_run, sandboxes = sandboxes })
   self:log("%s: run %d %s%s%s", s.name, run.id, outcome,
     #sandboxes > 0 and (" (sandboxes " .. table.concat(sandboxes, ", ") .. ")") or "",
     message and (": " .. message) or "")

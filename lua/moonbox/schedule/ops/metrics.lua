@@ -68,7 +68,10 @@ function Metrics:record(name, outcome, started_at, ended_at, initial)
   local p = self.per[name]
   if not p or not FINAL[outcome] then return end
   p.runs[outcome] = p.runs[outcome] + 1
-  if started_at and ended_at then observe(p.hist, math.max(0, ended_at - started_at)) end
+  -- an interrupted run "ended" when the next daemon noticed: its duration is the outage's
+  if started_at and ended_at and outcome ~= "interrupted" then
+    observe(p.hist, math.max(0, ended_at - started_at))
+  end
   if outcome ~= "skipped" and (not initial or p.last_outcome == nil) then
     p.last_outcome, p.last_at = outcome, ended_at
   end
