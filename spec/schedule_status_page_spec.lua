@@ -93,7 +93,7 @@ describe("moonbox schedule status page", function()
       assert.is_true(#events >= 1)
       assert.are.equal("process_name", events[1].name)
 
-      local builddir = L.BIN:match("^(.*)/[^/]+$")
+      local builddir = os.getenv("MOONBOX_BUILD_DIR") or L.BIN:match("^(.*)/[^/]+$")
       proc.run { "mkdir", "-p", builddir .. "/ops" }
       browser:screenshot(builddir .. "/ops/status-page.png")
 
