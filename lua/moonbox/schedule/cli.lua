@@ -187,7 +187,10 @@ function M.main(args, cli)
     return cli.EXIT_FAIL
   end
   cli.set_arg(file, {})
-  require("moonbox.trace").secret(os.getenv("RENDER_API_KEY"), true) -- never in a log line
+  -- Never in a log line, the history, an alert or the page: the API key, and every env value a
+  -- run gives moonbox.render (kept for the life of the process, trace or not).
+  require("moonbox.trace").secret(os.getenv("RENDER_API_KEY"), true)
+  require("moonbox.trace").keep_secrets()
   schedule._set_running(true)
   local build = require "moonbox.build"
   build.ledger = true

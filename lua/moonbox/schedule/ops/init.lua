@@ -81,7 +81,7 @@ end
 -- log (line), listen (host, port or nil), webhooks (daemon-wide URLs), webhook_timeout, webhook_queue,
 -- trace_dir, control_token. Raises a structured listen error when the address cannot be bound.
 function M.attach(d, o)
-  trace.keep_secrets()
+  trace.keep_secrets() -- `moonbox schedule` does this already; a daemon embedded elsewhere may not
   trace.secret(os.getenv("RENDER_API_KEY"), true) -- before any connection registers it
   local self = setmetatable({ d = d, recipe = o.recipe, schedules = o.schedules, clock = o.clock,
     store = o.store, log = o.log, token = o.control_token, loop_running = false }, Ops)
