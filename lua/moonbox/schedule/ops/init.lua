@@ -115,14 +115,12 @@ function Ops:health()
   local ok, err = self.store:ping(250)
   checks.store = ok and "ok" or trace.redact(tostring(err))
   self.metrics.store_up = ok and 1 or 0
-  local healthy = self.loop_running and ok
+  local failed = {}
+  if not self.loop_running then failed[#failed + 1] = "loop" end
+  if not ok then failed[#failed + 1] = "store" end
+  local healthy = #failed == 0
   return healthy, { status = healthy and "ok" or "unavailable", checks = checks,
-    failed = (not healthy) and json.array((function()
-      local l = {}
-      if not self.loop_running then l[#l + 1] = "loop" end
-      if not ok then l[#l + 1] = "store" end
-      return l
-    end)()) or nil }
+    failed = not healthy and json.array(failed) or nil }
 end
 
 --- ops:status() -> the table page.html renders (also /api/status).
