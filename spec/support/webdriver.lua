@@ -49,14 +49,10 @@ function M.start(dir)
     end
   end)
   task.spawn(function() for _ in lines do end end) -- keep its output drained
+  local args = table.move(M.FLAGS, 1, #M.FLAGS, 1, {})
+  args[#args + 1] = "--user-data-dir=" .. dir .. "/profile" -- new and empty
   local v = b:call("POST", "/session", { capabilities = { alwaysMatch = { ["goog:chromeOptions"] = {
-    binary = "/usr/bin/chromium",
-    args = (function()
-      local a = {}
-      for i, f in ipairs(M.FLAGS) do a[i] = f end
-      a[#a + 1] = "--user-data-dir=" .. dir .. "/profile"
-      return a
-    end)() } } } })
+    binary = "/usr/bin/chromium", args = args } } } })
   b.session = v.sessionId
   return b
 end
