@@ -283,7 +283,12 @@ local function parse_flags(args, spec)
           value = args[i]
           if value == nil then return nil, "option --" .. name .. " needs a value" end
         end
-        opts[name] = value
+        if kind == "list" then -- repeatable: every value, in order
+          opts[name] = opts[name] or {}
+          table.insert(opts[name], value)
+        else
+          opts[name] = value
+        end
       end
     else
       rest[#rest + 1] = a

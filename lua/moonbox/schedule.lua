@@ -20,12 +20,22 @@ local running = false
 
 local OVERLAP = { skip = true, buffer_one = true, cancel_other = true }
 local OPTIONS = { overlap = true, catchup = true, jitter = true, timeout = true,
-  pause_after_failures = true, tz = true }
+  pause_after_failures = true, tz = true, webhooks = true }
 
 --- schedule.duration(v) -> seconds, or nil and a message; schedule.format_duration(seconds) ->
 -- "1h30m". The parser shared with the rest of moonbox (lua/moonbox/duration.lua).
 M.duration = duration.parse
 M.format_duration = duration.format
+
+--- schedule.check_webhook(url) -> true, or nil and why: an alert webhook must be an absolute
+-- http:// or https:// URL without spaces or control characters.
+function M.check_webhook(u)
+  if type(u) ~= "string" then return nil, "expected a URL string, got a " .. type(u) end
+  if not u:match("^https?://[^/%s]+") or u:find("[%c%s]") then
+    return nil, "expected an http:// or https:// URL"
+  end
+  return true
+end
 
 local function where_of(level)
   local info = debug.getinfo(level + 1, "Sl")
@@ -53,7 +63,7 @@ local function check_opts(kind, name, where, opts)
   if type(opts) ~= "table" then bad("options must be a table, got a %s", type(opts)) end
   for k in pairs(opts) do
     if not OPTIONS[k] then bad("unknown option '%s' (known: overlap, catchup, jitter, timeout, " ..
-      "pause_after_failures, tz)", tostring(k)) end
+      "pause_after_failures, tz, webhooks)", tostring(k)) end
   end
   local s = { name = name, where = where, overlap = opts.overlap or "skip" }
   if not OVERLAP[s.overlap] then
@@ -80,6 +90,23 @@ local function check_opts(kind, name, where, opts)
     bad("pause_after_failures must be an integer >= 1, got %s", tostring(n))
   end
   s.pause_after_failures = n
+  local hooks = opts.webhooks
+  if hooks ~= nil then
+    if type(hooks) == "string" then hooks = { hooks } end
+    if type(hooks) ~= "table" then
+      bad("webhooks must be a URL or an array of URLs, got a %s", type(hooks))
+    end
+    local list = {}
+    for i, u in ipairs(hooks) do
+      local okurl, why = M.check_webhook(u)
+      if not okurl then bad("webhooks[%d]: %s", i, why) end
+      list[i] = u
+    end
+    for k in pairs(hooks) do
+      if math.type(k) ~= "integer" or k < 1 or k > #list then bad("webhooks must be an array of URLs") end
+    end
+    s.webhooks = list
+  end
   return s, bad
 end
 

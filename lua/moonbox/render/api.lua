@@ -161,6 +161,7 @@ local function with_retries(op, opts, info, send)
     if r[1] then return table.unpack(r, 2, r.n) end
     local err = r[2]
     if err.status == 429 then
+      M.throttled = M.throttled + 1
       -- Tell the adaptive windows (task.map, render.restore) to back off.
       task.congested(err.retry_after)
       trace.instant("throttled", "api", { op = op, retry_after = err.retry_after, attempt = attempt })
@@ -234,6 +235,24 @@ end
 -- one call are not counted again.
 M.calls_made = 0
 
+--- api.outcomes: {outcome = count} of finished API calls of this process ("ok", a failed
+-- call's error code, "cancelled"); api.throttled: 429 answers seen (each attempt). Read by
+-- `moonbox schedule --listen`'s /metrics.
+M.outcomes = {}
+M.throttled = 0
+
+local function counted(ok, ...)
+  local k = "ok"
+  if not ok then
+    local e = ...
+    k = is_interruption(e) and "cancelled" or (type(e) == "table" and type(e.code) == "string" and e.code)
+      or "error"
+  end
+  M.outcomes[k] = (M.outcomes[k] or 0) + 1
+  if ok then return ... end
+  error((...), 0)
+end
+
 --- api.call(conn, op, method, path, opts) -> decoded body (or true for an empty 2xx), status,
 -- headers. opts: query, body (table → JSON), idempotent (may it be sent again? default: GET and
 -- DELETE), sandbox_id / snapshot_id / group_id (for errors), timeout (per attempt, default 60 s), deadline
@@ -243,9 +262,9 @@ function M.call(conn, op, method, path, opts)
   opts = opts or {}
   M.calls_made = M.calls_made + 1
   local info = {}
-  if not trace.on then return call(conn, op, method, path, opts, info) end
+  if not trace.on then return counted(pcall(call, conn, op, method, path, opts, info)) end
   local _span <close> = M.span(op, method, path, opts, info)
-  return call(conn, op, method, path, opts, info)
+  return counted(pcall(call, conn, op, method, path, opts, info))
 end
 
 --- api.data(conn, op, mint, req, opts) -> response, token, span. A data-plane request: mints

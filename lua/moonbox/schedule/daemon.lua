@@ -17,6 +17,7 @@ local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
 local clock_mod = require "moonbox.schedule.clock"
 local ledger_mod = require "moonbox.ledger"
+local trace = require "moonbox.trace"
 
 local M = {}
 local Daemon = {}
@@ -35,6 +36,7 @@ local function one_line(err)
     local ok, v = pcall(tostring, err)
     s = ok and v or "(an error object)"
   end
+  s = trace.redact(s) -- the history must not keep the API key or an env value a message quoted
   if #s > 2000 then s = s:sub(1, 2000) .. " [...]" end
   return s
 end
@@ -44,12 +46,44 @@ end
 function M.new(o)
   local d = setmetatable({ recipe = o.recipe, schedules = o.schedules, clock = o.clock, store = o.store,
     out = o.out, errout = o.errout or o.out, drain = o.drain, format_error = o.format_error or one_line,
-    wake = core.cond(), pending = {}, names = {}, rt = {}, last = {}, timers = {} }, Daemon)
+    wake = core.cond(), pending = {}, names = {}, rt = {}, last = {}, timers = {}, subscribers = {} },
+    Daemon)
   for _, s in ipairs(d.schedules) do
     d.names[#d.names + 1] = s.name
     d.rt[s.name] = {}
   end
   return d
+end
+
+--- daemon:subscribe(fn) -> unsubscribe(): fn(event, e) is called, synchronously, for what the
+-- daemon does (moonbox.schedule.ops: metrics, alerts, traces, the status page):
+--   "loop"      e.running: the fire loop started (true) or stopped (false)
+--   "next_fire" e.schedule (name), e.at: the schedule's timer is armed for e.at
+--   "started"   e.schedule, e.run (id, slot, trigger, started_at; a subscriber may add fields,
+--               e.g. trace): a run started
+--   "finished"  e.schedule, e.id, e.outcome, e.message, e.slot, e.trigger, e.started_at,
+--               e.ended_at, e.run (nil for a record that never ran: skipped, or interrupted or
+--               cancelled while queued), e.error (code, op, sandbox_id, request_id of a failed
+--               run's error, when it had them), e.failures (consecutive, after this one),
+--               e.failures_before, e.ledger_run, e.sandboxes: a history record got its final
+--               outcome
+--   "paused"    e.schedule, e.reason, e.failures, e.run: paused after N failures
+-- Subscribers must not wait; one that raises is reported on errout and dropped.
+function Daemon:subscribe(fn)
+  local key = {}
+  self.subscribers[key] = fn
+  return function() self.subscribers[key] = nil end
+end
+
+function Daemon:emit(event, e)
+  for key, fn in pairs(self.subscribers) do
+    local ok, err = pcall(fn, event, e)
+    if not ok then
+      self.subscribers[key] = nil
+      self.errout(string.format("moonbox schedule: a %s subscriber failed and was removed: %s\n", event,
+        one_line(err)))
+    end
+  end
 end
 
 function Daemon:log(fmt_, ...)
@@ -68,7 +102,11 @@ function Daemon:record_skipped(s, slot, trigger, why, due)
     ended_at = now,
     outcome = "skipped", error = why, last_slot = true }, now)
   self:handled(s, slot)
-  if id then self:log("%s: slot %s skipped (record %d): %s", s.name, fmt(slot), id, why) end
+  if id then
+    self:log("%s: slot %s skipped (record %d): %s", s.name, fmt(slot), id, why)
+    self:emit("finished", { schedule = s.name, id = id, outcome = "skipped", message = why, slot = slot,
+      trigger = trigger, ended_at = now })
+  end
 end
 
 -- ---- runs -----------------------------------------------------------------------------------
@@ -94,6 +132,7 @@ function Daemon:start(s, q)
   local run = { id = id, slot = q.slot, trigger = q.trigger, started_at = now }
   self.rt[s.name].active = run
   self:log("%s: run %d started (slot %s, %s)", s.name, id, fmt(q.slot), q.trigger)
+  self:emit("started", { schedule = s.name, run = run })
   run.task = task.spawn(self.run_body, self, s, run)
   return run
 end
@@ -140,6 +179,10 @@ function Daemon:run_body(s, run)
     outcome, message = "cancelled", "the run's task was cancelled"
   else
     outcome, message = "failed", one_line(err)
+    if type(err) == "table" then
+      run.error = { code = err.code, op = err.op, sandbox_id = err.sandbox_id, request_id = err.request_id,
+        snapshot_id = err.snapshot_id, exec_id = err.exec_id }
+    end
     self.errout(string.format("moonbox schedule: %s: run %d failed: %s\n", s.name, run.id,
         self.format_error(err)))
   end
@@ -159,8 +202,13 @@ function Daemon:finish(s, run, outcome, message)
   if run.ledger_run then self.store.ledger:end_run(outcome, run.ledger_run) end
   self.store:finish(run.id, outcome, message, now)
   run.outcome, run.message = outcome, message
+  local before = next(self.subscribers) and self.store:state(s.name)
   local failures = self.store:count_outcome(s.name, outcome)
   local sandboxes = run.ledger_run and self.store.ledger:sandboxes(run.ledger_run) or {}
+  self:emit("finished", { schedule = s.name, id = run.id, outcome = outcome, message = message,
+    slot = run.slot, trigger = run.trigger, started_at = run.started_at, ended_at = now, run = run,
+    error = run.error, failures = failures, failures_before = before and before.failures or 0,
+    ledger_run = run.ledger_run, sandboxes = sandboxes })
   self:log("%s: run %d %s%s%s", s.name, run.id, outcome,
     #sandboxes > 0 and (" (sandboxes " .. table.concat(sandboxes, ", ") .. ")") or "",
     message and (": " .. message) or "")
@@ -173,6 +221,7 @@ function Daemon:finish(s, run, outcome, message)
         outcome)
       self.store:set_paused(s.name, true, reason, now)
       self:log("%s: %s; `moonbox schedule %s --resume %s` resumes it", s.name, reason, self.recipe, s.name)
+      self:emit("paused", { schedule = s.name, reason = reason, failures = failures, run = run })
     end
   end
   local rt = self.rt[s.name]
@@ -311,6 +360,7 @@ function Daemon:timer_loop(s)
       local at = slot
       if s.jitter > 0 then at = slot + math.random() * s.jitter end
       self.store:set_next_fire(s.name, at)
+      self:emit("next_fire", { schedule = s.name, at = at })
       self.clock:sleep_until(at)
       self:fire(s, slot, "cron", at)
     end
@@ -328,6 +378,9 @@ function Daemon:recover()
     local msg = r.outcome == "queued" and "its daemon (pid %d) stopped before this queued run started"
       or "its daemon (pid %d) stopped during the run"
     self.store:finish(r.id, "interrupted", string.format(msg, r.pid), now)
+    self:emit("finished", { schedule = r.schedule, id = r.id, outcome = "interrupted",
+      message = string.format(msg, r.pid), slot = r.slot, trigger = r.trigger, started_at = r.started_at,
+      ended_at = now, ledger_run = r.ledger_run })
     self:log("%s: run %d (slot %s) recorded interrupted: " .. msg, r.schedule, r.id, fmt(r.slot), r.pid)
     local lr = r.ledger_run and ledger:run(r.ledger_run)
     if lr and not lr.alive then
@@ -377,6 +430,7 @@ function Daemon:run()
       end
     end)
   end
+  self:emit("loop", { running = true })
   local lok, lerr = pcall(function()
     while true do
       while #self.pending > 0 do
@@ -386,6 +440,7 @@ function Daemon:run()
       self.wake:wait()
     end
   end)
+  self:emit("loop", { running = false })
   self:shutdown()
   if self.fatal then error(self.fatal, 0) end
   if not lok and not task.is_cancelled(lerr) then error(lerr, 0) end
@@ -411,15 +466,18 @@ function Daemon:shutdown()
   for _, t in ipairs(self.timers) do pcall(task.join, t) end
   local sig = core.signal_received()
   local why = sig and ("SIG" .. sig) or "the daemon stopped"
-  for _, p in ipairs(self.pending) do self.rt[p.s.name].queued = p.q end
+  for _, p in ipairs(self.pending) do
+    if p.q.id then self.rt[p.s.name].queued = p.q end -- a manual request not yet started is dropped
+  end
   self.pending = {}
   local actives = {}
   for _, s in ipairs(self.schedules) do
     local rt = self.rt[s.name]
     if rt.queued then
-      self.store:finish(rt.queued.id, "cancelled",
-          "the daemon stopped (" .. why .. ") before this queued run started",
-        now)
+      local qmsg = "the daemon stopped (" .. why .. ") before this queued run started"
+      self.store:finish(rt.queued.id, "cancelled", qmsg, now)
+      self:emit("finished", { schedule = s.name, id = rt.queued.id, outcome = "cancelled", message = qmsg,
+        slot = rt.queued.slot, trigger = rt.queued.trigger, ended_at = now })
       rt.queued = nil
     end
     if rt.active then actives[#actives + 1] = rt.active end
@@ -444,6 +502,20 @@ function Daemon:shutdown()
   wait_all(left)
   self.store:release(self.names)
   self:log("stopped")
+end
+
+--- daemon:request_trigger(name) -> true, or nil and a message: the fire loop starts a manual
+-- run of that schedule as soon as it next looks (the status page's trigger button). Manual runs
+-- ignore overlap, as --trigger does. Does not yield.
+function Daemon:request_trigger(name)
+  local s
+  for _, x in ipairs(self.schedules) do if x.name == name then s = x end end
+  if not s then return nil, "no schedule named '" .. tostring(name) .. "'" end
+  if self.stopping then return nil, "the daemon is stopping" end
+  local now = self.clock:now()
+  self.pending[#self.pending + 1] = { s = s, q = { slot = now, trigger = "manual", fired_at = now } }
+  self.wake:signal()
+  return true
 end
 
 --- daemon:trigger(s) -> the finished run (run.outcome, run.message): runs s once now, recorded

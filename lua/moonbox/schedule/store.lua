@@ -173,4 +173,29 @@ function Store:last_run(name)
   return self.db:row("SELECT * FROM schedule_runs WHERE schedule = ? ORDER BY id DESC LIMIT 1", name)
 end
 
+--- store:ping(timeout_ms) -> true, or nil and a message: a real, cheap query of the state
+-- (the schedules table), on a connection of its own opened for it with a busy timeout of
+-- timeout_ms (default 250), so a locked database answers within that instead of the daemon's
+-- own 5 s; a database file that vanished (deleted, moved, its disk gone) is reported as such
+-- and never re-created. For `moonbox schedule --listen`'s /healthz. Does not yield (blocks at
+-- most timeout_ms).
+function Store:ping(timeout_ms)
+  local path = self.ledger.path
+  if not path or path == ":memory:" then
+    local ok, err = pcall(self.db.value, self.db, "SELECT count(*) FROM schedules")
+    if ok then return true end
+    return nil, tostring(err)
+  end
+  local f = io.open(path, "rb")
+  if not f then return nil, "the database file " .. path .. " is missing" end
+  f:close()
+  local ok, err = pcall(function()
+    local db <close> = require("moonbox.store").open(path, { busy_timeout = timeout_ms or 250,
+      statement_cache = 0 })
+    db:value("SELECT count(*) FROM schedules")
+  end)
+  if ok then return true end
+  return nil, type(err) == "table" and tostring(err.message or err.code) or tostring(err)
+end
+
 return M
