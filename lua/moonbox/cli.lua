@@ -305,7 +305,7 @@ end
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
   "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]\n" ..
-  "                     [--dns IPV4]",
+  "                     [--dns IPV4] [--rate-limit N]",
   [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and runs real, isolated sandboxes on
 this machine: each in its own user namespace (root inside is an unprivileged id on the host),
 with a seccomp filter, its plan's cgroup limits, and an overlay root over a Debian 12 image
@@ -320,6 +320,8 @@ at it:
 --port 0 picks a free port. --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
 --dns IPV4 is the resolver that allow-list sandboxes' gates ask for the allowed names (default:
 the host's, through slirp4netns; see docs/local-isolation.md).
+--rate-limit N answers /v1 requests beyond N a minute with 429 and Retry-After (default 20000;
+every /v1 answer carries RateLimit-Limit, -Remaining and -Reset; Render's is reportedly 400).
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
 Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
@@ -328,8 +330,13 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
       ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
-      dns = "value" })
+      dns = "value", ["rate-limit"] = "value" })
     if not opts then return usage_error("local: %s", rest) end
+    local rate_limit = opts["rate-limit"] and math.tointeger(tonumber(opts["rate-limit"]))
+    if opts["rate-limit"] and not (rate_limit and rate_limit >= 1) then
+      return usage_error("local: --rate-limit wants a whole number of requests per minute >= 1, got '%s'",
+        opts["rate-limit"])
+    end
     if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
     if opts.image and opts["host-root"] then return usage_error(
       "local: --image and --host-root exclude each other") end
@@ -359,7 +366,7 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
         on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
         api_key = opts["api-key"], workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
-        dns = opts.dns,
+        dns = opts.dns, rate_limit = rate_limit,
       }
       local _close <close> = setmetatable({}, { __close = function()
         backend:close()
