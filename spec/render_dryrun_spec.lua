@@ -164,9 +164,9 @@ print(#sb:download("never/written"))
       assert.is_false(render.dry_run.active())
     end))
 
-  it("counts simulated time: `sleep 600` is 600 sandbox-seconds, task.sleep and task.now follow the clock",
+  it("counts simulated time: `sleep 600` is 600 sandbox-seconds; task.sleep, task.now, timeouts follow it",
     run(function()
-      local rep, out = dry([[
+      local rep, out, err = dry([[
 local render = require "moonbox.render"
 local task = require "moonbox.task"
 local t0 = task.now()
@@ -174,11 +174,24 @@ local sb <close> = render.sandboxes.create {}
 sb:exec("sleep 600")
 task.sleep(3600)
 print(math.floor(task.now() - t0))
+local ok, e = pcall(sb.exec, sb, "sleep 900", { timeout = 5 })
+print(ok, e.code, math.floor(task.now() - t0))
+local p = sb:spawn("sleep 100")
+task.sleep(1)
+print(p:kill("TERM"), p:wait().code)
 ]])
-      local elapsed = tonumber(out:match("%d+"))
+      assert.is_nil(err)
+      local lines = {}
+      for l in out:gmatch("[^\n]+") do lines[#lines + 1] = l end
+      local elapsed = tonumber(lines[1])
       assert.is_true(elapsed >= 4200 and elapsed < 4210, out)
-      assert.is_true(rep.sandbox_seconds >= 4200 and rep.sandbox_seconds < 4210, tostring(rep.sandbox_seconds))
-      assert.is_true(rep.simulated_s >= 4200, tostring(rep.simulated_s))
+      assert.are.equal("false\ttimeout\t" .. (elapsed + 5), lines[2])
+      assert.are.equal("signalled\t143", lines[3])
+      assert.is_true(rep.sandbox_seconds >= 4206 and rep.sandbox_seconds < 4216, tostring(rep.sandbox_seconds))
+      assert.is_true(rep.simulated_s >= 4206, tostring(rep.simulated_s))
+      local killed = 0
+      for _, s in ipairs(rep.steps) do if s.killed then killed = killed + 1 end end
+      assert.are.equal(2, killed) -- the timed-out exec and the killed one
     end))
 
   it("enforces budgets on the simulated backend: the sandbox count before sending, the seconds by terminating",

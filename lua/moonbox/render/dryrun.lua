@@ -12,11 +12,12 @@
 --     function therefore runs unchanged, with its own retries, waits, budgets and fan-outs.
 --     Nothing is started and nothing is sent: no process, no socket, no embedded backend.
 --   - a simulated clock (Clock): operations take simulated time (dryrun.DURATIONS, overridable)
---     and task.sleep, task.now and the budgets' clock follow it while a dry run is active. The
---     clock moves only when every task waits for it: a driver task yields until nothing else
---     is ready, then jumps to the earliest pending simulated wake-up. A recipe that execs
---     `sleep 600` or creates 100 sandboxes finishes in milliseconds and reports the simulated
---     seconds. Real-time waits (task.timeout, sb:exec's timeout option) are not simulated.
+--     and task.sleep, task.now, task.timeout and the budgets' clock follow it while a dry run
+--     is active. The clock moves only when every task waits for it: a driver task yields until
+--     nothing else is ready, then jumps to the earliest pending simulated wake-up. A recipe
+--     that execs `sleep 600` or creates 100 sandboxes finishes in milliseconds and reports the
+--     simulated seconds. What waits on core's own clock (core.sleep, task.window's holds) and
+--     real I/O the recipe does itself take real time, during which simulated time may pass.
 --   - the hooks (render.dry_run): what the recipe says simulated execs and downloads give back;
 --     they do nothing outside a dry run, so a recipe can register them unconditionally.
 --
@@ -85,6 +86,32 @@ function Clock:sleep(seconds)
       error(err, 0)
     end
   end
+end
+
+--- clock:timeout(seconds, fn, ...) -> fn's results: task.timeout on the simulated clock. A
+-- watcher task cancels the calling task once `seconds` of simulated time have passed while fn
+-- runs, and that cancellation becomes task.timeout's error (op "task.timeout", code "timeout").
+-- Unlike a real deadline it interrupts one wait, not every wait after it. [yields]
+function Clock:timeout(seconds, fn, ...)
+  local me, cond, state = core.current(), core.cond(), {}
+  local watcher = task.spawn(function()
+    self:wait_for(cond, seconds)
+    if not state.done then
+      state.fired = true
+      core.cancel(me)
+    end
+  end)
+  core.observe(watcher)
+  local r = table.pack(xpcall(fn, core.msgh, ...))
+  state.done = true
+  cond:broadcast()
+  if state.fired and not r[1] and task.is_cancelled(r[2]) then
+    error(core.Error.new { op = "task.timeout", code = "timeout", retryable = true, seconds = seconds,
+      message = string.format("timed out after %g s (simulated)", seconds),
+      traceback = type(r[2]) == "table" and r[2].traceback or nil }, 0)
+  end
+  if not r[1] then error(r[2], 0) end
+  return table.unpack(r, 2, r.n)
 end
 
 --- clock:now() -> the simulated time on the scale of core.now() (the real time the run began,
@@ -249,15 +276,16 @@ Sim.__index = Sim
 
 local LOG_MAX = 200 -- steps the text report lists
 
+-- Records one step of the run (the first LOG_MAX are kept for the report); returns its fields,
+-- which the caller may still complete.
 function Sim:step(what, fields)
   local s = self.stats
   s.steps = s.steps + 1
-  if #self.log < LOG_MAX then
-    fields = fields or {}
-    fields.t = self.clock.t
-    fields.what = what
-    self.log[#self.log + 1] = fields
-  end
+  fields = fields or {}
+  fields.t = self.clock.t
+  fields.what = what
+  if #self.log < LOG_MAX then self.log[#self.log + 1] = fields end
+  return fields
 end
 
 function Sim:live_changed(delta, plan)
@@ -338,12 +366,17 @@ end
 function Sim:run_exec(sb, command, kind, marker)
   local r = self:exec_result(command, sb.id)
   self.stats.execs = self.stats.execs + 1
-  self:step("exec", { sandbox = sb.id, command = command, kind = kind, seconds = r.seconds, code = r.code })
-  local run = { cond = core.cond() }
+  local step = self:step("exec", { sandbox = sb.id, command = command, kind = kind, seconds = r.seconds,
+    code = r.code })
+  local run, t0 = { cond = core.cond() }, self.clock.t
   if marker then sb.running[marker] = run end
-  self.clock:wait_for(run.cond, r.seconds)
+  local ok, err = pcall(self.clock.wait_for, self.clock, run.cond, r.seconds)
   if marker then sb.running[marker] = nil end
-  if run.signal then return { code = 128 + run.signal, stdout = "", stderr = "" } end
+  if not ok then error(err, 0) end
+  if run.signal then
+    step.code, step.killed, step.seconds = 128 + run.signal, true, self.clock.t - t0
+    return { code = 128 + run.signal, stdout = "", stderr = "" }
+  end
   return r
 end
 
@@ -742,7 +775,7 @@ local saved -- what start() replaced, put back by stop()
 
 --- dryrun.start() -> Sim: makes this process's render calls go to a new simulated backend on a
 -- simulated clock (render.connect and the default connection both give a dry-run connection),
--- and task.sleep, task.now and the budgets' clock follow the simulated one, until
+-- and task.sleep, task.now, task.timeout and the budgets' clock follow the simulated one, until
 -- dryrun.stop(). Spawns the clock's driver task, so it must run inside a task. Raises when a dry
 -- run is already active. Does not yield.
 function M.start()
@@ -756,7 +789,7 @@ function M.start()
   }, Sim)
   sim = s
   local budget = require "moonbox.render.budget"
-  saved = { sleep = task.sleep, now = task.now, clock = budget.clock }
+  saved = { sleep = task.sleep, now = task.now, timeout = task.timeout, clock = budget.clock }
   task.sleep = function(seconds)
     if type(seconds) ~= "number" or seconds ~= seconds or seconds < 0 then
       error("task.sleep: expected a number of seconds >= 0", 2)
@@ -764,6 +797,13 @@ function M.start()
     return clock:sleep(seconds)
   end
   task.now = function() return clock:now() end
+  task.timeout = function(seconds, fn, ...)
+    if type(seconds) ~= "number" or seconds ~= seconds or seconds < 0 then
+      error("task.timeout: expected seconds >= 0, got " .. tostring(seconds), 2)
+    end
+    if type(fn) ~= "function" then error("task.timeout: expected a function", 2) end
+    return clock:timeout(seconds, fn, ...)
+  end
   budget.clock = { now = function() return clock:now() end,
     wait = function(cond, seconds) clock:wait_for(cond, seconds) end }
   s.transport = { request = function(o) return s:request(o) end, stream = function(o) return s:stream(o) end }
@@ -779,8 +819,8 @@ end
 --- dryrun.current() -> the active Sim, or nil.
 function M.current() return sim end
 
---- dryrun.stop() -> report: ends the dry run (the driver stops; task.sleep, task.now and the
--- budgets' clock are real again; render connects for real again) and returns its report (see
+--- dryrun.stop() -> report: ends the dry run (the driver stops; task.sleep, task.now,
+-- task.timeout and the budgets' clock are real again; render connects for real again) and returns its report (see
 -- sim:report()). Does nothing and returns nil when none is active. Does not yield.
 function M.stop()
   local s = sim
@@ -788,7 +828,7 @@ function M.stop()
   sim = nil
   local rep = s:report()
   task.cancel(s.driver)
-  task.sleep, task.now = saved.sleep, saved.now
+  task.sleep, task.now, task.timeout = saved.sleep, saved.now, saved.timeout
   require("moonbox.render.budget").clock = saved.clock
   require("moonbox.render.conn").simulate(nil)
   hooks.exec, hooks.download = {}, {}
@@ -831,8 +871,8 @@ function M.text(rep, recipe)
     if s.what == "create" or s.what == "restore" then
       detail = string.format("%s plan %s%s", s.sandbox, s.plan, s.snapshot and (" from " .. s.snapshot) or "")
     elseif s.what == "exec" then
-      detail = string.format("%s `%s` (%gs, exit %s)", s.sandbox, #s.command > 60 and (s.command:sub(1, 57) ..
-        "...") or s.command, s.seconds, tostring(s.code))
+      detail = string.format("%s `%s` (%gs, %s %s)", s.sandbox, #s.command > 60 and (s.command:sub(1, 57) ..
+        "...") or s.command, s.seconds, s.killed and "killed, exit" or "exit", tostring(s.code))
     elseif s.what == "snapshot" then
       detail = string.format("%s -> %s%s", s.sandbox, s.snapshot, s.name and (" " .. s.name) or "")
     elseif s.what == "upload" or s.what == "download" then
