@@ -820,8 +820,9 @@ end
 function M.current() return sim end
 
 --- dryrun.stop() -> report: ends the dry run (the driver stops; task.sleep, task.now,
--- task.timeout and the budgets' clock are real again; render connects for real again) and returns its report (see
--- sim:report()). Does nothing and returns nil when none is active. Does not yield.
+-- task.timeout and the budgets' clock are real again; render connects for real again; the
+-- hooks and durations are cleared) and returns its report (see sim:report()). Does nothing and
+-- returns nil when none is active. Does not yield.
 function M.stop()
   local s = sim
   if not s then return nil end
