@@ -666,6 +666,12 @@ describe("wire defects found with Render's SDKs", function()
       local d = http.request { url = tok.uri, headers = { Authorization = "Bearer " .. tok.token } }
       assert.are.equal(200, d.status, path .. ": " .. d.body)
       assert.is_true(#d.body > 0, path)
+      if path:find("status$") then
+        -- the reader's own view: one pid (inside the sandbox's pid namespace, not the host's)
+        -- and root of the sandbox's user namespace
+        assert.matches("\nNSpid:\t%d+\n", d.body, path)
+        assert.matches("\nUid:\t0\t", d.body, path)
+      end
     end
   end))
 
@@ -701,6 +707,7 @@ describe("wire defects found with Render's SDKs", function()
     local probes = {
       { "GET", "/v1/sandboxes" }, { "GET", "/v1/sandboxes/" .. sb.id }, { "GET", "/v1/sandboxes/sbx-nope" },
       { "POST", "/v1/sandboxes", { body = { ownerId = B.workspace, plan = "nope" } } },
+      { "GET", "/v1/no-such-route" }, { "DELETE", "/v1/sandboxes/" .. sb.id .. "/terminate" },
     }
     for _, p in ipairs(probes) do
       local status, _, h = B:req(p[1], p[2], p[3])
@@ -708,6 +715,12 @@ describe("wire defects found with Render's SDKs", function()
         assert.matches("^%d+$", h[name], p[1] .. " " .. p[2] .. " (" .. status .. ") has no " .. name)
       end
     end
+    -- a /v1 path no route has, and a route's path with another method, answer as before
+    local s404, b404 = B:req("GET", "/v1/no-such-route")
+    assert.are.same({ 404, "no route for GET /v1/no-such-route" }, { s404, b404.message })
+    local s405, b405, h405 = B:req("DELETE", "/v1/sandboxes/" .. sb.id .. "/terminate")
+    assert.are.same({ 405, "POST" }, { s405, h405["allow"] })
+    assert.matches("method DELETE is not allowed", b405.message)
   end))
 
   it("names the old plan names too when a plan is unknown (the SDKs still offer them)", T.async(function()

@@ -254,6 +254,33 @@ function M.wrap(b, fn, o)
   end
 end
 
+--- route.unrouted(routes) -> a handler for the /v1 requests no route took: 404 "no route for
+-- METHOD PATH", or 405 with Allow when a route has the path under another method — the answers
+-- the server itself would give, but through route.wrap, so they are counted and carry the
+-- RateLimit-* headers like every /v1 answer. routes: {method, pattern} as given to srv:route.
+function M.unrouted(routes)
+  local compiled = {}
+  for _, rt in ipairs(routes) do
+    local lp = rt[2]:gsub("[^%w/:]", "%%%0"):gsub(":[%w_]+", "[^/]+")
+    compiled[#compiled + 1] = { method = rt[1], pattern = "^" .. lp .. "$" }
+  end
+  return function(_, req)
+    local allow, seen = {}, {}
+    for _, c in ipairs(compiled) do
+      if req.path:find(c.pattern) and not seen[c.method] then
+        seen[c.method] = true
+        allow[#allow + 1] = c.method
+        if c.method == "GET" then allow[#allow + 1] = "HEAD" end
+      end
+    end
+    if #allow > 0 then
+      return 405, { message = string.format("method %s is not allowed for %s", req.method, req.path) },
+        { Allow = table.concat(allow, ", ") }
+    end
+    return 404, { message = string.format("no route for %s %s", req.method, req.path) }
+  end
+end
+
 --- route.owner_optional(b, req): ownerId as an optional query parameter: at most one value,
 -- and it must be the workspace.
 function M.owner_optional(b, req)
