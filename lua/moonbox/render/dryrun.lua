@@ -872,8 +872,10 @@ function M.text(rep, recipe)
     if s.what == "create" or s.what == "restore" then
       detail = string.format("%s plan %s%s", s.sandbox, s.plan, s.snapshot and (" from " .. s.snapshot) or "")
     elseif s.what == "exec" then
-      detail = string.format("%s `%s` (%gs, %s %s)", s.sandbox, #s.command > 60 and (s.command:sub(1, 57) ..
-        "...") or s.command, s.seconds, s.killed and "killed, exit" or "exit", tostring(s.code))
+      local cmd = s.command:gsub("\n", "\\n")
+      if #cmd > 60 then cmd = cmd:sub(1, 57) .. "..." end
+      detail = string.format("%s `%s` (%gs, %s %s)", s.sandbox, cmd, s.seconds,
+        s.killed and "killed, exit" or "exit", tostring(s.code))
     elseif s.what == "snapshot" then
       detail = string.format("%s -> %s%s", s.sandbox, s.snapshot, s.name and (" " .. s.name) or "")
     elseif s.what == "upload" or s.what == "download" then
