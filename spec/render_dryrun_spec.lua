@@ -92,6 +92,21 @@ describe("moonbox run --dry-run", function()
         assert.matches("snapshots: 1; execs: 6; uploads: 1; downloads: 1", t.stdout)
         assert.matches("peak live sandboxes: 4; sandbox%-seconds: [%d.]+", t.stdout)
         assert.is_nil(io.open(home .. "/state/moonbox", "r"))
+        -- under strace: the one execve is moonbox's own, and no socket is ever made
+        local strace = proc.run { "sh", "-c", "command -v strace" }
+        assert(strace.code == 0, "strace is missing (./dev setup installs it)")
+        local log = home .. "/strace.log"
+        local traced = proc.run { "strace", "-f", "-qq", "-o", log, "-e",
+          "trace=execve,execveat,fork,vfork,socket,socketpair,connect", L.BIN, "run", "--dry-run",
+          "recipes/quickstart.lua", env = { HOME = home, XDG_STATE_HOME = home .. "/state",
+            PATH = os.getenv("PATH") }, env_mode = "replace" }
+        assert.are.equal(0, traced.code, traced.stderr)
+        local calls = {}
+        for line in io.lines(log) do
+          local name = line:match("^%d+%s+([%w_]+)%(")
+          if name then calls[#calls + 1] = name end
+        end
+        assert.are.same({ "execve" }, calls)
       end)
       proc.run { "rm", "-rf", home }
       if not ok then error(err, 0) end
@@ -236,6 +251,17 @@ render.dry_run.on_exec(42, {})
 local sb <close> = require("moonbox.render").sandboxes.create {}]])
     assert.are.equal(10, rep.durations.create)
     assert.is_true(rep.simulated_s >= 10, tostring(rep.simulated_s))
+    -- a loop waiting for output no hook gives ends at the simulated-time limit
+    local looped
+    rep, _, looped = dry([[
+local render = require "moonbox.render"
+render.dry_run.limit(100)
+local sb <close> = render.sandboxes.create {}
+while sb:exec("cat /ready").stdout ~= "yes" do require("moonbox.task").sleep(10) end
+]])
+    assert.are.equal("simulated_time_limit", looped.code)
+    assert.is_true(rep.simulated_s > 100 and rep.simulated_s < 120, tostring(rep.simulated_s))
+    assert.are.equal(0, rep.live_at_end)
     local r = proc.run { L.BIN, "run", "--dry-run", "--backend", "local", "recipes/quickstart.lua" }
     assert.are.equal(2, r.code)
     assert.matches("%-%-dry%-run simulates the backend", r.stderr)

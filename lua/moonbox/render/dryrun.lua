@@ -38,6 +38,11 @@ local M = {}
 -- upload or download). render.dry_run.durations{...} changes them for the run.
 M.DURATIONS = { create = 2, restore = 3, exec = 1, snapshot = 5, transfer = 0.2 }
 
+--- dryrun.MAX_SIMULATED: the simulated seconds a dry run may last unless the recipe says
+-- otherwise (render.dry_run.limit): one day. A recipe that polls for an output no hook gives
+-- would otherwise loop forever on the simulated clock.
+M.MAX_SIMULATED = 86400
+
 local PLANS = { ["1c-2g"] = true, ["2c-4g"] = true, ["4c-8g"] = true, ["8c-16g"] = true,
   starter = true, standard = true, pro = true }
 local BASE = "http://dry-run.invalid"
@@ -64,16 +69,30 @@ function Clock:at(at, cond)
   return tm
 end
 
+-- Raises once the simulated time is past dryrun.MAX_SIMULATED.
+function Clock:check_limit()
+  local max = self.limit or M.MAX_SIMULATED
+  if self.t > max then
+    error(core.Error.new { op = "render.dry_run", code = "simulated_time_limit",
+      message = string.format("the dry run passed its limit of %g simulated seconds and was stopped: a " ..
+        "loop that waits for an exec's output no hook gives (render.dry_run.on_exec)? A longer run needs " ..
+        "render.dry_run.limit(seconds)", max) }, 0)
+  end
+end
+
 --- clock:wait_for(cond, seconds): waits until cond is broadcast or `seconds` of simulated time
--- have passed, whichever comes first. [yields]
+-- have passed, whichever comes first. Raises simulated_time_limit past dryrun.MAX_SIMULATED.
+-- [yields]
 function Clock:wait_for(cond, seconds)
   local tm = self:at(self.t + math.max(seconds, 0), cond)
   local ok, err = pcall(cond.wait, cond)
   tm.dead = true
   if not ok then error(err, 0) end
+  self:check_limit()
 end
 
---- clock:sleep(seconds): waits `seconds` of simulated time. [yields]
+--- clock:sleep(seconds): waits `seconds` of simulated time. Raises simulated_time_limit past
+-- dryrun.MAX_SIMULATED. [yields]
 function Clock:sleep(seconds)
   if seconds <= 0 then return task.yield() end
   local cond, done = core.cond(), false
@@ -86,6 +105,7 @@ function Clock:sleep(seconds)
       error(err, 0)
     end
   end
+  self:check_limit()
 end
 
 --- clock:timeout(seconds, fn, ...) -> fn's results: task.timeout on the simulated clock. A
@@ -200,6 +220,16 @@ function H.durations(t)
 end
 
 local function duration(kind) return durations[kind] or M.DURATIONS[kind] end
+
+--- render.dry_run.limit(seconds): the simulated seconds this dry run may last before it stops
+-- with simulated_time_limit (default dryrun.MAX_SIMULATED, a day). Raises on a value that is
+-- not seconds > 0; does nothing outside a dry run. Does not yield.
+function H.limit(seconds)
+  if type(seconds) ~= "number" or seconds ~= seconds or seconds <= 0 then
+    error("render.dry_run.limit: expected seconds > 0, got " .. tostring(seconds), 2)
+  end
+  if sim then sim.clock.limit = seconds end
+end
 
 M.hooks = H
 
