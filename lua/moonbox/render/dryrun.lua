@@ -5,7 +5,7 @@
 --   moonbox run --dry-run --json recipe.lua   -- peak live sandboxes, sandbox-seconds
 --
 -- Three parts:
---   - a transport (dryrun.transport): the render client's connection sends its requests here
+--   - a transport (sim.transport): the render client's connection sends its requests here
 --     instead of to the network (moonbox.render.api asks conn.transport when a connection has
 --     one), and it answers Render's wire shapes — sandboxes, run tokens, exec streams and sync
 --     runs, file tokens and transfers, snapshots, groups — from tables in memory. Every render.*
@@ -59,7 +59,8 @@ local function new_clock()
   return setmetatable({ t = 0, base = core.now(), timers = {}, wake = core.cond() }, Clock)
 end
 
--- Adds a wake-up at simulated time `at` that broadcasts cond (nil: one only the clock moves to).
+-- Adds a wake-up at simulated time `at` that broadcasts cond. Only waits make wake-ups: the
+-- clock never moves to a moment nobody waits for (a sandbox's boot ends when its poller looks).
 function Clock:at(at, cond)
   local tm = { at = at, cond = cond }
   local list, i = self.timers, #self.timers
@@ -463,7 +464,6 @@ route("POST", "/v1/sandboxes", function(self, _, body)
     for p, f in pairs(snap.files) do sb.files[p] = f end
   end
   self.sandboxes[sb.id], self.order[#self.order + 1] = sb, sb
-  self.clock:at(sb.ready_at) -- the clock can reach the moment it runs
   local st = self.stats
   st.creates = st.creates + 1
   st.creates_by_plan[plan] = (st.creates_by_plan[plan] or 0) + 1
@@ -579,7 +579,6 @@ route("POST", "/v1/sandboxes/([^/]+)/snapshots", function(self, _, body, id)
     end
   end
   self.snapshots[sn.id], self.snapshot_order[#self.snapshot_order + 1] = sn, sn
-  self.clock:at(sn.ready_at)
   self.stats.snapshots = self.stats.snapshots + 1
   self:step("snapshot", { sandbox = sb.id, snapshot = sn.id, name = body.name })
   return answer(201, self:snapshot_wire(sn))
