@@ -155,7 +155,8 @@ local fleet <close> = render.restore(snap, { count = 20 })
 
   it("answers execs and downloads as the recipe's hooks say, and execs exit 0 with no output otherwise",
     run(function()
-      local rep, out, err = dry([[
+      local dir = temp_home()
+      local rep, out, err = dry(("local LOCAL = %q\n"):format(dir) .. [[
 local render = require "moonbox.render"
 assert(render.dry_run.active())
 render.dry_run.on_exec("^git rev%-parse", { stdout = "abc123\n" })
@@ -170,9 +171,16 @@ local plain = sb:exec({ "ls", "-l", "/" })
 print(plain.code, plain.stdout == "", plain.stderr == "")
 print(sb:download("/out/report.txt"))
 print(#sb:download("never/written"))
+sb:upload("d/a.txt", "aa")
+sb:upload("d/b.txt", "bbb")
+local names = {}
+for _, e in ipairs(sb:ls("d")) do names[#names + 1] = e.name .. "=" .. e.size end
+print(table.concat(names, " "))
+sb:get_dir("/nothing/here", LOCAL .. "/empty")
 ]])
       assert.is_nil(err)
-      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\nreport of /out/report.txt\n0\n", out)
+      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\nreport of /out/report.txt\n0\na.txt=2 b.txt=3\n", out)
+      assert.are.same({}, sys.listdir(dir .. "/empty"), "a directory nothing was put at comes back empty")
       assert.are.equal(4, rep.execs)
       local by_cmd = {}
       for _, s in ipairs(rep.steps) do if s.what == "exec" then by_cmd[s.command] = s end end
@@ -180,6 +188,7 @@ print(#sb:download("never/written"))
       assert.are.equal(2, by_cmd["make all"].code)
       assert.is_not_nil(by_cmd["ls -l /"], "an argv exec is reported as the recipe wrote it")
       assert.is_false(render.dry_run.active())
+      proc.run { "rm", "-rf", dir }
     end))
 
   it("counts simulated time: `sleep 600` is 600 sandbox-seconds; task.sleep, task.now, timeouts follow it",

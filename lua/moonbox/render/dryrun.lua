@@ -537,10 +537,15 @@ route("POST", "/v1/sandboxes/([^/]+)/runs/([%a]+)/token", function(self, _, body
   return t and answer(201, t) or err
 end)
 
+-- A path as the backend resolves it: relative ones are under the home directory, /root.
+local function sandbox_path(p)
+  p = p or "."
+  if p:sub(1, 1) == "/" then return p end
+  return p == "." and "/root" or ("/root/" .. p)
+end
+
 route("POST", "/v1/sandboxes/([^/]+)/files/([%a]+)/token", function(self, q, _, id, op)
-  local path = q.path or ""
-  if path:sub(1, 1) ~= "/" then path = path == "." and "/root" or ("/root/" .. path) end
-  local t, err = self:mint(id, "files/" .. op, path)
+  local t, err = self:mint(id, "files/" .. op, sandbox_path(q.path))
   return t and answer(201, t) or err
 end)
 
@@ -549,10 +554,11 @@ route("GET", "/v1/sandboxes/([^/]+)/execs", function() return answer(200, json.a
 route("GET", "/v1/sandboxes/([^/]+)/files/list", function(self, q, _, id)
   local sb, err = self:find(id)
   if not sb then return err end
-  local dir = (q.path or "/root"):gsub("/$", "")
+  local dir = sandbox_path(q.path):gsub("(.)/$", "%1")
+  local prefix = dir == "/" and "/" or dir .. "/"
   local entries = json.array()
   for p, f in pairs(sb.files) do
-    local name = p:sub(1, #dir + 1) == dir .. "/" and p:sub(#dir + 2)
+    local name = p:sub(1, #prefix) == prefix and p:sub(#prefix + 1)
     if name and name ~= "" and not name:find("/", 1, true) and not p:find(MARKERS, 1, true) then
       entries[#entries + 1] = { name = name, type = f.dir and "directory" or "file", size = #f.data,
         modifiedAt = iso(f.t) }
