@@ -175,11 +175,12 @@ sb:upload("d/a.txt", "aa")
 sb:upload("d/b.txt", "bbb")
 local names = {}
 for _, e in ipairs(sb:ls("d")) do names[#names + 1] = e.name .. "=" .. e.size end
+for _, e in ipairs(sb:ls(".")) do names[#names + 1] = e.name .. ":" .. e.type end
 print(table.concat(names, " "))
 sb:get_dir("/nothing/here", LOCAL .. "/empty")
 ]])
       assert.is_nil(err)
-      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\nreport of /out/report.txt\n0\na.txt=2 b.txt=3\n", out)
+      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\nreport of /out/report.txt\n0\na.txt=2 b.txt=3 d:directory\n", out)
       assert.are.same({}, sys.listdir(dir .. "/empty"), "a directory nothing was put at comes back empty")
       assert.are.equal(4, rep.execs)
       local by_cmd = {}

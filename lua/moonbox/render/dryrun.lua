@@ -556,12 +556,16 @@ route("GET", "/v1/sandboxes/([^/]+)/files/list", function(self, q, _, id)
   if not sb then return err end
   local dir = sandbox_path(q.path):gsub("(.)/$", "%1")
   local prefix = dir == "/" and "/" or dir .. "/"
-  local entries = json.array()
+  -- The files put under dir: those directly in it, and the directories that lead to the others.
+  local entries, seen = json.array(), {}
   for p, f in pairs(sb.files) do
-    local name = p:sub(1, #prefix) == prefix and p:sub(#prefix + 1)
-    if name and name ~= "" and not name:find("/", 1, true) and not p:find(MARKERS, 1, true) then
-      entries[#entries + 1] = { name = name, type = f.dir and "directory" or "file", size = #f.data,
-        modifiedAt = iso(f.t) }
+    local rest = p:sub(1, #prefix) == prefix and not p:find(MARKERS, 1, true) and p:sub(#prefix + 1)
+    local name = rest and rest:match("^[^/]+")
+    if name and not seen[name] then
+      seen[name] = true
+      local direct = name == rest
+      entries[#entries + 1] = { name = name, type = (f.dir or not direct) and "directory" or "file",
+        size = direct and not f.dir and #f.data or 0, modifiedAt = iso(f.t) }
     end
   end
   table.sort(entries, function(a, b) return a.name < b.name end)
