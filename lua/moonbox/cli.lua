@@ -363,7 +363,7 @@ at it:
 --port 0 picks a free port. --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
 --dns IPV4 is the resolver that allow-list sandboxes' gates ask for the allowed names (default:
 the host's, through slirp4netns; see docs/local-isolation.md).
---rate-limit N answers /v1 requests beyond N a minute with 429 and Retry-After (default 20000;
+--rate-limit N answers /v1 requests beyond N a minute with 429 and Retry-After (default 100000;
 every /v1 answer carries RateLimit-Limit, -Remaining and -Reset; a low N rehearses throttling).
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.

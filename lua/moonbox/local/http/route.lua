@@ -146,7 +146,7 @@ end
 -- (after this request), -Reset (seconds until the window ends). Data-plane (/proxy) and control
 -- requests are neither counted nor answered with them, as on Render.
 local RATE_WINDOW = 60
-M.DEFAULT_RATE_LIMIT = 20000
+M.DEFAULT_RATE_LIMIT = 100000
 
 --- route.meter(b) -> allowed, headers: counts one /v1 request in b's current window.
 -- headers: the RateLimit-* (and, when refused, Retry-After) values to answer with.
