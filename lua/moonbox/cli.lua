@@ -67,6 +67,32 @@ function M.finish_run()
   if not ok then io.stderr:write("moonbox: leaving the backend failed: ", M.format_error(err), "\n") end
 end
 
+--- cli.print_dry_run(report, file, want_json, code, err, budget): what `moonbox run --dry-run`
+-- prints on stdout once the recipe ended: the report as text (moonbox.render.dryrun.text), or
+-- as one JSON line with --json (the outcome, exit status, error and budget added).
+function M.print_dry_run(rep, file, want_json, code, err, budget)
+  local dryrun = require "moonbox.render.dryrun"
+  if want_json then
+    local json = require "moonbox.json"
+    local e = json.null
+    if err ~= nil then
+      e = type(err) == "table" and { message = err.message or tostring(err), code = err.code, op = err.op,
+        budget = err.budget } or { message = tostring(err) }
+    end
+    io.stdout:write(require("moonbox.trace").redact(dryrun.json(rep, {
+      recipe = file, exit_code = code, error = e,
+      outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",
+      budget = { sandboxes = budget.max_sandboxes or json.null,
+        sandbox_seconds = budget.max_seconds or json.null,
+        exceeded = budget.breach and budget.breach.budget or
+          (type(err) == "table" and err.code == "budget_exceeded" and err.budget) or json.null },
+    })), "\n")
+  else
+    io.stdout:write(dryrun.text(rep, file), "\n")
+  end
+  io.stdout:flush()
+end
+
 --- Runs fn(...) as the root task with SIGINT/SIGTERM cancelling it; returns exit code, plus
 -- the error when it failed.
 local function run_root(fn, ...)
@@ -111,7 +137,7 @@ end
 M.bad_backend = bad_backend
 
 command("run", "run a recipe as a task",
-  "moonbox run [--backend URL|local|render] [--trace FILE] [--json] [--progress]\n" ..
+  "moonbox run [--backend URL|local|render] [--trace FILE] [--json] [--progress] [--dry-run]\n" ..
   "                   [--max-sandboxes N] [--max-sandbox-seconds S] FILE [ARGS...]",
   [[Loads FILE as a Lua chunk and runs it as the root task on the event loop, so its top
 level can call any moonbox function that waits. ARGS are in the global `arg` table (arg[0] is
@@ -137,9 +163,16 @@ when stderr is not a terminal; on a terminal it is always shown.
 --max-sandboxes N and --max-sandbox-seconds S are the run's budget (docs/reference/render.md,
 "Budgets"): a create beyond N raises budget_exceeded before anything is sent; when the run's
 sandboxes have existed S seconds in total, those still running are terminated and the run
-fails with budget_exceeded. A recipe's render.budget{...} can lower them, never raise them.]],
+fails with budget_exceeded. A recipe's render.budget{...} can lower them, never raise them.
+
+--dry-run runs the recipe against a backend simulated in memory, on a simulated clock: no
+process, no network, no sandbox. Execs exit 0 with empty output unless the recipe's
+render.dry_run hooks say otherwise. Then it prints what the run would do: each step in
+simulated time, creates by plan, snapshots, restores, execs, peak live sandboxes and
+sandbox-seconds (with --json: one JSON object instead). Budgets apply. See
+docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
   function(args)
-    local backend, trace_file, want_json, want_progress
+    local backend, trace_file, want_json, want_progress, dry_run
     local limits = {}
     while args[1] and args[1]:match("^%-%-") do
       local a = table.remove(args, 1)
@@ -169,6 +202,8 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
         want_json = true
       elseif name == "progress" and not v then
         want_progress = true
+      elseif name == "dry-run" and not v then
+        dry_run = true
       elseif a == "--" then
         break
       else
@@ -177,6 +212,9 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
     end
     local bad = bad_backend("run", backend)
     if bad then return bad end
+    if dry_run and backend then
+      return usage_error("run: --dry-run simulates the backend; it takes no --backend")
+    end
     local file = args[1]
     if not file then return usage_error("run: missing the recipe FILE") end
     local rest = table.move(args, 2, #args, 1, {})
@@ -186,7 +224,8 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
       return EXIT_FAIL
     end
     set_arg(file, rest)
-    build.ledger = true -- moonbox.render records this run's creates (moonbox ps / reap)
+    -- moonbox.render records this run's creates (moonbox ps / reap); a dry run creates nothing.
+    build.ledger = not dry_run
     local trace = require "moonbox.trace"
     if trace_file then
       local ok, terr = pcall(trace.start, trace_file, { name = "moonbox run " .. file })
@@ -195,7 +234,8 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
         return EXIT_FAIL
       end
     end
-    local summary = want_json and require("moonbox.run_summary").start() or nil
+    local summary = want_json and not dry_run and require("moonbox.run_summary").start() or nil
+    local dry_report
     local t_start = core.now()
     local budget_mod = require "moonbox.render.budget"
     local budget = budget_mod.new(limits)
@@ -204,15 +244,17 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
       -- recipe file rather than moonbox's own.
       local data = core.data(core.current())
       data.site, data.site_recipe = file, true
+      if dry_run then require("moonbox.render.dryrun").start() end
       budget_mod.attach(core.current(), budget)
       local progress
-      if want_progress or core.isatty(2) then
+      if not dry_run and (want_progress or core.isatty(2)) then
         progress = require("moonbox.progress").start { tty = core.isatty(2) }
       end
       if backend then require("moonbox.render").connect { backend = backend } end
       local r = table.pack(xpcall(chunk, core.msgh, ...))
       if progress then progress:stop() end
       M.finish_run()
+      if dry_run then dry_report = require("moonbox.render.dryrun").stop() end
       if budget.breach then
         -- Raised in the watchdog: say where the recipe was when its run was stopped.
         local e, stopped = budget.breach, r[2]
@@ -231,6 +273,7 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
     require("moonbox.ledger").close_process(outcome)
     budget:close()
     if trace_file then trace.stop() end
+    if dry_report then M.print_dry_run(dry_report, file, want_json, code, err, budget) end
     if summary then
       io.stdout:write(summary:finish { recipe = file, exit_code = code, error = err,
         duration_s = core.now() - t_start, budget = budget }, "\n")
@@ -310,7 +353,7 @@ end
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
   "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]\n" ..
-  "                     [--dns IPV4]",
+  "                     [--dns IPV4] [--rate-limit N]",
   [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and runs real, isolated sandboxes on
 this machine: each in its own user namespace (root inside is an unprivileged id on the host),
 with a seccomp filter, its plan's cgroup limits, and an overlay root over a Debian 12 image
@@ -325,6 +368,8 @@ at it:
 --port 0 picks a free port. --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
 --dns IPV4 is the resolver that allow-list sandboxes' gates ask for the allowed names (default:
 the host's, through slirp4netns; see docs/local-isolation.md).
+--rate-limit N answers /v1 requests beyond N a minute with 429 and Retry-After (default 100000;
+every /v1 answer carries RateLimit-Limit, -Remaining and -Reset; a low N rehearses throttling).
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
 Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
@@ -333,8 +378,13 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
       ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
-      dns = "value" })
+      dns = "value", ["rate-limit"] = "value" })
     if not opts then return usage_error("local: %s", rest) end
+    local rate_limit = opts["rate-limit"] and math.tointeger(tonumber(opts["rate-limit"]))
+    if opts["rate-limit"] and not (rate_limit and rate_limit >= 1) then
+      return usage_error("local: --rate-limit wants a whole number of requests per minute >= 1, got '%s'",
+        opts["rate-limit"])
+    end
     if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
     if opts.image and opts["host-root"] then return usage_error(
       "local: --image and --host-root exclude each other") end
@@ -364,7 +414,7 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
         on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
         api_key = opts["api-key"], workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
-        dns = opts.dns,
+        dns = opts.dns, rate_limit = rate_limit,
       }
       local _close <close> = setmetatable({}, { __close = function()
         backend:close()

@@ -94,6 +94,7 @@ function M.start(opts)
   local user = self.st:meta("user") or ids.new("usr")
   self.st:set_meta("user", user)
   self.faults = Faults.new(opts.faults, opts.seed)
+  self.rate_limit = opts.rate_limit -- /v1 requests per minute (moonbox.local.http.route.meter)
 
   local engine = opts.engine
   if not engine then

@@ -53,7 +53,9 @@ M.PLANS = {
 -- older SDK parses the plan into its own enum, which has no "2c-4g".
 M.PLAN_ALIASES = { starter = "1c-2g", standard = "2c-4g", pro = "4c-8g" }
 for old, new in pairs(M.PLAN_ALIASES) do M.PLANS[old] = M.PLANS[new] end
-M.PLAN_NAMES = "1c-2g, 2c-4g, 4c-8g or 8c-16g (older names: starter, standard, pro)"
+-- What an unknown plan's error offers: the sizes, and each older name with the size it maps to.
+M.PLAN_NAMES = "1c-2g, 2c-4g, 4c-8g or 8c-16g (older names: starter = 1c-2g, standard = 2c-4g, " ..
+  "pro = 4c-8g)"
 
 M.SANDBOX_STATUSES = { creating = true, running = true, suspending = true, suspended = true,
   resuming = true, errored = true, terminated = true }

@@ -1,6 +1,9 @@
 --- moonbox.render.api — one Render API request: how it is sent, retried, typed when it fails,
 -- and traced. Every request of the client goes through here, control plane and data plane.
 --
+-- Requests go through moonbox.http, or through conn.transport when the connection has one (a
+-- dry run's simulated backend, moonbox.render.dryrun, which answers the same shapes in memory).
+--
 -- Control-plane calls (api.call) go to the API with the API key. Data-plane requests (api.data:
 -- exec streams, sync runs, file transfers) first mint a connect token on the API, then go to
 -- the token's URI with only that token. Both share one retry loop and one mapping from HTTP
@@ -203,7 +206,8 @@ local function call(conn, op, method, path, opts, info)
   end
   local ctx = { sandbox_id = opts.sandbox_id, snapshot_id = opts.snapshot_id, group_id = opts.group_id }
   return with_retries(op, opts, info, function(attempt)
-    local ok, r = pcall(http.request, { method = method, url = url, headers = headers, body = body,
+    local via = conn.transport or http -- a dry run's simulated backend (moonbox.render.dryrun)
+    local ok, r = pcall(via.request, { method = method, url = url, headers = headers, body = body,
       timeout = opts.timeout or 60, connect_timeout = 10, fresh_connect = not repeatable })
     if not ok then
       if is_interruption(r) or type(r) ~= "table" then error(r, 0) end
@@ -311,7 +315,8 @@ function M.data(conn, op, mint, req, opts)
     for k, v in pairs(req.headers or {}) do headers[k] = v end
     headers.Authorization = "Bearer " .. t.token
     r_opts.headers = headers
-    local sent, r = pcall(req.stream and http.stream or http.request, r_opts)
+    local via = conn.transport or http -- a dry run's simulated backend (moonbox.render.dryrun)
+    local sent, r = pcall(req.stream and via.stream or via.request, r_opts)
     if not sent then
       if is_interruption(r) or type(r) ~= "table" then error(r, 0) end
       local err = transport_error(name, r, ctx, opts.repeatable)

@@ -54,12 +54,31 @@ local function new(kind, url, key, workspace)
   return setmetatable({ kind = kind, base = url, api_key = key, workspace = workspace, calls = {} }, Conn)
 end
 
+-- A dry run (moonbox.render.dryrun) in force: every connection is to its simulated backend.
+local simulated
+
+local function simulated_conn(opts)
+  local sim = simulated()
+  local c = new("dry-run", sim.url, require("moonbox.ids").token(), opts.workspace or sim.workspace)
+  c.transport = sim.transport
+  return c
+end
+
+--- conn.simulate(fn): while fn is set, conn.connect (hence render.connect and the default
+-- connection) makes a connection whose requests go to fn().transport (an object with request
+-- and stream, as moonbox.http has) at fn().url, whatever backend was asked for; nil ends that.
+-- For moonbox.render.dryrun. Does not yield.
+function M.simulate(fn)
+  simulated = fn
+end
+
 --- conn.connect(opts) -> Conn. opts: backend ("local", "render" or a URL), api_key, workspace,
 -- state_dir (the embedded backend's; default conn.default_state_dir()). An embedded Conn has
 -- c.state_dir set and must be closed (c:close()) when done. Raises when the choice cannot work
 -- (e.g. "render" without a key). [yields] when it joins or starts an embedded backend.
 function M.connect(opts)
   opts = opts or {}
+  if simulated then return simulated_conn(opts) end
   local backend = opts.backend
   local key = opts.api_key or os.getenv("RENDER_API_KEY")
   local workspace = opts.workspace or os.getenv("RENDER_WORKSPACE_ID")

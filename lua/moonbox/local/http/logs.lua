@@ -14,8 +14,8 @@ function M.logs(b, req, ctx, res)
   if since and not since_t then fail("invalid", "since must be an RFC 3339 timestamp") end
   local follow = req:query_param("follow") ~= "false"
   local exec_id = req:query_param("execId")
-  local w = res:stream(200, { ["Content-Type"] = "text/event-stream; charset=utf-8",
-    ["Cache-Control"] = "no-cache", ["render-request-id"] = ctx.rid })
+  local w = res:stream(200, route.stream_headers(ctx, { ["Content-Type"] = "text/event-stream; charset=utf-8",
+    ["Cache-Control"] = "no-cache", ["render-request-id"] = ctx.rid }))
   local cond = b.svc:log_cond(rec.id)
   local seen = 0 -- events carry increasing numbers; the oldest may have been dropped meanwhile
   local ok = pcall(function()
