@@ -348,7 +348,7 @@ static int l_list(lua_State *L)
 
 /* archive.to_records(in_file, out_file [, opts]) -> {entries, bytes}
  * Turns a gzip'd or plain tar into the records a `moonbox local` sandbox's file helper
- * extracts (see runtime/tarball.c, "records"), checking every member as unpack does before
+ * extracts (see runtime/archive_records.c), checking every member as unpack does before
  * anything is written: an absolute name, a ".." component, a symlink whose target is absolute
  * or leaves the tree or has ".." after a name, a hard link, a device, fifo or socket refuse the
  * whole archive. out_file is written through a 0600 temporary file renamed into place.
