@@ -27,8 +27,6 @@
 
 #define DIR_FIXUP_FIRST 64 /* first allocation of the directory fixup list */
 
-/* ---- checking members ----------------------------------------------------------------------- */
-
 /* Why unpack does not use archive_write_disk with ARCHIVE_EXTRACT_SECURE_SYMLINKS |
  * _SECURE_NODOTDOT | _SECURE_NOABSOLUTEPATHS: archive_write_disk changes process-wide state
  * from whatever thread calls it. It sets umask(0) and back around every header it writes
@@ -52,7 +50,8 @@
  * Both layers are needed: the checks alone would trust that nothing changes between check and
  * write (and could not see links made by hard-linking a symlink), the kernel layer alone would
  * let a symlink pointing at /etc be created and only refuse writes through it. */
-/* ---- unpack: writing into staging ---------------------------------------------------------- */
+
+/* ---- writing into staging ------------------------------------------------------------------- */
 
 /* A directory whose final mode, owner and time are applied after every member is written:
  * earlier, a read-only directory would refuse its own contents, and writing into a directory
@@ -576,6 +575,8 @@ static int apply_fixups(unpack_state *us)
     }
     return ARCHIVE_JOB_OK;
 }
+/* ---- the job -------------------------------------------------------------------------------- */
+
 int archive_unpack_run(archive_job *j)
 {
     target_info ti = {NULL, NULL, -1, 0};
