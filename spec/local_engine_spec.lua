@@ -230,7 +230,7 @@ describe("moonbox.local.engine", function()
     sh(eng, id, "for i in 1 2 3; do sh -c 'sleep 0.02 &'; done")
     local left
     assert.is_true(wait_for(function()
-      left = sh(eng, id, "ps -eo stat=,comm= | grep -e '^Z' -e ' sleep$'; true")
+      left = sh(eng, id, "ps -eo stat=,comm= | grep -E '^ *Z| sleep$'; true")
       return left == ""
     end, 10), "orphans not reaped: " .. tostring(left))
     eng:terminate(id)
