@@ -3,10 +3,10 @@
  * (or plain) tar archives of directory trees, done on a worker thread while the calling task
  * waits and every other task keeps running.
  *
- * runtime/archive.c owns the job, its thread, its partial output and the safety rules; this
- * file parses arguments, parks the calling task, and turns the job's result into Lua values or
- * a structured error. The worker reports through an ev_async whose callback only wakes the
- * task (mb.h invariants); the continuation reads the result and releases the job.
+ * runtime/ (tarball.h, archive_*.c) owns the job, its thread, its partial output and the
+ * safety rules; this file parses arguments, parks the calling task, and turns the job's result
+ * into Lua values or a structured error. The worker reports through an ev_async whose callback
+ * only wakes the task (mb.h invariants); the continuation reads the result and releases the job.
  *
  * Ownership: each call keeps a small userdata on the waiting task's own stack that points at
  * its job. Exactly one of three places releases the job: the continuation (normal end), the
