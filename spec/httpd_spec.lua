@@ -369,17 +369,27 @@ describe("httpd answers", function()
     local chunk = string.rep("b", 64 * 1024)
     local n_chunks = 256 -- 16 MiB: more than loopback socket buffers can absorb
     local written, max_pending, wrote_all = 0, 0, false
+    local writer, in_write
     srv:route("GET", "/big", function(_, res)
       local w = res:stream(200, nil, { buffer = 64 * 1024 })
+      writer = w
       for _ = 1, n_chunks do
+        in_write = true
         w:write(chunk)
+        in_write = false
         written = written + #chunk
         if w:pending() > max_pending then max_pending = w:pending() end
       end
       wrote_all = true
     end)
     local resp <close> = http.stream { url = srv.url .. "/big", buffer = 16 * 1024 }
-    task.sleep(0.3) -- the client reads nothing for a while: the writer must be waiting
+    -- The client reads nothing: await the writer parked in a write with more than its buffer
+    -- queued (a writer that queued without bound would finish instead).
+    local deadline = task.now() + 30
+    while not wrote_all and not (in_write and writer:pending() > 64 * 1024) do
+      assert(task.now() < deadline, "the writer neither parked nor finished")
+      task.sleep(0.01)
+    end
     assert.is_false(wrote_all)
     assert.is_true(written < n_chunks * #chunk)
     local total = 0
