@@ -56,6 +56,8 @@ typedef struct http_request_spec {
     size_t max_body;         /* memory mode: fail with HTTP_ERR_TOO_LARGE above this; 0 = no cap */
     const char *accept_encoding; /* e.g. "gzip"; NULL = send none, no decoding */
     int fresh_connect;           /* never on a reused connection (see http_request_start) */
+    int no_resend; /* a request that must not be sent twice: see http_client.c "re-sends" */
+    const char *const *resolve; /* CURLOPT_RESOLVE lines "host:port:address"; may be NULL */
 } http_request_spec;
 
 /* Creates a client on loop. Returns NULL with a message in err on failure. */
@@ -82,6 +84,8 @@ const char *http_result_code(enum http_result res);
 int http_result_retryable(enum http_result res);
 
 long http_request_status(const http_request *r);
+/* The HTTP version the final response came in: 10, 11, 20, 30, or 0 when none came. */
+int http_request_http_version(const http_request *r);
 size_t http_request_header_count(const http_request *r);
 /* The i-th response header of the final response; name is lower-cased. */
 void http_request_header(const http_request *r, size_t i, const char **name, size_t *name_len,

@@ -278,3 +278,30 @@ describe("http.request fresh_connect", function()
     assert.are.equal(1, calls)
   end))
 end)
+
+describe("http.request no_resend", function()
+  it("on HTTP/1.1 a request that must not run twice is never re-sent by libcurl", with_server(function(srv)
+    local calls = 0
+    srv:route("POST", "/once", function(_, res)
+      calls = calls + 1
+      res:drop() -- the request was carried out; only the reply is lost
+    end)
+    srv:route("GET", "/warm", function() return 200, "ok" end)
+    -- the origin is now known to speak HTTP/1.1, and a kept-alive connection is there to reuse
+    local warm = http.request { url = srv.url .. "/warm" }
+    assert.are.equal("1.1", warm.http_version)
+    local ok, err = pcall(http.request, { method = "POST", url = srv.url .. "/once", body = "{}",
+      no_resend = true })
+    assert.is_false(ok)
+    assert.are.equal("connection_reset", err.code)
+    assert.are.equal(1, calls)
+  end))
+
+  it("resolve pins a name to an address", with_server(function(srv)
+    srv:route("GET", "/who", function(req) return 200, req.headers.host end)
+    local r = http.request { url = "http://pinned.test:" .. srv.port .. "/who",
+      resolve = { "pinned.test:" .. srv.port .. ":127.0.0.1" } }
+    assert.are.equal(200, r.status)
+    assert.are.equal("pinned.test:" .. srv.port, r.body)
+  end))
+end)

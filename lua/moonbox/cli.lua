@@ -305,8 +305,8 @@ end
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
   "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]\n" ..
-  "                     [--dns IPV4]",
-  [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and runs real, isolated sandboxes on
+  "                     [--dns IPV4] [--public-url URL]",
+  [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and ::1 and runs real, isolated sandboxes on
 this machine: each in its own user namespace (root inside is an unprivileged id on the host),
 with a seccomp filter, its plan's cgroup limits, and an overlay root over a Debian 12 image
 (built once per machine with mmdebstrap; --image DIR for your own root filesystem; --host-root
@@ -317,9 +317,13 @@ at it:
   RENDER_API_KEY=...            (generated at first start, kept 0600 in the state dir)
   RENDER_WORKSPACE_ID=tea-...
 
---port 0 picks a free port. --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
+--port 0 picks a free port (the same on both addresses).
+--state DIR defaults to $XDG_STATE_HOME/moonbox/local.
 --dns IPV4 is the resolver that allow-list sandboxes' gates ask for the allowed names (default:
 the host's, through slirp4netns; see docs/local-isolation.md).
+--public-url URL (e.g. https://sandbox.example.test): the base of the exec and file URIs it
+hands out; without it they follow the request's Host, or a loopback proxy's X-Forwarded-Host and
+X-Forwarded-Proto (docs/local.md: "Behind a TLS proxy").
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
 Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
@@ -328,7 +332,7 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
       ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
-      dns = "value" })
+      dns = "value", ["public-url"] = "value" })
     if not opts then return usage_error("local: %s", rest) end
     if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
     if opts.image and opts["host-root"] then return usage_error(
@@ -359,7 +363,7 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
         on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
         api_key = opts["api-key"], workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
-        dns = opts.dns,
+        dns = opts.dns, public_url = opts["public-url"],
       }
       local _close <close> = setmetatable({}, { __close = function()
         backend:close()

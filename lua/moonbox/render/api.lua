@@ -203,7 +203,7 @@ local function call(conn, op, method, path, opts, info)
   local ctx = { sandbox_id = opts.sandbox_id, snapshot_id = opts.snapshot_id, group_id = opts.group_id }
   return with_retries(op, opts, info, function(attempt)
     local ok, r = pcall(http.request, { method = method, url = url, headers = headers, body = body,
-      timeout = opts.timeout or 60, connect_timeout = 10, fresh_connect = not repeatable })
+      timeout = opts.timeout or 60, connect_timeout = 10, no_resend = not repeatable })
     if not ok then
       if is_interruption(r) or type(r) ~= "table" then error(r, 0) end
       local err = transport_error(op, r, ctx, repeatable)

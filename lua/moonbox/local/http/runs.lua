@@ -20,13 +20,14 @@ function M.token(b, req)
   local op = req.captures.op
   if op ~= "stream" and op ~= "sync" then fail("invalid", "operation must be stream or sync, got "
     .. tostring(op)) end
+  local base = require("moonbox.local.http.public").base(b, req)
   local rec = b.svc:find_sandbox(req.captures.id)
   local body = route.body_json(req, false) or {}
   local command = field(body, "command", "string", "run token")
   local e, token, expires = b.svc:mint_run(rec, op, command)
   return 201, {
     executionId = e.id, token = token, method = "POST", expiresAt = require("moonbox.ids").iso(expires),
-    uri = string.format("%s/proxy/%s/runs/%s", b.url, rec.id, op),
+    uri = string.format("%s/proxy/%s/runs/%s", base, rec.id, op),
   }
 end
 
