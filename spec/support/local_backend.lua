@@ -15,8 +15,16 @@ M.WORKSPACE = "tea-cph1rs3idesc73a2b2mg"
 local Backend = {}
 Backend.__index = Backend
 
+--- M.edge: whether backends are reached through a TLS + HTTP/2 edge (MOONBOX_SPEC_EDGE=1: the
+-- edge_* ctest entries run the render specs so; see spec/support/edge.lua).
+M.edge = os.getenv("MOONBOX_SPEC_EDGE") == "1"
+if M.edge then io.stderr:write("spec: through the nginx TLS + HTTP/2 edge (MOONBOX_SPEC_EDGE=1)\n") end
+
 --- M.start(opts) -> backend. opts.args: extra `moonbox local` arguments; opts.state: reuse a
--- state directory (restart specs). [yields]
+-- state directory (restart specs); opts.edge: put an nginx TLS + HTTP/2 edge in front (default
+-- M.edge). With an edge, backend.url is the edge's https URL (what clients use),
+-- backend.direct_url the backend's own, and backend.edge the edge (spec/support/edge.lua).
+-- [yields]
 function M.start(opts)
   opts = opts or {}
   local state = opts.state or proc.run({ "mktemp", "-d", "/tmp/moonbox-local-spec.XXXXXX" }).stdout:gsub("%s+$", "")
@@ -36,6 +44,17 @@ function M.start(opts)
   end
   local self = setmetatable({ p = p, state = state, url = env.RENDER_LOCAL_DEV_URL,
     key = env.RENDER_API_KEY, workspace = env.RENDER_WORKSPACE_ID }, Backend)
+  self.direct_url = self.url
+  local want_edge = opts.edge
+  if want_edge == nil then want_edge = M.edge end
+  if want_edge then
+    local ok, edge = pcall(require("spec.support.edge").start, { upstream = self.url })
+    if not ok then
+      self:stop()
+      error(edge, 0)
+    end
+    self.edge, self.url = edge, edge.url
+  end
   return self
 end
 
@@ -62,6 +81,7 @@ function Backend:stop()
   self.stopped = true
   self.p:kill("TERM")
   self.p:wait()
+  if self.edge then self.edge:stop() end
 end
 
 --- backend:destroy(): stop and remove the state directory. [yields]

@@ -177,6 +177,21 @@ local function with_retries(op, opts, info, send)
   end
 end
 
+-- A 502 or 504 that is not the API's own JSON comes from a proxy or edge in front of it that lost
+-- the API's answer, or never got one: for a request that must not run twice its outcome is as
+-- unknown as that of a connection that broke after sending.
+local GATEWAY_LOST = { [502] = true, [504] = true }
+
+local function lost_at_gateway(op, r, ctx)
+  return api_error {
+    op = op, code = "unknown_outcome", retryable = false, cause = "http_" .. r.status, status = r.status,
+    message = "the request may or may not have been carried out: a proxy in front of the API answered " ..
+      r.status .. " instead of the API. Check before repeating it",
+    request_id = r.headers["render-request-id"], sandbox_id = ctx.sandbox_id,
+    snapshot_id = ctx.snapshot_id, group_id = ctx.group_id,
+  }
+end
+
 -- Whether a failed attempt may be followed by another: a repeatable request after a transient
 -- failure; any request after a definite refusal (429, never connected).
 local function may_repeat(err, repeatable)
@@ -225,7 +240,11 @@ local function call(conn, op, method, path, opts, info)
       return true, v, r.status, r.headers
     end
     local err = status_error(op, r, ctx)
-    err.again = may_repeat(err, repeatable)
+    local ctype = r.headers["content-type"] or ""
+    if not repeatable and GATEWAY_LOST[r.status] and not ctype:find("json", 1, true) then
+      err = lost_at_gateway(op, r, ctx)
+    end
+    err.again = err.code ~= "unknown_outcome" and may_repeat(err, repeatable)
     return false, err
   end)
 end
