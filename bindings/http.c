@@ -293,6 +293,8 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
         lua_pushstring(L, hv == 10 ? "1.0" : hv == 11 ? "1.1" : hv == 20 ? "2" : "3");
         lua_setfield(L, -2, "http_version");
     }
+    const char *ip = http_request_primary_ip(op->req);
+    if (*ip) mb_setfield_str(L, -1, "remote_ip", ip);
     push_headers(L, op->req);
     lua_setfield(L, -2, "headers");
     size_t len;
@@ -304,7 +306,8 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
     return 1;
 }
 
-/* http.request(opts) -> {status, headers, body, http_version}. opts: url (required), method
+/* http.request(opts) -> {status, headers, body, http_version, remote_ip}. opts: url (required),
+ * method
  * ("GET"), headers ({name=value} or {"Name: value"}), body (string) or body_file (path),
  * output_file (write the body there; body is then ""), timeout / connect_timeout / idle_timeout
  * (seconds), max_body (bytes kept in memory, default 256 MiB), accept_encoding ("gzip" to request

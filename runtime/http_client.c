@@ -81,6 +81,7 @@ struct http_request {
     char origin[128];
     size_t body_len, body_off; /* no_resend: body_copy's size, and the bytes handed to curl */
     int http_version;
+    char primary_ip[48]; /* the address the connection went to */
     struct curl_slist *resolve;
 
     /* Headers of the current response: text in hbuf, spans in hdrs. */
@@ -104,6 +105,7 @@ static void deliver_pending(http_client *c);
 static void check_done(http_client *c);
 static void origin_learn(http_client *c, http_request *r, CURL *easy);
 static void redact_userinfo(char *s);
+static void multi_connection_use(CURLM *multi);
 
 /* ---- results ------------------------------------------------------------------------------- */
 
@@ -287,6 +289,7 @@ http_client *http_client_new(struct ev_loop *loop, char *err, size_t errlen)
     curl_multi_setopt(c->multi, CURLMOPT_TIMERFUNCTION, multi_timer_cb);
     curl_multi_setopt(c->multi, CURLMOPT_TIMERDATA, c);
     curl_multi_setopt(c->multi, CURLMOPT_PIPELINING, (long)CURLPIPE_MULTIPLEX);
+    multi_connection_use(c->multi);
     return c;
 }
 
@@ -568,6 +571,9 @@ static int origin_multiplexed(const http_client *c, const char *origin)
 static void origin_learn(http_client *c, http_request *r, CURL *easy)
 {
     long v = 0;
+    char *ip = NULL;
+    if (curl_easy_getinfo(easy, CURLINFO_PRIMARY_IP, &ip) == CURLE_OK && ip)
+        snprintf(r->primary_ip, sizeof r->primary_ip, "%s", ip);
     if (curl_easy_getinfo(easy, CURLINFO_HTTP_VERSION, &v) != CURLE_OK || v == 0) return;
     r->http_version = v == CURL_HTTP_VERSION_1_0   ? 10
                       : v == CURL_HTTP_VERSION_1_1 ? 11
@@ -611,6 +617,13 @@ static size_t body_once_cb(char *buffer, size_t size, size_t nitems, void *ud)
     memcpy(buffer, r->body_copy + r->body_off, n);
     r->body_off += n;
     return n;
+}
+
+/* The multi handle's part: as many streams on one connection as the server allows (libcurl's
+ * own cap is 100, below a 100-sandbox fan-out plus its other requests). */
+static void multi_connection_use(CURLM *multi)
+{
+    curl_multi_setopt(multi, CURLMOPT_MAX_CONCURRENT_STREAMS, 1000L);
 }
 
 /* Applies what this section describes to e. Returns 0, or -1 with a message in err. */
@@ -847,6 +860,11 @@ long http_request_status(const http_request *r)
 int http_request_http_version(const http_request *r)
 {
     return r->http_version;
+}
+
+const char *http_request_primary_ip(const http_request *r)
+{
+    return r->primary_ip;
 }
 
 size_t http_request_header_count(const http_request *r)

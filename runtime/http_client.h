@@ -86,6 +86,8 @@ int http_result_retryable(enum http_result res);
 long http_request_status(const http_request *r);
 /* The HTTP version the final response came in: 10, 11, 20, 30, or 0 when none came. */
 int http_request_http_version(const http_request *r);
+/* The address the transfer's connection went to (e.g. "::1"), or "" when none is known. */
+const char *http_request_primary_ip(const http_request *r);
 size_t http_request_header_count(const http_request *r);
 /* The i-th response header of the final response; name is lower-cased. */
 void http_request_header(const http_request *r, size_t i, const char **name, size_t *name_len,
