@@ -88,7 +88,7 @@ describe("through a TLS + HTTP/2 edge", function()
     assert.is_true(upload.status >= 200 and upload.status < 300, "upload answered " .. upload.status)
   end))
 
-  it("a create on a reused HTTP/2 connection that breaks after sending is never re-sent", T.async(function()
+  it("a create whose HTTP/2 connection breaks while it is held is unknown_outcome, sent once", T.async(function()
     -- warm the one connection, then hold a create at the backend and break the client's
     -- connection under it by killing the edge's worker (its master starts a new one at once)
     assert.are.equal(200, (B:req("GET", "/v1/sandboxes", { query = { limit = 1 } })))
@@ -134,6 +134,58 @@ describe("through a TLS + HTTP/2 edge", function()
     sys.setenv("CURL_CA_BUNDLE", saved[1])
     sys.setenv("SSL_CERT_FILE", saved[2])
     edge:trust()
+    assert(ok, err)
+  end))
+end)
+
+describe("libcurl's silent re-send over HTTP/2", function()
+  -- libcurl 7.88 sends a transfer again on a new connection when its reused connection fails
+  -- before any answer byte (Curl_retry_request), HTTP/2 streams included. An upload racing a
+  -- broken connection shows it: without no_resend it is quietly sent again and answered on a
+  -- new connection about half the time. With no_resend it must fail every time, and the server
+  -- must see every request at most once.
+  it("never happens to a no_resend request: a broken connection is connection_reset", T.async(function()
+    local httpd = require "moonbox.httpd"
+    local srv <close> = httpd.listen { host = "127.0.0.1", port = 0 }
+    local held, sinks = 0, 0
+    srv:route("POST", "/held", function()
+      held = held + 1
+      task.sleep(1)
+      return 201, "made"
+    end)
+    srv:route("PUT", "/sink", function() sinks = sinks + 1 return 204, "" end,
+      { body = "file", max_body = 1024 * 1024 * 1024, upload_dir = "/tmp" })
+    srv:route("GET", "/warm", function() return 200, "ok" end)
+    local e = E.start { upstream = srv.url }
+    local ok, err = pcall(function()
+      local body = string.rep("x", 64 * 1024 * 1024)
+      for round = 1, 4 do
+        held, sinks = 0, 0
+        assert.are.equal("2", http.request { url = e.url .. "/warm", timeout = 30 }.http_version)
+        local up = task.spawn(pcall, http.request, { method = "PUT", url = e.url .. "/sink", body = body,
+          no_resend = true, timeout = 60 })
+        task.sleep(0.1)
+        local post = task.spawn(pcall, http.request, { method = "POST", url = e.url .. "/held", body = "{}",
+          no_resend = true, timeout = 30 })
+        for _ = 1, 400 do
+          if held > 0 then break end
+          task.sleep(0.01)
+        end
+        assert.are.equal(1, held, "round " .. round .. ": the POST never reached the server")
+        for pid in proc.run({ "pgrep", "-P", tostring(e.p.pid) }).stdout:gmatch("%d+") do
+          sys.kill(tonumber(pid), 9)
+        end
+        local pok, perr = task.join(post)
+        local uok, uerr = task.join(up)
+        assert.is_false(pok, "round " .. round .. ": the held POST was answered")
+        assert.are.equal("connection_reset", perr.code)
+        assert.is_false(uok, "round " .. round .. ": the upload was sent again and answered")
+        assert.are.equal("connection_reset", uerr.code)
+        task.sleep(1.2) -- the held POST's handler ends
+        assert.are.same({ 1, 0 }, { held, sinks }, "round " .. round)
+      end
+    end)
+    e:stop()
     assert(ok, err)
   end))
 end)
