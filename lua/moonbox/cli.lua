@@ -345,6 +345,10 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     if opts.host and not loopback[opts.host] then
       return usage_error("local: --host must be a loopback address; moonbox local never listens elsewhere")
     end
+    if opts["public-url"] then
+      local ok_url, why = require("moonbox.local.http.public").valid_url(opts["public-url"])
+      if not ok_url then return usage_error("local: --public-url %s: %s", opts["public-url"], why) end
+    end
     if opts.dns and not opts.dns:match("^%d+%.%d+%.%d+%.%d+$") then
       return usage_error("local: --dns must be an IPv4 address (the resolver allow-list sandboxes ask)")
     end
