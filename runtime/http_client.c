@@ -519,12 +519,12 @@ static void deliver_pending(http_client *c)
 
 /* ---- connection use: HTTP/2, the CA bundle, no silent re-sends ------------------------------ */
 /*
- * HTTP/2 where the server offers it (ALPN on TLS), and a request waits for a connection being
- * set up rather than opening one more (CURLOPT_PIPEWAIT), so concurrent requests to one server
- * share one connection as streams. The environment's CA bundle (CURL_CA_BUNDLE, SSL_CERT_FILE,
- * SSL_CERT_DIR, as the curl tool reads them; libcurl itself does not) replaces the built-in one.
- * Proxies come from the environment (https_proxy, HTTPS_PROXY, no_proxy, NO_PROXY), which libcurl
- * reads itself as long as CURLOPT_PROXY is never set (it is not).
+ * HTTP/2 where the server offers it (ALPN on TLS), and an https:// request waits for a connection
+ * being set up rather than opening one more (CURLOPT_PIPEWAIT), so concurrent requests to one
+ * server share one connection as streams. The environment's CA bundle (CURL_CA_BUNDLE,
+ * SSL_CERT_FILE, SSL_CERT_DIR, as the curl tool reads them; libcurl itself does not) replaces the
+ * built-in one. Proxies come from the environment (https_proxy, HTTPS_PROXY, no_proxy, NO_PROXY),
+ * which libcurl reads itself as long as CURLOPT_PROXY is never set (it is not).
  *
  * Re-sends. libcurl 7.88 sends a request again on a new connection, without telling, when it
  * went out on a reused connection and the connection failed before any byte of answer
@@ -630,8 +630,13 @@ static void multi_connection_use(CURLM *multi)
 static int connection_use(http_client *c, http_request *r, CURL *e, const http_request_spec *spec,
                           char *err, size_t errlen)
 {
+    origin_of(spec->url, r->origin, sizeof r->origin);
+    int tls = strncmp(r->origin, "https://", 8) == 0;
     curl_easy_setopt(e, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_2TLS);
-    curl_easy_setopt(e, CURLOPT_PIPEWAIT, 1L);
+    /* Only where HTTP/2 is possible: over plain http:// curl would learn that a connection does
+     * not multiplex only from its first answer, and hold every other request until then. Over
+     * TLS it knows at the handshake (ALPN). */
+    if (tls) curl_easy_setopt(e, CURLOPT_PIPEWAIT, 1L);
     const char *ca = getenv("CURL_CA_BUNDLE");
     if (!ca || !*ca) ca = getenv("SSL_CERT_FILE");
     if (ca && *ca) {
@@ -652,10 +657,8 @@ static int connection_use(http_client *c, http_request *r, CURL *e, const http_r
         r->resolve = n;
     }
     if (r->resolve) curl_easy_setopt(e, CURLOPT_RESOLVE, r->resolve);
-    origin_of(spec->url, r->origin, sizeof r->origin);
     if (spec->no_resend) {
         int mux = origin_multiplexed(c, r->origin);
-        int tls = strncmp(r->origin, "https://", 8) == 0;
         int body = (spec->has_body && spec->body_len > 0) || spec->body_file;
         if (!body || mux == 0 || (mux < 0 && !tls)) curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
     }
