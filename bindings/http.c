@@ -199,8 +199,13 @@ static http_op *start_op(lua_State *L, http_op *op, int stream)
     lua_getfield(L, 1, "fresh_connect");
     spec.fresh_connect = lua_toboolean(L, -1);
     lua_pop(L, 1);
-    lua_getfield(L, 1, "no_resend");
-    spec.no_resend = lua_toboolean(L, -1);
+    if (lua_getfield(L, 1, "no_resend") == LUA_TSTRING) {
+        if (strcmp(lua_tostring(L, -1), "reuse") != 0)
+            luaL_error(L, "http: option 'no_resend' must be true, false or \"reuse\"");
+        spec.no_resend = HTTP_NO_RESEND_REUSE;
+    } else {
+        spec.no_resend = lua_toboolean(L, -1) ? HTTP_NO_RESEND : 0;
+    }
     lua_pop(L, 1);
     spec.resolve = collect_resolve(L, 1); /* left on the stack above anchor until the start */
     spec.stream = stream;
@@ -314,12 +319,12 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
  * and decode compressed bodies), fresh_connect (true: a new connection, so libcurl can never
  * re-send the request on its own after a reused connection died), no_resend (true: the request must
  * not be carried out twice; libcurl is kept from sending it again without a connection of its own
- * where the server multiplexes, see http_client.c), resolve ({"host:port:address"}: pin a name to
- * an address, e.g. "localhost:8120:[::1]"). http_version is "1.1", "2", ... Any HTTP status is a
- * result, not an error. Raises a structured error (op "http.request", code connect_failed |
- * dns_failed | timeout | connection_reset | malformed_response | tls_failed | body_too_large |
- * file_error | bad_url | transport_error, retryable, method, url) when the transfer itself fails.
- * [yields] */
+ * where the server multiplexes, see http_client.c; "reuse": the same on any kept-alive connection),
+ * resolve ({"host:port:address"}: pin a name to an address, e.g. "localhost:8120:[::1]").
+ * http_version is "1.1", "2", ... Any HTTP status is a result, not an error. Raises a structured
+ * error (op "http.request", code connect_failed | dns_failed | timeout | connection_reset |
+ * malformed_response | tls_failed | body_too_large | file_error | bad_url | transport_error,
+ * retryable, method, url) when the transfer itself fails. [yields] */
 static int l_request(lua_State *L)
 {
     mb_task *t = mb_task_check_yieldable(L, "http.request");

@@ -539,7 +539,9 @@ static void deliver_pending(http_client *c)
  * multiplexed (HTTP/1.1, or plain http:// before anything is known) a no_resend request also
  * takes a connection of its own (CURLOPT_FRESH_CONNECT), which curl never retries: a stale
  * keep-alive connection would otherwise turn the usual harmless race into a failed request. A
- * no_resend request without a body always takes a connection of its own.
+ * no_resend request without a body always takes a connection of its own. HTTP_NO_RESEND_REUSE
+ * skips the connection of its own (an exec start: a TLS handshake per command would cost more
+ * than the rare stale keep-alive race, which then fails the request instead of re-sending it).
  */
 
 /* Writes the lower-cased "scheme://authority" of url into out (empty when url has none). */
@@ -657,7 +659,7 @@ static int connection_use(http_client *c, http_request *r, CURL *e, const http_r
         r->resolve = n;
     }
     if (r->resolve) curl_easy_setopt(e, CURLOPT_RESOLVE, r->resolve);
-    if (spec->no_resend) {
+    if (spec->no_resend == HTTP_NO_RESEND) {
         int mux = origin_multiplexed(c, r->origin);
         int body = (spec->has_body && spec->body_len > 0) || spec->body_file;
         if (!body || mux == 0 || (mux < 0 && !tls)) curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);

@@ -297,6 +297,38 @@ describe("http.request no_resend", function()
     assert.are.equal(1, calls)
   end))
 
+  -- What the option is for: libcurl itself sends a POST again when its reused connection dies
+  -- before any answer byte, although the server carried it out.
+  local function dropping(srv)
+    local calls = 0
+    srv:route("POST", "/once", function(_, res)
+      calls = calls + 1
+      res:drop()
+    end)
+    srv:route("GET", "/warm", function() return 200, "ok" end)
+    assert.are.equal(200, http.request { url = srv.url .. "/warm" }.status)
+    return function() return calls end
+  end
+
+  it("without it libcurl re-sends a POST whose reused connection died", with_server(function(srv)
+    local calls = dropping(srv)
+    local ok, err = pcall(http.request, { method = "POST", url = srv.url .. "/once", body = "{}" })
+    assert.is_false(ok)
+    assert.are.equal("connection_reset", err.code)
+    assert.are.equal(2, calls())
+  end))
+
+  it("'reuse' keeps the kept-alive connection and still never re-sends", with_server(function(srv)
+    local calls = dropping(srv)
+    local ok, err = pcall(http.request, { method = "POST", url = srv.url .. "/once", body = "{}",
+      no_resend = "reuse" })
+    assert.is_false(ok)
+    assert.are.equal("connection_reset", err.code)
+    assert.matches("it was not sent again", err.message)
+    assert.are.equal(1, calls())
+    assert.has_error(function() http.request { url = srv.url .. "/warm", no_resend = "sometimes" } end)
+  end))
+
   it("resolve pins a name to an address", with_server(function(srv)
     srv:route("GET", "/who", function(req) return 200, req.headers.host end)
     local r = http.request { url = "http://pinned.test:" .. srv.port .. "/who",

@@ -304,9 +304,10 @@ function M.data(conn, op, mint, req, opts)
     r_opts.url = t.uri
     r_opts.connect_timeout = r_opts.connect_timeout or 10
     -- Kept-alive connections are reused even for a command's start: one of its own per exec
-    -- would cost a TLS handshake per command on Render. libcurl's silent re-send (http.md) needs
-    -- a reused connection that the server had closed without answering a byte, i.e. a request it
-    -- never processed; a connection that breaks later surfaces as unknown_outcome.
+    -- would cost a TLS handshake per command on Render. libcurl's silent re-send (http.md) is
+    -- kept off it all the same (no_resend = "reuse": a start whose body went out is never sent
+    -- again by libcurl, over HTTP/2 or HTTP/1.1); its lost answer surfaces as unknown_outcome.
+    if not opts.repeatable and r_opts.body then r_opts.no_resend = "reuse" end
     local headers = { ["User-Agent"] = "moonbox/" .. core.version }
     for k, v in pairs(req.headers or {}) do headers[k] = v end
     headers.Authorization = "Bearer " .. t.token
