@@ -106,10 +106,18 @@ describe("through a TLS + HTTP/2 edge", function()
     local ok, err = task.join(creating)
     assert.is_false(ok)
     assert.are.equal("unknown_outcome", err.code, tostring(err.message))
-    task.sleep(3.5) -- the held create runs out its latency at the backend
+    -- the held create runs out its latency and is carried out once; a re-send would have gone
+    -- out at once, long before
+    local made
+    for _ = 1, 600 do
+      for sb in render.sandboxes.list {} do if sb.name == "edge-once" then made = sb end end
+      if made then break end
+      task.sleep(0.025)
+    end
+    assert.is_table(made, "the held create was never carried out")
     assert.are.equal(1, journal_posts(mark, "/v1/sandboxes"), "libcurl sent the create again")
     B:req("DELETE", "/_moonbox/faults")
-    for sb in render.sandboxes.list {} do if sb.name == "edge-once" then sb:terminate() end end
+    made:terminate()
   end))
 
   it("trusts the CA named by SSL_CERT_FILE alone, or CURL_CA_BUNDLE, and no other", T.async(function()
@@ -147,10 +155,11 @@ describe("libcurl's silent re-send over HTTP/2", function()
   it("never happens to a no_resend request: a broken connection is connection_reset", T.async(function()
     local httpd = require "moonbox.httpd"
     local srv <close> = httpd.listen { host = "127.0.0.1", port = 0 }
-    local held, sinks = 0, 0
+    local held, finished, sinks = 0, 0, 0
     srv:route("POST", "/held", function()
       held = held + 1
       task.sleep(1)
+      finished = finished + 1
       return 201, "made"
     end)
     srv:route("PUT", "/sink", function() sinks = sinks + 1 return 204, "" end,
@@ -160,11 +169,11 @@ describe("libcurl's silent re-send over HTTP/2", function()
     local ok, err = pcall(function()
       local body = string.rep("x", 64 * 1024 * 1024)
       for round = 1, 4 do
-        held, sinks = 0, 0
+        held, finished, sinks = 0, 0, 0
         assert.are.equal("2", http.request { url = e.url .. "/warm", timeout = 30 }.http_version)
         local up = task.spawn(pcall, http.request, { method = "PUT", url = e.url .. "/sink", body = body,
           no_resend = true, timeout = 60 })
-        task.sleep(0.1)
+        task.sleep(0.1) -- the upload under way first: the broken connection then finds it mid-body
         local post = task.spawn(pcall, http.request, { method = "POST", url = e.url .. "/held", body = "{}",
           no_resend = true, timeout = 30 })
         for _ = 1, 400 do
@@ -181,8 +190,11 @@ describe("libcurl's silent re-send over HTTP/2", function()
         assert.are.equal("connection_reset", perr.code)
         assert.is_false(uok, "round " .. round .. ": the upload was sent again and answered")
         assert.are.equal("connection_reset", uerr.code)
-        task.sleep(1.2) -- the held POST's handler ends
-        assert.are.same({ 1, 0 }, { held, sinks }, "round " .. round)
+        for _ = 1, 400 do -- until the held POST's handler has ended
+          if finished == held then break end
+          task.sleep(0.01)
+        end
+        assert.are.same({ 1, 1, 0 }, { held, finished, sinks }, "round " .. round)
       end
     end)
     e:stop()
