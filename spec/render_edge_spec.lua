@@ -88,6 +88,39 @@ describe("through a TLS + HTTP/2 edge", function()
     assert.is_true(upload.status >= 200 and upload.status < 300, "upload answered " .. upload.status)
   end))
 
+  it("an exec stream opens before its command says anything (the edge holds headers until a byte)", T.async(function()
+    local sb <close> = render.sandboxes.create {}
+    -- the command waits for a file only a second exec makes: spawn must return first
+    local p = sb:spawn("while [ ! -e /tmp/go ]; do sleep 0.05; done; echo done")
+    sb:exec("touch /tmp/go"):check()
+    local r = p:wait()
+    assert.are.same({ 0, "done\n" }, { r.code, r.stdout })
+  end))
+
+  it("a command whose start runs out of time before its stream opened never runs on", T.async(function()
+    local sb <close> = render.sandboxes.create {}
+    local mark = journal_mark()
+    local stream = "/proxy/" .. sb.id .. "/runs/stream"
+    faults("POST " .. stream .. "=latency:1500#1") -- the stream's answer is held past the timeout
+    local ok, err = pcall(sb.exec, sb, "touch /tmp/ran; sleep 3100", { timeout = 0.5 })
+    assert.is_false(ok)
+    assert.is_true(task.is_timeout(err))
+    -- the held start runs once its latency is over; killed (or marked) it ends, and its stream
+    -- with it, which the journal shows as the entry's status
+    local ended
+    for _ = 1, 800 do
+      local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = mark } })
+      for _, e in ipairs(entries) do
+        if e.method == "POST" and e.path == stream and e.status then ended = e end
+      end
+      if ended then break end
+      task.sleep(0.025)
+    end
+    B:req("DELETE", "/_moonbox/faults")
+    assert.is_table(ended, "the command whose caller gave up is still running")
+    assert.are.equal("no\n", sb:exec("[ -e /tmp/ran ] && echo ran || echo no"):check().stdout)
+  end))
+
   it("a create whose HTTP/2 connection breaks while it is held is unknown_outcome, sent once", T.async(function()
     -- warm the one connection, then hold a create at the backend and break the client's
     -- connection under it by killing the edge's worker (its master starts a new one at once)

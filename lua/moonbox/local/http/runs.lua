@@ -84,6 +84,9 @@ function M.stream(b, req, ctx, res)
   local _, cut = b.faults:decide(req.method, req.path, { cut = true })
   local w = res:stream(200, { ["Content-Type"] = "text/event-stream", ["Cache-Control"] = "no-cache",
     ["render-request-id"] = ctx.rid })
+  -- An SSE comment at once: an HTTP/2 proxy in front (nginx) holds a streamed answer's headers
+  -- until its first body byte, which for a silent command could be minutes away.
+  w:write(": started\n\n")
   -- queue[head .. tail] waits to be sent; qbytes counts its output bytes
   local queue, head, tail, qbytes, cond, done_streams = {}, 1, 0, 0, core.cond(), 0
   local code, exited
