@@ -64,6 +64,19 @@ describe("moonbox local listens", function()
   end))
 end)
 
+describe("moonbox local on a port another program holds on ::1", function()
+  it("refuses to start, naming ::1 (its localhost clients would reach the other program)", T.async(function()
+    local httpd = require "moonbox.httpd"
+    local other <close> = httpd.listen { host = "::1", port = 0 }
+    local state = proc.run({ "mktemp", "-d", "/tmp/moonbox-listen-spec.XXXXXX" }).stdout:gsub("%s+$", "")
+    local r = proc.run { L.BIN, "local", "--port", tostring(other.port), "--state", state, "--quiet",
+      timeout = 120 }
+    proc.run { "rm", "-rf", "--one-file-system", state }
+    assert.are_not.equal(0, r.code)
+    assert.matches("::1 port " .. other.port .. ".*in use", r.stderr)
+  end))
+end)
+
 describe("connect URIs", function()
   it("follow the Host the client used, on either address", T.async(function()
     for _, base in ipairs { "http://127.0.0.1:" .. port, "http://[::1]:" .. port } do

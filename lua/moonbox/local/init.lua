@@ -47,7 +47,8 @@ end
 
 -- Listens where opts say: by default on both loopback addresses, 127.0.0.1 and ::1, on one port
 -- (clients that resolve localhost to ::1 first, as Render's SDKs' default URL makes them do,
--- find it there); a machine without IPv6 loopback gets 127.0.0.1 alone and a line in the log.
+-- find it there); a machine without IPv6 loopback gets 127.0.0.1 alone and a line in the log,
+-- while ::1's port taken by another program is an error like 127.0.0.1's.
 -- opts.host (one loopback address) listens there only.
 local function listen(opts, state_dir, log)
   local o = { host = opts.host or "127.0.0.1", port = opts.port or 8120,
@@ -57,7 +58,10 @@ local function listen(opts, state_dir, log)
     o.host, o.also_host = "127.0.0.1", "::1"
     local ok, srv = pcall(httpd.listen, o)
     if ok then return srv end
-    if type(srv) ~= "table" or not tostring(srv.message):find("::1", 1, true) then error(srv, 0) end
+    -- Only a machine without ::1 falls back: ::1 taken by another program would send the
+    -- clients whose localhost is ::1 there.
+    local msg = type(srv) == "table" and tostring(srv.message) or ""
+    if not msg:find("::1", 1, true) or msg:find("in use", 1, true) then error(srv, 0) end
     log("not listening on ::1 (" .. tostring(srv.message) .. "); serving on 127.0.0.1 only")
     o.also_host = nil
   end
