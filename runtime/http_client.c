@@ -523,8 +523,9 @@ static void deliver_pending(http_client *c)
  * being set up rather than opening one more (CURLOPT_PIPEWAIT), so concurrent requests to one
  * server share one connection as streams. The environment's CA bundle (CURL_CA_BUNDLE,
  * SSL_CERT_FILE, SSL_CERT_DIR, as the curl tool reads them; libcurl itself does not) replaces the
- * built-in one. Proxies come from the environment (https_proxy, HTTPS_PROXY, no_proxy, NO_PROXY),
- * which libcurl reads itself as long as CURLOPT_PROXY is never set (it is not).
+ * built-in one. Proxies come from the environment (https_proxy, HTTPS_PROXY, http_proxy, no_proxy,
+ * NO_PROXY), which libcurl reads itself while CURLOPT_PROXY is unset; it is set (to "", no proxy)
+ * only for plain http:// to loopback, where moonbox local and the embedded backend listen.
  *
  * Re-sends. libcurl 7.88 sends a request again on a new connection, without telling, when it
  * went out on a reused connection and the connection failed before any byte of answer
@@ -559,6 +560,22 @@ static void origin_of(const char *url, char *out, size_t n)
     for (size_t i = 0; i < len; i++)
         out[i] = (char)tolower((unsigned char)url[i]);
     out[len] = '\0';
+}
+
+/* Whether origin is plain http:// to this machine's loopback (localhost, 127.x, [::1]). */
+static int origin_plain_loopback(const char *origin)
+{
+    if (strncmp(origin, "http://", 7) != 0) return 0;
+    const char *h = origin + 7;
+    const char *at = strchr(h, '@');
+    if (at) h = at + 1;
+    size_t n = strcspn(h, ":");
+    if (*h == '[') return strncmp(h, "[::1]", 5) == 0;
+    if (n == 9 && strncmp(h, "localhost", 9) == 0) return 1;
+    if (n < 7 || strncmp(h, "127.", 4) != 0) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!isdigit((unsigned char)h[i]) && h[i] != '.') return 0;
+    return 1;
 }
 
 /* 1: the origin's last answer came over a multiplexed protocol; 0: over HTTP/1.x; -1: unknown. */
@@ -659,6 +676,9 @@ static int connection_use(http_client *c, http_request *r, CURL *e, const http_r
         r->resolve = n;
     }
     if (r->resolve) curl_easy_setopt(e, CURLOPT_RESOLVE, r->resolve);
+    /* A local backend (plain HTTP on loopback) is never asked for through http_proxy: the
+     * proxy's loopback is not ours. An empty CURLOPT_PROXY overrides the environment. */
+    if (origin_plain_loopback(r->origin)) curl_easy_setopt(e, CURLOPT_PROXY, "");
     if (spec->no_resend == HTTP_NO_RESEND) {
         int mux = origin_multiplexed(c, r->origin);
         int body = (spec->has_body && spec->body_len > 0) || spec->body_file;

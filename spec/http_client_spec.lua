@@ -337,3 +337,35 @@ describe("http.request no_resend", function()
     assert.are.equal("pinned.test:" .. srv.port, r.body)
   end))
 end)
+
+describe("http proxies", function()
+  it("plain http:// to loopback never goes through http_proxy; other URLs would", with_server(function(srv)
+    local sys = require "moonbox.sys"
+    srv:route("GET", "/x", function() return 200, "direct" end)
+    local saved = { os.getenv("http_proxy"), os.getenv("HTTP_PROXY") }
+    local dead = "http://127.0.0.1:9" -- the discard port: nothing listens there
+    sys.setenv("http_proxy", dead)
+    sys.setenv("HTTP_PROXY", dead)
+    local ok, err = pcall(function()
+      for _, u in ipairs { srv.url, "http://localhost:" .. srv.port, "http://[::1]:" .. srv.port } do
+        if u:find("%[::1%]") then
+          -- srv listens on 127.0.0.1 only: a direct attempt is refused, a proxied one would be too
+          local okr, e = pcall(http.request, { url = u .. "/x", timeout = 10 })
+          assert.is_false(okr)
+          assert.matches("::1", e.message)
+        else
+          assert.are.equal("direct", http.request { url = u .. "/x", timeout = 10 }.body)
+        end
+      end
+      -- a name that is not loopback is sent to the proxy (which is not there)
+      local okp, e = pcall(http.request, { url = "http://proxied.test:" .. srv.port .. "/x", timeout = 10,
+        resolve = { "proxied.test:" .. srv.port .. ":127.0.0.1" } })
+      assert.is_false(okp)
+      assert.are.equal("connect_failed", e.code)
+      assert.matches("port 9", e.message)
+    end)
+    sys.setenv("http_proxy", saved[1])
+    sys.setenv("HTTP_PROXY", saved[2])
+    assert(ok, err)
+  end))
+end)
