@@ -1248,8 +1248,10 @@ static int srv_tostring(lua_State *L)
 }
 
 /* httpd.listen(opts) -> Server. opts (all optional): host (default "127.0.0.1"; "0.0.0.0" or
- * "::" listen on every interface), port (default 0: an ephemeral port, see srv.port), max_body
- * (default body limit of routes, 1 MiB), upload_dir (default directory of file-mode bodies,
+ * "::" listen on every interface), also_host (a second address served the same on the same
+ * port, e.g. "::1" beside "127.0.0.1"; an ephemeral port is chosen free on both), port (default 0:
+ * an ephemeral port, see srv.port), max_body (default body limit of routes, 1 MiB), upload_dir
+ * (default directory of file-mode bodies,
  * "/tmp"), connection_limit (default 4096), idle_timeout (seconds a silent client is kept,
  * default 120), log (function(line) receiving handler failures; default writes to io.stderr).
  * The server serves as the loop runs and stays open (and referenced) until srv:close().
@@ -1266,6 +1268,7 @@ static int l_listen(lua_State *L)
     }
     luaL_checktype(L, 1, LUA_TTABLE);
     cfg.host = opt_string(L, 1, "host", "httpd.listen");
+    cfg.also_host = opt_string(L, 1, "also_host", "httpd.listen");
     lua_getfield(L, 1, "port");
     if (!lua_isnil(L, -1)) {
         int isnum;

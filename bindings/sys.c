@@ -287,6 +287,20 @@ static int l_getcwd(lua_State *L)
     return 1;
 }
 
+/* ---- setenv --------------------------------------------------------------------------------- */
+
+/* sys.setenv(name, value) sets an environment variable of this process (value nil: unsets it),
+ * which libcurl reads per transfer (proxies, and moonbox's CA bundle variables) and children
+ * inherit. Raises on a name with '=' or an empty one. Does not yield. */
+static int l_setenv(lua_State *L)
+{
+    const char *name = luaL_checkstring(L, 1);
+    if (!*name || strchr(name, '=')) return luaL_error(L, "sys.setenv: bad variable name");
+    int rc = lua_isnoneornil(L, 2) ? unsetenv(name) : setenv(name, luaL_checkstring(L, 2), 1);
+    if (rc != 0) return raise_errno(L, "sys.setenv", errno, NULL, "cannot set %s", name);
+    return 0;
+}
+
 /* ---- listdir -------------------------------------------------------------------------------- */
 
 /* sys.listdir(path) -> array of the entry names of directory path, without "." and "..", in
@@ -628,6 +642,7 @@ static const luaL_Reg sys_functions[] = {
     {"kill", l_kill},
     {"listdir", l_listdir},
     {"getcwd", l_getcwd},
+    {"setenv", l_setenv},
     {"umount_start", l_umount_start},
     {"remove_tree_start", l_remove_tree_start},
     {"try_lock", l_try_lock},

@@ -353,8 +353,8 @@ end
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
   "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]\n" ..
-  "                     [--dns IPV4] [--rate-limit N]",
-  [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and runs real, isolated sandboxes on
+  "                     [--dns IPV4] [--rate-limit N] [--public-url URL]",
+  [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and ::1 and runs real, isolated sandboxes on
 this machine: each in its own user namespace (root inside is an unprivileged id on the host),
 with a seccomp filter, its plan's cgroup limits, and an overlay root over a Debian 12 image
 (built once per machine with mmdebstrap; --image DIR for your own root filesystem; --host-root
@@ -365,11 +365,15 @@ at it:
   RENDER_API_KEY=...            (generated at first start, kept 0600 in the state dir)
   RENDER_WORKSPACE_ID=tea-...
 
---port 0 picks a free port. --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
+--port 0 picks a free port (the same on both addresses).
+--state DIR defaults to $XDG_STATE_HOME/moonbox/local.
 --dns IPV4 is the resolver that allow-list sandboxes' gates ask for the allowed names (default:
 the host's, through slirp4netns; see docs/local-isolation.md).
 --rate-limit N answers /v1 requests beyond N a minute with 429 and Retry-After (default 100000;
 every /v1 answer carries RateLimit-Limit, -Remaining and -Reset; a low N rehearses throttling).
+--public-url URL (e.g. https://sandbox.example.test): the base of the exec and file URIs it
+hands out; without it they follow the request's Host, or a loopback proxy's X-Forwarded-Host and
+X-Forwarded-Proto (docs/local.md: "Behind a TLS proxy").
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
 Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
@@ -378,7 +382,7 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
       ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
-      dns = "value", ["rate-limit"] = "value" })
+      dns = "value", ["rate-limit"] = "value", ["public-url"] = "value" })
     if not opts then return usage_error("local: %s", rest) end
     local rate_limit = opts["rate-limit"] and math.tointeger(tonumber(opts["rate-limit"]))
     if opts["rate-limit"] and not (rate_limit and rate_limit >= 1) then
@@ -395,6 +399,10 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     local loopback = { ["127.0.0.1"] = true, localhost = true, ["::1"] = true }
     if opts.host and not loopback[opts.host] then
       return usage_error("local: --host must be a loopback address; moonbox local never listens elsewhere")
+    end
+    if opts["public-url"] then
+      local ok_url, why = require("moonbox.local.http.public").valid_url(opts["public-url"])
+      if not ok_url then return usage_error("local: --public-url %s: %s", opts["public-url"], why) end
     end
     if opts.dns and not opts.dns:match("^%d+%.%d+%.%d+%.%d+$") then
       return usage_error("local: --dns must be an IPv4 address (the resolver allow-list sandboxes ask)")
@@ -414,7 +422,7 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
         on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
         api_key = opts["api-key"], workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
-        dns = opts.dns, rate_limit = rate_limit,
+        dns = opts.dns, rate_limit = rate_limit, public_url = opts["public-url"],
       }
       local _close <close> = setmetatable({}, { __close = function()
         backend:close()

@@ -181,6 +181,21 @@ local function with_retries(op, opts, info, send)
   end
 end
 
+-- A 502 or 504 that is not the API's own JSON comes from a proxy or edge in front of it that lost
+-- the API's answer, or never got one: for a request that must not run twice its outcome is as
+-- unknown as that of a connection that broke after sending.
+local GATEWAY_LOST = { [502] = true, [504] = true }
+
+local function lost_at_gateway(op, r, ctx)
+  return api_error {
+    op = op, code = "unknown_outcome", retryable = false, cause = "http_" .. r.status, status = r.status,
+    message = "the request may or may not have been carried out: a proxy in front of the API answered " ..
+      r.status .. " instead of the API. Check before repeating it",
+    request_id = r.headers["render-request-id"], sandbox_id = ctx.sandbox_id,
+    snapshot_id = ctx.snapshot_id, group_id = ctx.group_id,
+  }
+end
+
 -- Whether a failed attempt may be followed by another: a repeatable request after a transient
 -- failure; any request after a definite refusal (429, never connected).
 local function may_repeat(err, repeatable)
@@ -208,7 +223,7 @@ local function call(conn, op, method, path, opts, info)
   return with_retries(op, opts, info, function(attempt)
     local via = conn.transport or http -- a dry run's simulated backend (moonbox.render.dryrun)
     local ok, r = pcall(via.request, { method = method, url = url, headers = headers, body = body,
-      timeout = opts.timeout or 60, connect_timeout = 10, fresh_connect = not repeatable })
+      timeout = opts.timeout or 60, connect_timeout = 10, no_resend = not repeatable })
     if not ok then
       if is_interruption(r) or type(r) ~= "table" then error(r, 0) end
       local err = transport_error(op, r, ctx, repeatable)
@@ -230,7 +245,11 @@ local function call(conn, op, method, path, opts, info)
       return true, v, r.status, r.headers
     end
     local err = status_error(op, r, ctx)
-    err.again = may_repeat(err, repeatable)
+    local ctype = r.headers["content-type"] or ""
+    if not repeatable and GATEWAY_LOST[r.status] and not ctype:find("json", 1, true) then
+      err = lost_at_gateway(op, r, ctx)
+    end
+    err.again = err.code ~= "unknown_outcome" and may_repeat(err, repeatable)
     return false, err
   end)
 end
@@ -308,9 +327,10 @@ function M.data(conn, op, mint, req, opts)
     r_opts.url = t.uri
     r_opts.connect_timeout = r_opts.connect_timeout or 10
     -- Kept-alive connections are reused even for a command's start: one of its own per exec
-    -- would cost a TLS handshake per command on Render. libcurl's silent re-send (http.md) needs
-    -- a reused connection that the server had closed without answering a byte, i.e. a request it
-    -- never processed; a connection that breaks later surfaces as unknown_outcome.
+    -- would cost a TLS handshake per command on Render. libcurl's silent re-send (http.md) is
+    -- kept off it all the same (no_resend = "reuse": a start whose body went out is never sent
+    -- again by libcurl, over HTTP/2 or HTTP/1.1); its lost answer surfaces as unknown_outcome.
+    if not opts.repeatable and r_opts.body then r_opts.no_resend = "reuse" end
     local headers = { ["User-Agent"] = "moonbox/" .. core.version }
     for k, v in pairs(req.headers or {}) do headers[k] = v end
     headers.Authorization = "Bearer " .. t.token

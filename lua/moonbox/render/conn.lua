@@ -118,7 +118,8 @@ function M.connect(opts)
   if not key then
     error("moonbox: no API key for " .. backend .. ": set RENDER_API_KEY", 0)
   end
-  local kind = (backend:match("//127%.0%.0%.1") or backend:match("//localhost")) and "local" or "url"
+  local kind = (backend:match("//127%.0%.0%.1") or backend:match("//localhost") or backend:match("//%[::1%]"))
+    and "local" or "url"
   return new(kind, backend, key, workspace)
 end
 

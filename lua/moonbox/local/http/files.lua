@@ -7,6 +7,7 @@ local ids = require "moonbox.ids"
 local json = require "moonbox.json"
 local route = require "moonbox.local.http.route"
 local wire = require "moonbox.local.wire"
+local public = require "moonbox.local.http.public"
 
 local M = {}
 local fail = route.fail
@@ -17,13 +18,14 @@ function M.token(b, req)
   local op = req.captures.op
   if op ~= "upload" and op ~= "download" then fail("invalid", "operation must be upload or download, got "
     .. tostring(op)) end
+  local base = public.base(b, req)
   local rec = b.svc:find_sandbox(req.captures.id)
   local path = req:query_param("path")
   local abs = wire.sandbox_path(path)
   local e, token, expires = b.svc:mint_file(rec, op, abs, path)
   return 201, {
     executionId = e.id, token = token, method = op == "upload" and "PUT" or "GET",
-    expiresAt = ids.iso(expires), uri = string.format("%s/proxy/%s/files/%s", b.url, rec.id, op),
+    expiresAt = ids.iso(expires), uri = string.format("%s/proxy/%s/files/%s", base, rec.id, op),
   }
 end
 
