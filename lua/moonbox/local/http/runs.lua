@@ -136,7 +136,7 @@ function M.stream(b, req, ctx, res)
       else
         qbytes = qbytes - #item.data
         cond:broadcast()
-        w:sse("output", json.encode({ stream = item.stream, data = item.data }))
+        w:sse_output(item.stream, item.data) -- w:sse("output", json.encode{stream, data}), in one C pass
       end
     end
   end
