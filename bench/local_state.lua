@@ -42,9 +42,13 @@ local function stat(pid)
   f:close()
   local fields = {}
   for x in s:match("%) (.*)$"):gmatch("%S+") do fields[#fields + 1] = tonumber(x) or x end
-  local rss
-  for line in io.lines("/proc/" .. pid .. "/status") do rss = rss or tonumber(line:match("^VmRSS:%s+(%d+)")) end
-  return { self = (fields[12] + fields[13]) / 100, children = (fields[14] + fields[15]) / 100, rss = rss }
+  local rss, anon
+  for line in io.lines("/proc/" .. pid .. "/status") do
+    rss = rss or tonumber(line:match("^VmRSS:%s+(%d+)"))
+    anon = anon or tonumber(line:match("^RssAnon:%s+(%d+)"))
+  end
+  return { self = (fields[12] + fields[13]) / 100, children = (fields[14] + fields[15]) / 100, rss = rss,
+    anon = anon }
 end
 
 local function page_ms(B, query)
@@ -135,9 +139,11 @@ local t0 = core.now()
 for _ = 101, LIVES do lifecycle(B) end
 local wall = core.now() - t0
 local atN = stat(B.p.pid)
-row("backend RSS after 100 lifecycles", string.format("%.1f MB", at100.rss / 1024), "create, exec `true`, terminate")
+row("backend RSS after 100 lifecycles", string.format("%.1f MB", at100.rss / 1024),
+  string.format("create, exec `true`, terminate; anonymous %.1f MB", at100.anon / 1024))
 row("backend RSS after " .. LIVES .. " lifecycles", string.format("%.1f MB", atN.rss / 1024),
-  string.format("%+.1f MB; goal within 10 MB", (atN.rss - at100.rss) / 1024))
+  string.format("%+.1f MB; goal within 10 MB; anonymous %.1f MB (%+.1f)", (atN.rss - at100.rss) / 1024,
+    atN.anon / 1024, (atN.anon - at100.anon) / 1024))
 local n = LIVES - 100
 -- The floor: one bare `bwrap --unshare-all` spawn of `true`, CPU of this process's children.
 local proc = require "moonbox.proc"
