@@ -86,6 +86,11 @@ static int mkdir_parents(char *buf, mode_t mode)
     size_t n = strlen(buf);
     while (n > 1 && buf[n - 1] == '/')
         buf[--n] = '\0';
+    /* The usual cases first, in one call (not one failing mkdir per level): the parents exist,
+     * or the directory does. Anything else takes the walk, which names the failing prefix. */
+    if (mkdir(buf, mode) == 0) return chmod(buf, mode) != 0 ? errno : 0;
+    struct stat st0;
+    if (errno == EEXIST && stat(buf, &st0) == 0 && S_ISDIR(st0.st_mode)) return 0;
     for (char *p = buf + 1;; p++) {
         if (*p != '/' && *p != '\0') continue;
         char saved = *p;
