@@ -23,6 +23,7 @@ local function stat(pid)
 end
 
 local B = L.start()
+io.stderr:write("backend pid ", B.p.pid, "\n") -- for strace/perf on this backend alone
 local function life()
   local s, sb = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, networkPolicy = { default = network } } })
   assert(s == 201, "create failed: " .. s .. " " .. json.encode(sb))
