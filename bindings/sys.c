@@ -86,7 +86,32 @@ static int mkdir_parents(char *buf, mode_t mode)
     size_t n = strlen(buf);
     while (n > 1 && buf[n - 1] == '/')
         buf[--n] = '\0';
-    for (char *p = buf + 1;; p++) {
+    /* The usual cases first, without one failing mkdir per existing level: the directory exists,
+     * or the parents do, or the nearest existing ancestor is a few levels up (found from the
+     * leaf upwards). Anything unusual takes the walk from the root, which names the failing
+     * prefix. */
+    if (mkdir(buf, mode) == 0) return chmod(buf, mode) != 0 ? errno : 0;
+    struct stat st0;
+    if (errno == EEXIST && stat(buf, &st0) == 0 && S_ISDIR(st0.st_mode)) return 0;
+    char *start = buf + 1; /* where the walk below begins: after the nearest existing ancestor */
+    if (errno == ENOENT) {
+        char *cut = strrchr(buf, '/');
+        while (cut && cut > buf) {
+            *cut = '\0';
+            int rc = mkdir(buf, 0755), e = errno;
+            *cut = '/';
+            if (rc == 0 || e == EEXIST) {
+                start = cut; /* buf up to cut exists now (or is not a directory: the walk says) */
+                break;
+            }
+            if (e != ENOENT) break;
+            char *prev = cut - 1;
+            while (prev > buf && *prev != '/')
+                prev--;
+            cut = prev;
+        }
+    }
+    for (char *p = start;; p++) {
         if (*p != '/' && *p != '\0') continue;
         char saved = *p;
         *p = '\0';

@@ -6,6 +6,7 @@ local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local httpd = require "moonbox.httpd"
 local http = require "moonbox.http"
+local json = require "moonbox.json"
 
 local tmp -- a private directory for this spec file
 local seq = 0
@@ -346,6 +347,26 @@ describe("httpd answers", function()
     assert.are.equal("text/event-stream", r.headers["content-type"])
     assert.are.equal("event: greeting\ndata: hello\ndata: world\n\n: keep-alive\n" ..
                      "id: 7\ndata: plain\n\nevent: crlf\ndata: a\ndata: b\n\n", r.body)
+  end))
+
+  it("writes an exec output event with w:sse_output exactly as w:sse of its JSON", T.async(function()
+    local srv <close> = server()
+    local chunks = { "", "plain", "a\nb\r\n\"q\" \\ \t\0\31", "é€😀", "bad \255\237\160\128\192\175 \226\130",
+      ("0123456789abcdefghijklmnopqrstuvwxyz\n"):rep(3000) }
+    srv:route("GET", "/both", function(req, res)
+      local w = res:stream(200, { ["Content-Type"] = "text/event-stream" })
+      local fast = req:query_param("fast") == "1"
+      for i, c in ipairs(chunks) do
+        local stream = i % 2 == 0 and "stderr" or "stdout"
+        if fast then w:sse_output(stream, c) else w:sse("output", json.encode({ stream = stream, data = c })) end
+      end
+      w:close()
+    end)
+    local slow = http.request { url = srv.url .. "/both" }
+    local fast = http.request { url = srv.url .. "/both?fast=1" }
+    assert.are.equal(200, fast.status)
+    assert.is_true(#slow.body > 100000)
+    assert.are.equal(slow.body, fast.body)
   end))
 
   it("parses as SSE for moonbox.http's stream reader", T.async(function()

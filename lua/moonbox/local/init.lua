@@ -160,8 +160,9 @@ function M.start(opts)
     st = self.st, engine = engine, state_dir = state_dir, workspace = self.workspace, user = user,
     log = self.log,
     limits = { concurrency_limit = opts.concurrency_limit,
-      token_ttl = tonumber(os.getenv("MOONBOX_LOCAL_TOKEN_TTL") or "") },
-        -- test only: tokens that expire fast
+      token_ttl = tonumber(os.getenv("MOONBOX_LOCAL_TOKEN_TTL") or ""),
+      idle_scale = tonumber(os.getenv("MOONBOX_LOCAL_IDLE_SCALE") or "") },
+        -- test only: tokens that expire fast, idle timeouts scaled down (0.005: 300 s → 1.5 s)
     on_token = function(op, token, info, ttl)
       if srv.closed then return end
       if op == "put" then srv:token_put(token, info.sandbox, info.op, ttl) else srv:token_drop(token) end

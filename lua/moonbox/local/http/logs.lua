@@ -20,7 +20,7 @@ function M.logs(b, req, ctx, res)
   local seen = 0 -- events carry increasing numbers; the oldest may have been dropped meanwhile
   local ok = pcall(function()
     while true do
-      local list = b.svc.logs[rec.id] or {}
+      local list = b.svc:log_events(rec)
       local finished = false
       local first = 1
       while first <= #list and list[first].n <= seen do first = first + 1 end

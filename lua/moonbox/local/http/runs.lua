@@ -35,7 +35,9 @@ end
 function M.list(b, req)
   route.owner_optional(b, req)
   local rec = b.svc:find_sandbox(req.captures.id)
-  return 200, wire.page(req, "exe", "execution", b.svc:list_execs(rec), wire.exec)
+  return 200, wire.page(req, "exe", "execution", function(after, limit)
+    return b.svc:list_execs(rec, after, limit)
+  end, wire.exec)
 end
 
 --- GET /v1/sandboxes/:id/execs/:eid -> 200 execution.
@@ -138,7 +140,7 @@ function M.stream(b, req, ctx, res)
       else
         qbytes = qbytes - #item.data
         cond:broadcast()
-        w:sse("output", json.encode({ stream = item.stream, data = item.data }))
+        w:sse_output(item.stream, item.data) -- w:sse("output", json.encode{stream, data}), in one C pass
       end
     end
   end
