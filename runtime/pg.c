@@ -145,6 +145,12 @@ static void timer_cb(struct ev_loop *loop, ev_timer *w, int revents)
     if (c->state == PG_CONNECTING) fail(c, "the connect timed out");
 }
 
+static void ignore_notice(void *arg, const char *message)
+{
+    (void)arg;
+    (void)message;
+}
+
 pg_conn *pg_conn_start(struct ev_loop *loop, const char *conninfo, pg_done_fn done, void *ud)
 {
     pg_conn *c = (pg_conn *)calloc(1, sizeof *c);
@@ -163,6 +169,8 @@ pg_conn *pg_conn_start(struct ev_loop *loop, const char *conninfo, pg_done_fn do
         free(c);
         return NULL;
     }
+    /* Server notices (e.g. "already exists, skipping") are not errors: nothing prints them. */
+    PQsetNoticeProcessor(c->conn, ignore_notice, NULL);
     if (PQstatus(c->conn) == CONNECTION_BAD) {
         set_error(c, PQerrorMessage(c->conn));
         c->state = PG_BROKEN;

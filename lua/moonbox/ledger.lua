@@ -331,6 +331,7 @@ function M.close_process(outcome)
   local L = process_ledger
   if not L then return end
   process_ledger = nil
+  if L.keeper then task.cancel(L.keeper) end
   L:end_run(outcome)
   L:close()
 end
@@ -356,6 +357,9 @@ function M.for_create(c)
   if not L.run_id then
     info.recipe = arg and arg[0]
     L:begin_run(info)
+    -- On PostgreSQL the run is alive while its lease lasts: renew it until the process ends
+    -- (the keeper is cancelled with the recipe's other tasks, then close_process ends the run).
+    if L.shared and not L.keeper then L.keeper = L:keep_alive() end
   end
   return L, L.run_id
 end

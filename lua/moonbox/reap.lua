@@ -1,9 +1,13 @@
 --- moonbox.reap — `moonbox ps` and `moonbox reap`: what runs hold, and finishing the cleanup of
 -- runs that died (DESIGN.md §6).
 --
--- A run is dead when its process is gone (pid and process start time no longer match) or it
--- recorded an end. reap goes through every dead run that still holds something, each over its
--- own connection to the run's backend — an embedded backend is brought up again on the state
+-- A run is dead when it recorded an end, or when its owner is gone: on SQLite its process (pid
+-- and process start time no longer match), on a PostgreSQL ledger shared by several machines
+-- its lease (the owner stopped renewing it: moonbox.ledger), so reap on any machine acts on
+-- every machine's dead runs and never on one whose owner still renews it.
+--
+-- reap goes through every dead run that still holds something, each over its own connection
+-- to the run's backend — an embedded backend is brought up again on the state
 -- dir the ledger recorded — and settles each intent with the backend's word: a sandbox it
 -- terminates (or the backend no longer knows) is released; a create whose answer was lost is
 -- found by the label in its name and terminated, or, when no sandbox carries the label, settled
@@ -102,7 +106,8 @@ function M.ps(out)
   local n = 0
   for _, r in ipairs(L:runs()) do
     if #r.held > 0 or r.alive then
-      out(string.format("run %d  pid %d  %s  %s  %s", r.id, r.pid, r.alive and "alive" or "dead",
+      local who = L.shared and r.owner and ("on " .. r.owner) or ("pid " .. r.pid)
+      out(string.format("run %d  %s  %s  %s  %s", r.id, who, r.alive and "alive" or "dead",
         r.recipe or "?", describe_backend(r)))
       local l, why
       if not r.alive and #r.held > 0 then l, why = look(r) end

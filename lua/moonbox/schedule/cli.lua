@@ -11,7 +11,7 @@ local clock_mod = require "moonbox.schedule.clock"
 local M = {}
 
 M.command = {
-  usage = "moonbox schedule FILE [--drain] [--backend URL|local|render]\n" ..
+  usage = "moonbox schedule FILE [--drain] [--backend URL|local|render] [--state DB]\n" ..
     "       moonbox schedule FILE --list | --next NAME [N] | --trigger NAME | --pause NAME | --resume NAME",
   detail = [[Loads FILE, a recipe that registers schedules with schedule.cron / schedule.every
 (moonbox.schedule), and fires them until SIGTERM or SIGINT: each fire runs as a task with its
@@ -31,6 +31,9 @@ second signal cancels them), records their outcome and exits 0. The event log go
   --resume NAME    resume NAME and clear its failure count
   --drain          on SIGTERM/SIGINT let running runs finish instead of cancelling them
   --backend B      as for `moonbox run`
+  --state DB       where state and history live: a SQLite file, or a postgres:// URL shared
+                   by daemons on several machines (default: MOONBOX_DATABASE_URL, else
+                   $XDG_STATE_HOME/moonbox/moonbox.db); see docs/schedule.md
 
 `moonbox runs` prints the history. For tests only, MOONBOX_TEST_CLOCK=
 "start=2026-03-01T00:00:00Z,scale=600" runs schedule time from that start 600x faster
@@ -83,7 +86,7 @@ end
 --- main(args, cli) -> exit status.
 function M.main(args, cli)
   local opts, rest = cli.parse_flags(args, { list = "flag", next = "value", trigger = "value",
-    pause = "value", resume = "value", drain = "flag", backend = "value" })
+    pause = "value", resume = "value", drain = "flag", backend = "value", state = "value" })
   if not opts then return cli.usage_error("schedule: %s", rest) end
   local file = rest[1]
   if not file then return cli.usage_error("schedule: missing the recipe FILE") end
@@ -117,10 +120,15 @@ function M.main(args, cli)
   schedule._set_running(true)
   local build = require "moonbox.build"
   build.ledger = true
-  local ledger = require("moonbox.ledger").open()
-  local store = require("moonbox.schedule.store").open(ledger)
+  local db_mod = require "moonbox.db"
+  if opts.state then db_mod.set_target(opts.state) end
+  local tok, terr = pcall(db_mod.target)
+  if not tok then return cli.usage_error("schedule: --state: %s", tostring(terr)) end
+  local ledger, store
   local status = cli.EXIT_OK
   local code, err = cli.run_root_opts({ quiet_signals = true }, function()
+    ledger = require("moonbox.ledger").open()
+    store = require("moonbox.schedule.store").open(ledger)
     local render = require "moonbox.render"
     require("moonbox.ledger").set_process(ledger) -- creates outside any run go to this process's own run
     if opts.backend then render.connect { backend = opts.backend } end
@@ -173,8 +181,8 @@ function M.main(args, cli)
     pcall(render.close)
   end)
   local ledger_mod = require "moonbox.ledger"
-  if ledger_mod.process() == ledger then ledger_mod.set_process(nil) end
-  ledger:close()
+  if ledger and ledger_mod.process() == ledger then ledger_mod.set_process(nil) end
+  if ledger then ledger:close() end
   if err ~= nil then
     local msg = cli.format_error(err)
     if not msg:match("^moonbox schedule: ") then
