@@ -340,27 +340,48 @@ end
 -- now: the run attached to the current task (begun now if needed), else the process's own run
 -- (begun at the first create). The run records conn's backend URL and, for an embedded
 -- backend, its state dir. Yields only on PostgreSQL.
+-- Runs make() once for holder: the first caller runs it, callers that come while it is under
+-- way (it yields on PostgreSQL) wait for it and see what it made, so concurrent first creates
+-- begin one run, not several. make() stores its result; a failure lets the next caller try.
+local function once(holder, done, make)
+  while not done() and holder.opening do holder.opening:wait() end
+  if done() then return end
+  local cond = core.cond()
+  holder.opening = cond
+  local ok, err = pcall(make)
+  holder.opening = nil
+  cond:broadcast()
+  if not ok then error(err, 0) end
+end
+
+local process_opening = {}
+
 function M.for_create(c)
   local info = { backend = c.base, workspace = c.workspace, local_state = c.state_dir }
   local ctx = M.context()
   if ctx then
-    if not ctx.run_id then
+    once(ctx, function() return ctx.run_id ~= nil end, function()
       info.recipe = ctx.recipe
-      ctx.run_id = ctx.ledger:open_run(info)
-      if ctx.on_begin then ctx.on_begin(ctx.run_id) end
-    end
+      local id = ctx.ledger:open_run(info)
+      ctx.run_id = id
+      if ctx.on_begin then ctx.on_begin(id) end
+    end)
     return ctx.ledger, ctx.run_id
   end
-  if process_ledger == nil and require("moonbox.build").ledger then process_ledger = M.open() end
+  if require("moonbox.build").ledger then
+    once(process_opening, function() return process_ledger ~= nil end, function()
+      process_ledger = M.open()
+    end)
+  end
   local L = process_ledger
   if not L then return nil end
-  if not L.run_id then
+  once(L, function() return L.run_id ~= nil end, function()
     info.recipe = arg and arg[0]
     L:begin_run(info)
     -- On PostgreSQL the run is alive while its lease lasts: renew it until the process ends
     -- (the keeper is cancelled with the recipe's other tasks, then close_process ends the run).
     if L.shared and not L.keeper then L.keeper = L:keep_alive() end
-  end
+  end)
   return L, L.run_id
 end
 

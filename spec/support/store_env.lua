@@ -32,11 +32,21 @@ function M.url()
   return M.server():create_database(string.format("spec_%d_%d", require("moonbox.ledger").self_pid(), n))
 end
 
+--- S.LEASE: the lease (seconds) the processes of a PostgreSQL run hold (MOONBOX_LEASE_SECONDS).
+M.LEASE = 1
+
 --- S.vars() -> env entries ("K=V") that point a moonbox process at a fresh store. [yields]
 function M.vars()
   local url = M.url()
   if not url then return {} end
-  return { "MOONBOX_DATABASE_URL=" .. url }
+  return { "MOONBOX_DATABASE_URL=" .. url, "MOONBOX_LEASE_SECONDS=" .. M.LEASE }
+end
+
+--- S.after_kill(): a SIGKILLed process's runs are dead at once on SQLite (its pid is gone); on
+-- PostgreSQL once their lease has run out, which is a time, not an event: this waits for it
+-- there and returns at once on SQLite. [yields]
+function M.after_kill()
+  if M.KIND == "postgres" then require("moonbox.task").sleep(M.LEASE + 0.5) end
 end
 
 --- S.shutdown(): stops and removes the server, if one was started. [yields]
