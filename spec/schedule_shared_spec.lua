@@ -218,6 +218,61 @@ describe("three moonbox schedule daemons on one PostgreSQL database", function()
     end))
 end)
 
+describe("the one-shot modes on a shared database", function()
+  local w
+  after_each(run(function() if w then w:destroy() end w = nil end))
+
+  it("--pause, --resume and --trigger from a fourth process act on every daemon", T.async(function()
+    w = world("modes", TICK, 40)
+    for _ = 1, 2 do w:daemon() end
+    w:wait("5 runs", function() return w:count("tick: run %d+ ok") >= 5 end)
+    local r = w:moonbox { "schedule", w.recipe, "--pause", "tick" }
+    assert.are.equal(0, r.code, r.stderr)
+    w:wait("both skip", function()
+      for _, d in ipairs(w.daemons) do
+        if w:count("passed while paused", d) == 0 then return false end
+      end
+      return true
+    end)
+    r = w:moonbox { "schedule", w.recipe, "--list" }
+    assert.are.equal(0, r.code, r.stderr)
+    assert.matches("tick%s+every 1s%s+%- %(paused%)", r.stdout)
+    r = w:moonbox { "schedule", w.recipe, "--trigger", "tick" }
+    assert.are.equal(0, r.code, r.stderr)
+    r = w:moonbox { "schedule", w.recipe, "--resume", "tick" }
+    assert.are.equal(0, r.code, r.stderr)
+    local oks = w:count("tick: run %d+ ok")
+    w:wait("5 more runs", function() return w:count("tick: run %d+ ok") >= oks + 5 end)
+    for _, d in ipairs(w.daemons) do assert.are.equal(0, w:stop(d), table.concat(d.log, "\n")) end
+    local rows = w:runs()
+    local manual = 0
+    for _, x in ipairs(rows) do
+      if x.trigger == "manual" then
+        manual = manual + 1
+        assert.are.equal("ok", x.outcome)
+      end
+    end
+    assert.are.equal(1, manual)
+    -- slots that pass while paused are not recorded: no slot twice, none run twice
+    local seen = {}
+    for _, x in ipairs(rows) do
+      if x.trigger ~= "manual" then
+        assert.is_nil(seen[x.slot_unix], "slot " .. x.slot .. " has two records")
+        seen[x.slot_unix] = true
+      end
+    end
+    for slot, n in pairs(w:marks()) do assert.are.equal(1, n, "slot " .. slot .. " ran " .. n .. " times") end
+  end))
+
+  it("never shows the database password in an error", T.async(function()
+    w = world("secret", TICK, 40)
+    local r = w:moonbox { "runs", "--state", "postgres://moonbox:s3cr3t-pw@127.0.0.1:1/x" }
+    assert.are.equal(1, r.code)
+    assert.matches("postgres://moonbox:%*%*%*@127%.0%.0%.1:1/x is unavailable", r.stderr)
+    assert.is_nil((r.stdout .. r.stderr):find("s3cr3t", 1, true))
+  end))
+end)
+
 describe("a daemon SIGKILLed during a run, with two others on the same database", function()
   local B, w
   setup(run(function() B = L.start() end))

@@ -40,8 +40,9 @@ function M.redact(url)
 end
 
 local function unavailable(self, why)
-  return core.Error.new { op = "db", code = "db_unavailable", retryable = true,
-    message = string.format("the database %s is unavailable: %s", self.shown, why) }
+  -- An outage is not a place in moonbox's code: no where, no traceback in what users read.
+  return core.Error.new { op = "db", code = "db_unavailable", retryable = true, where = false,
+    traceback = false, message = string.format("the database %s is unavailable: %s", self.shown, why) }
 end
 
 -- `?` placeholders -> $1, $2, ... (our SQL has no `?` inside literals).

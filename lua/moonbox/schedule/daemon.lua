@@ -54,6 +54,18 @@ local function db_down(err)
 end
 M.db_down = db_down
 
+--- shielded(fn, ...) -> fn's results: runs fn in a task of its own and waits for it, also when
+-- the caller is cancelled meanwhile (it waits again), so bookkeeping that yields (a run's
+-- outcome on PostgreSQL) is written even when a shutdown cancels the run. [yields]
+local function shielded(fn, ...)
+  local t = task.spawn(fn, ...)
+  while true do
+    local ok, a, b = pcall(task.join, t)
+    if ok then return a, b end
+    if task.result(t) ~= nil then error(a, 0) end -- it failed on its own
+  end
+end
+
 --- daemon.new{recipe, schedules, clock, store, out, errout, drain} -> Daemon. out(line) gets
 -- the event log; errout(text) failures with their tracebacks.
 function M.new(o)
@@ -162,16 +174,18 @@ function Daemon:run_body(s, run)
     self.errout(string.format("moonbox schedule: %s: run %d failed: %s\n", s.name, run.id,
         self.format_error(err)))
   end
-  local fok, ferr = pcall(self.finish, self, s, run, outcome, message)
-  while not fok and db_down(ferr) do
-    -- Its outcome is kept until the database is back (its lease may run out meanwhile).
-    local wok, werr = pcall(self.await_db, self, ferr)
-    if not wok then
-      ferr = werr
-      break
+  ledger_mod.detach(me)
+  local function record()
+    local fok, ferr = pcall(self.finish, self, s, run, outcome, message)
+    while not fok and db_down(ferr) do
+      -- Its outcome is kept until the database is back (its lease may run out meanwhile).
+      local wok, werr = pcall(self.await_db, self, ferr)
+      if not wok then return false, werr end
+      fok, ferr = pcall(self.finish, self, s, run, outcome, message)
     end
-    fok, ferr = pcall(self.finish, self, s, run, outcome, message)
+    return fok, ferr
   end
+  local fok, ferr = shielded(record)
   if not fok then
     -- Recording failed (the database): still let the schedule fire again.
     local rt = self.rt[s.name]
@@ -183,7 +197,6 @@ end
 
 function Daemon:finish(s, run, outcome, message)
   local now = self.clock:now()
-  ledger_mod.detach(task.current())
   if run.ledger_run then self.store.ledger:end_run(outcome, run.ledger_run) end
   self.store:finish(run.id, outcome, message, now)
   run.outcome, run.message = outcome, message
