@@ -173,7 +173,9 @@ static int query_k(lua_State *L, int status, lua_KContext ctx)
         const char *code = state && strcmp(state, "23505") == 0    ? "constraint"
                            : state && strncmp(state, "08", 2) == 0 ? "connection_lost"
                                                                    : "sql_error";
-        mb_error_new(L, "pg.query", code, "%s (in: %.*s)", msg, SQL_EXCERPT, sql ? sql : "?");
+        char full[768]; /* lua_pushfstring knows no precision: cut the SQL here */
+        snprintf(full, sizeof full, "%s (in: %.*s)", msg, SQL_EXCERPT, sql ? sql : "?");
+        mb_error_new(L, "pg.query", code, "%s", full);
         if (state) mb_setfield_str(L, -1, "sqlstate", state);
         PQclear(res);
         return lua_error(L);

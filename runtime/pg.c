@@ -257,6 +257,11 @@ void pg_conn_abandon(pg_conn *c)
     c->done = NULL;
     if (c->state != PG_BROKEN) set_error(c, "the operation was abandoned");
     c->state = PG_BROKEN;
+    /* Close at once: the server sees the socket close and stops working for us (a cancel
+     * request would be a blocking connect of its own). */
+    if (c->conn) PQfinish(c->conn);
+    c->conn = NULL;
+    c->io_fd = -1;
 }
 
 void pg_conn_free(pg_conn *c)

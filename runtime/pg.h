@@ -53,7 +53,8 @@ const char *pg_conn_error(const pg_conn *c);
 /* Runs the current operation to its end with poll(2), not the loop (done still runs). */
 void pg_conn_wait(pg_conn *c);
 
-/* Stops the current operation: its done will not run; the connection becomes BROKEN. */
+/* Stops the current operation: its done will not run; the connection is closed at once and
+ * becomes BROKEN (only pg_conn_free remains). */
 void pg_conn_abandon(pg_conn *c);
 
 /* Closes the connection and frees everything. */

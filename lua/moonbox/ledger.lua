@@ -214,13 +214,14 @@ function Ledger:renew()
   return until_
 end
 
---- ledger:keep_alive([on_error]) -> task or nil: on PostgreSQL, a task that renews this
--- process's leases (ledger:renew) every third of ledger.LEASE until it is cancelled;
--- on_error(err) hears a renewal that failed (the next one tries again). nil on SQLite.
--- Does not yield.
+--- ledger:keep_alive([on_error]) -> task or nil: on PostgreSQL, the task that renews this
+-- ledger's leases (ledger:renew) every third of ledger.LEASE until it is cancelled (one per
+-- ledger: a second call returns the running one); on_error(err) hears a renewal that failed
+-- (the next one tries again). nil on SQLite. Does not yield.
 function Ledger:keep_alive(on_error)
   if not self.shared then return nil end
-  return task.spawn(function()
+  if self.keeper and task.result(self.keeper) == nil then return self.keeper end
+  self.keeper = task.spawn(function()
     while true do
       task.sleep(M.LEASE / 3)
       local ok, err = pcall(self.renew, self)
@@ -230,6 +231,14 @@ function Ledger:keep_alive(on_error)
       end
     end
   end)
+  return self.keeper
+end
+
+--- ledger:stop_keeping(): cancels the keeper (keep_alive), if one runs; the leases then run
+-- out unless the runs end first. Does not yield.
+function Ledger:stop_keeping()
+  if self.keeper then task.cancel(self.keeper) end
+  self.keeper = nil
 end
 
 --- ledger:sandboxes(run_id) -> array of the sandbox ids that run's creates answered with.
@@ -331,7 +340,7 @@ function M.close_process(outcome)
   local L = process_ledger
   if not L then return end
   process_ledger = nil
-  if L.keeper then task.cancel(L.keeper) end
+  L:stop_keeping()
   L:end_run(outcome)
   L:close()
 end
@@ -380,7 +389,7 @@ function M.for_create(c)
     L:begin_run(info)
     -- On PostgreSQL the run is alive while its lease lasts: renew it until the process ends
     -- (the keeper is cancelled with the recipe's other tasks, then close_process ends the run).
-    if L.shared and not L.keeper then L.keeper = L:keep_alive() end
+    if L.shared then L:keep_alive() end
   end)
   return L, L.run_id
 end

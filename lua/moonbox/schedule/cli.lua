@@ -45,7 +45,7 @@ local function line_out(s)
   io.stdout:flush()
 end
 
-local function state_text(st)
+local function state_text(st, shared)
   if not st then return "new" end
   local parts = {}
   if st.paused == 1 then
@@ -54,7 +54,9 @@ local function state_text(st)
     parts[#parts + 1] = "active"
   end
   if (st.failures or 0) > 0 then parts[#parts + 1] = st.failures .. " consecutive failure(s)" end
-  if st.owner_pid and require("moonbox.ledger").alive(st.owner_pid, st.owner_pid_start) then
+  if shared then
+    parts[#parts + 1] = "shared database"
+  elseif st.owner_pid and require("moonbox.ledger").alive(st.owner_pid, st.owner_pid_start) then
     parts[#parts + 1] = "daemon pid " .. st.owner_pid
   else
     parts[#parts + 1] = "no daemon"
@@ -79,7 +81,7 @@ local function list(store, clock)
     end
     local last = store:last_run(s.name)
     line_out(string.format("%-20s %-26s %-25s %-8s %s", s.name, s.spec, nxt,
-      last and last.outcome or "-", state_text(st)))
+      last and last.outcome or "-", state_text(st, store.shared)))
   end
 end
 

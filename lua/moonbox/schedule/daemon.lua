@@ -462,7 +462,7 @@ end
 function Daemon:start_shared()
   if not self.store.shared then return end
   self.db_ok_since = require("moonbox.core").time()
-  self.keeper = self.store.ledger:keep_alive()
+  self.store.ledger:keep_alive()
   self.sweeper = task.spawn(function()
     local ok, err = xpcall(self.sweep_loop, core.msgh, self)
     if not ok and not task.is_cancelled(err) then
@@ -472,14 +472,12 @@ function Daemon:start_shared()
 end
 
 function Daemon:stop_shared()
-  for _, k in ipairs { "sweeper", "keeper" } do
-    local t = self[k]
-    if t then
-      task.cancel(t)
-      pcall(task.join, t)
-      self[k] = nil
-    end
+  if self.sweeper then
+    task.cancel(self.sweeper)
+    pcall(task.join, self.sweeper)
+    self.sweeper = nil
   end
+  self.store.ledger:stop_keeping()
 end
 
 --- daemon:run(): claims the schedules, recovers, catches up, fires until cancelled, then stops.
@@ -599,7 +597,7 @@ end
 function Daemon:trigger(s)
   local now = self.clock:now()
   self.store:ensure(s, self.recipe, now)
-  self.keeper = self.store.ledger:keep_alive()
+  self.store.ledger:keep_alive()
   local run = self:start(s, { slot = now, trigger = "manual", fired_at = now })
   local ok = pcall(task.join, run.task)
   if not ok then
