@@ -200,7 +200,7 @@ describe("three moonbox schedule daemons on one PostgreSQL database", function()
       w:wait("30 more runs", function() return w:count("run %d+ ok") >= after + 30 end)
       for _, d in ipairs(w.daemons) do
         assert.are.equal(0, w:stop(d), table.concat(d.log, "\n"))
-        assert.are.equal(1, w:count("the database is unavailable", d))
+        assert.is_true(w:count("the database is unavailable", d) >= 1)
       end
       local rows = w:runs()
       exactly_once(w, rows, 1)

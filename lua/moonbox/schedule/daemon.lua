@@ -407,6 +407,8 @@ function Daemon:recover()
   local now = self.clock:now()
   local ledger = self.store.ledger
   for _, r in ipairs(self.store:orphans()) do
+    -- A run this daemon holds is alive, whatever its lease says (a stalled renewal).
+    if ledger.leases.schedule_runs[r.id] then goto next end
     local who = self.store.shared and string.format("%s (lease expired)", tostring(r.owner))
       or string.format("(pid %d)", r.pid)
     local msg = r.outcome == "queued" and "its daemon %s stopped before this queued run started"
@@ -432,6 +434,7 @@ function Daemon:recover()
         if lr.ended_at == nil then ledger:end_run("interrupted", lr.id) end
       end
     end
+    ::next::
   end
 end
 
