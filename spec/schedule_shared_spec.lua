@@ -218,6 +218,28 @@ describe("three moonbox schedule daemons on one PostgreSQL database", function()
     end))
 end)
 
+describe("a daemon started while PostgreSQL is down", function()
+  local w
+  after_each(run(function()
+    if not server.running then server:start_server() end
+    if w then w:destroy() end
+    w = nil
+  end))
+
+  it("waits for it, then fires; a one-shot command fails at once", T.async(function()
+    w = world("late", TICK, 40)
+    server:stop_server("fast")
+    local d = w:daemon()
+    w:wait("waiting", function() return w:count("not starting until it answers") > 0 end)
+    local r = w:moonbox { "schedule", w.recipe, "--list" }
+    assert.are.equal(1, r.code)
+    assert.matches("^moonbox schedule: the database postgresql:///late%?.- is unavailable", r.stderr)
+    server:start_server()
+    w:wait("3 runs", function() return w:count("tick: run %d+ ok") >= 3 end)
+    assert.are.equal(0, w:stop(d), table.concat(d.log, "\n"))
+  end))
+end)
+
 describe("the one-shot modes on a shared database", function()
   local w
   after_each(run(function() if w then w:destroy() end w = nil end))

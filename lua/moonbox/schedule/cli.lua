@@ -85,6 +85,29 @@ local function list(store, clock)
   end
 end
 
+--- The ledger (and with it the schedule store). The daemon (wait) waits for a database that is
+-- not there yet, saying so once, with a backoff up to 5 s; the one-shot modes report it. [yields]
+local function open_ledger(wait)
+  local delay, told = 0.2, false
+  while true do
+    local ok, L = pcall(require("moonbox.ledger").open)
+    if ok then return L end
+    local down = require("moonbox.schedule.daemon").db_down(L)
+    if not down then error(L, 0) end
+    if not wait then
+      error(core.Error.new { op = "moonbox schedule", code = L.code, message = L.message, where = false,
+        traceback = false }, 0)
+    end
+    if not told then
+      line_out(string.format("%s %s: not starting until it answers", clock_mod.format(core.time()),
+        tostring(L.message)))
+      told = true
+    end
+    require("moonbox.task").sleep(delay)
+    delay = math.min(5, delay * 2)
+  end
+end
+
 --- main(args, cli) -> exit status.
 function M.main(args, cli)
   local opts, rest = cli.parse_flags(args, { list = "flag", next = "value", trigger = "value",
@@ -129,7 +152,7 @@ function M.main(args, cli)
   local ledger, store
   local status = cli.EXIT_OK
   local code, err = cli.run_root_opts({ quiet_signals = true }, function()
-    ledger = require("moonbox.ledger").open()
+    ledger = open_ledger(not (opts.list or opts.next or opts.trigger or opts.pause or opts.resume))
     store = require("moonbox.schedule.store").open(ledger)
     local render = require "moonbox.render"
     require("moonbox.ledger").set_process(ledger) -- creates outside any run go to this process's own run
