@@ -309,15 +309,13 @@ local schedule = require "moonbox.schedule"
 local render = require "moonbox.render"
 local task = require "moonbox.task"
 schedule.every("k", "10s", function(run)
-  local sb = render.sandboxes.create { network = "deny-all" }
+  -- <close>: a run cancelled by the daemons' SIGTERM at the end still terminates its sandbox
+  local sb <close> = render.sandboxes.create { network = "deny-all" }
   local held = io.open("DIR/held")
-  if not held then
-    assert(io.open("DIR/held", "w")):close()
-    print(string.format("HELD %s by %d", sb.id, require("moonbox.ledger").self_pid())) io.stdout:flush()
-    task.sleep(600)
-  end
-  held:close()
-  sb:terminate()
+  if held then return held:close() end
+  assert(io.open("DIR/held", "w")):close()
+  print(string.format("HELD %s by %d", sb.id, require("moonbox.ledger").self_pid())) io.stdout:flush()
+  task.sleep(600) -- until its daemon is SIGKILLed: nothing unwinds, the ledger keeps the sandbox
 end)
 ]], 10, B)
     for _ = 1, 3 do w:daemon() end

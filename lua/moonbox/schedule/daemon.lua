@@ -380,7 +380,7 @@ function Daemon:await_db(err, what)
   self.store:wait_available()
   if self.db_outage then
     self.db_outage = nil
-    self.db_ok_since = require("moonbox.core").time()
+    self.db_ok_since = core.time()
     self:log("the database is back%s", what and ("; " .. what) or "")
   end
 end
@@ -442,10 +442,9 @@ end
 -- (recover). It sweeps only after the database has answered for a whole lease, so that after
 -- an outage the live daemons have renewed their leases before anyone judges them. [yields]
 function Daemon:sweep_loop()
-  local core_ = require "moonbox.core"
   while not self.stopping do
     task.sleep(ledger_mod.LEASE / 2)
-    if core_.time() - (self.db_ok_since or 0) >= ledger_mod.LEASE then
+    if core.time() - (self.db_ok_since or 0) >= ledger_mod.LEASE then
       local ok, err = pcall(self.recover, self)
       if not ok then
         if task.is_cancelled(err) then error(err, 0) end
@@ -464,7 +463,7 @@ end
 -- yield.
 function Daemon:start_shared()
   if not self.store.shared then return end
-  self.db_ok_since = require("moonbox.core").time()
+  self.db_ok_since = core.time()
   self.store.ledger:keep_alive()
   self.sweeper = task.spawn(function()
     local ok, err = xpcall(self.sweep_loop, core.msgh, self)
