@@ -1,13 +1,15 @@
 --- spec/support/postgres.lua — a real PostgreSQL server (Debian's postgresql package) for
--- specs: initdb and pg_ctl in a temp dir owned by the unprivileged `postgres` user (the server
--- refuses to run as root), listening only on a unix socket directory of its own (no TCP port
--- at all), trust authentication for that socket. Fails loudly when the package is missing.
+-- specs: initdb and pg_ctl in a temp dir owned by the unprivileged `postgres` user when run
+-- as root (the server refuses to run as root), listening only on a unix socket directory of
+-- its own (no TCP port at all), trust authentication for that socket. Fails loudly when the
+-- package is missing. Every call yields.
 --
 --   local PG = require "spec.support.postgres"
---   local pg = PG.start()         -- [yields]
---   pg.url                        -- postgresql:///moonbox?host=/tmp/...&user=postgres
---   pg:restart()  pg:stop()  pg:destroy()
---   PG.database(pg, name) -> URL of a fresh database `name` on that server
+--   local server = PG.start()                -- a running server, with database "moonbox"
+--   server.url                               -- postgresql:///moonbox?host=/tmp/...&user=postgres
+--   server:create_database(name) -> URL      -- a fresh database on it
+--   server:restart([mode])  server:stop_server([mode])  server:start_server()
+--   server:destroy()                         -- stopped and removed, also after a failure
 local proc = require "moonbox.proc"
 
 local M = {}
@@ -27,7 +29,12 @@ local function run(argv)
   return r
 end
 
+-- PostgreSQL refuses to run as root: as root, its commands run as the postgres user; as anyone
+-- else, as that user. Set by M.start (it takes a process to find out, which yields).
+local is_root = false
+
 local function as_user(argv)
+  if not is_root then return argv end
   local out = { "runuser", "-u", M.USER, "--" }
   for _, a in ipairs(argv) do out[#out + 1] = a end
   return out
@@ -40,12 +47,13 @@ function M.start()
     error("PostgreSQL is not installed (no " .. M.BIN .. "/initdb): run ./dev setup", 0)
   end
   f:close()
+  is_root = (run({ "id", "-u" }).stdout or ""):match("^0%s") ~= nil
   local dir = run({ "mktemp", "-d", "/tmp/moonbox-pg-spec.XXXXXX" }).stdout:gsub("%s+$", "")
   local self = setmetatable({ dir = dir, data = dir .. "/data", sock = dir .. "/sock" }, Server)
   local ok, err = pcall(function()
     run { "chmod", "0755", dir }
     run { "mkdir", "-p", self.sock }
-    run { "chown", "-R", M.USER, dir }
+    if is_root then run { "chown", "-R", M.USER, dir } end
     run(as_user { M.BIN .. "/initdb", "-D", self.data, "-U", M.USER, "--auth=trust", "-E", "UTF8",
       "--no-sync" })
     self:start_server()
