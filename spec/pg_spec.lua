@@ -96,3 +96,41 @@ describe("moonbox.db on PostgreSQL", function()
     db:close()
   end))
 end)
+
+describe("a shared ledger", function()
+  it("never reaps another machine's embedded-backend run from here, and judges runs by lease", T.async(function()
+    local url = server:create_database("ledger")
+    local db_mod = require "moonbox.db"
+    db_mod.set_target(url)
+    local ok, err = pcall(function()
+      local ledger = require("moonbox.ledger").open()
+      local now = ledger:now()
+      local db = ledger.db
+      local _, far = db:run([[INSERT INTO runs (pid, pid_start, recipe, backend, started_at, local_state, owner,
+        lease_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?)]], 4711, "1", "far.lua", "http://127.0.0.1:9/v1", now,
+        "/nonexistent/local", "otherhost/4711/1", now - 5)
+      db:run("INSERT INTO intents (run_id, created_at, label, sandbox_id) VALUES (?, ?, ?, ?)", far, now,
+        "mb-1-" .. far, "sbx-far")
+      local _, live = db:run([[INSERT INTO runs (pid, recipe, backend, started_at, owner, lease_until)
+        VALUES (?, ?, ?, ?, ?, ?)]], 4712, "live.lua", "http://127.0.0.1:9/v1", now, "otherhost/4712/1", now + 60)
+      db:run("INSERT INTO intents (run_id, created_at, label, sandbox_id) VALUES (?, ?, ?, ?)", live, now,
+        "mb-2-" .. live, "sbx-live")
+      local runs = {}
+      for _, r in ipairs(ledger:runs()) do runs[r.id] = r end
+      assert.is_false(runs[far].alive)
+      assert.is_true(runs[live].alive)
+      ledger:close()
+      local lines = {}
+      local res = require("moonbox.reap").reap({}, function(l) lines[#lines + 1] = l end)
+      local text = table.concat(lines, "\n")
+      assert.are.equal(1, res.runs, text) -- the live one is not touched
+      assert.are.equal(1, res.failed, text)
+      assert.matches("its embedded backend ran on otherhost: run `moonbox reap` there", text)
+      local check = db_mod.open(url)
+      assert.are.equal(2, check:value("SELECT count(*) AS n FROM intents WHERE released_at IS NULL"))
+      check:close()
+    end)
+    db_mod.set_target(nil)
+    assert(ok, err)
+  end))
+end)

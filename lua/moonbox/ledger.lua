@@ -275,18 +275,32 @@ function M.self_start()
   return self_start
 end
 
-local owner_id
+local owner_id, host_name
+
+--- ledger.host() -> this machine's host name (as in owner ids).
+function M.host()
+  if not host_name then
+    local f = io.open("/proc/sys/kernel/hostname")
+    host_name = f and f:read("l") or "?"
+    if f then f:close() end
+  end
+  return host_name
+end
 
 --- ledger.owner() -> who this process is, for other machines: "HOST/PID/START" (the host name,
 -- pid and process start time).
 function M.owner()
-  if not owner_id then
-    local f = io.open("/proc/sys/kernel/hostname")
-    local host = f and f:read("l") or "?"
-    if f then f:close() end
-    owner_id = string.format("%s/%d/%s", host, M.self_pid(), tostring(M.self_start()))
-  end
+  owner_id = owner_id or string.format("%s/%d/%s", M.host(), M.self_pid(), tostring(M.self_start()))
   return owner_id
+end
+
+--- ledger.elsewhere(r) -> the host of run row r when it ran on another machine and used an
+-- embedded backend there (whose sandboxes only that machine can reach), else nil.
+function M.elsewhere(r)
+  if not (r.local_state and r.owner) then return nil end
+  local host = r.owner:match("^(.*)/%d+/[^/]*$")
+  if host and host ~= M.host() then return host end
+  return nil
 end
 
 --- ledger.alive(pid, start) -> whether process pid runs and is the one that started at `start`

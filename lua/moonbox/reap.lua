@@ -75,6 +75,8 @@ end
 --- A read-only look at run r's backend for `moonbox ps`: the listing, or nil and why not. An
 -- embedded backend is looked at only when it is already serving (ps never starts one). [yields]
 local function look(r)
+  local far = ledger_mod.elsewhere(r)
+  if far then return nil, "its embedded backend ran on " .. far .. "; `moonbox ps` there can check it" end
   local opts = { backend = r.backend, workspace = r.workspace }
   if r.local_state then
     local url = (read_file(r.local_state .. "/endpoint") or ""):match("^(%S+)")
@@ -220,7 +222,15 @@ function M.reap_run(L, r, opts, out, result)
   if #r.held == 0 then return result end
   result.runs = result.runs + 1
   local tally = new_result()
-  local ok, c = pcall(connect_run, r)
+  local far = ledger_mod.elsewhere(r)
+  local ok, c
+  if far then
+    -- An embedded backend on another machine: starting one here would find none of its
+    -- sandboxes and release what still runs there.
+    ok, c = false, string.format("its embedded backend ran on %s: run `moonbox reap` there", far)
+  else
+    ok, c = pcall(connect_run, r)
+  end
   if not ok then
     if api.is_interruption(c) then error(c, 0) end
     tally.failed = #r.held
@@ -276,8 +286,9 @@ function M.forget(run_id, opts, out)
     local r = L:run(run_id)
     if not r then error("moonbox reap: no run " .. run_id .. " in the ledger", 0) end
     if r.alive then
-      error(string.format("moonbox reap: run %d is alive (pid %d): only a dead run's entries can go",
-        run_id, r.pid), 0)
+      error(string.format("moonbox reap: run %d is alive (%s): only a dead run's entries can go",
+        run_id, L.shared and r.owner and ("on " .. r.owner .. ", its lease not expired")
+          or ("pid " .. r.pid)), 0)
     end
     for _, i in ipairs(r.held) do
       out(string.format("run %d: %s %s", r.id, opts.dry_run and "would forget" or "forgot", held_line(i)))
