@@ -94,7 +94,8 @@ function Db:conn()
   end
   local ok, c = pcall(pg.connect, self.url)
   if not ok then
-    if task.is_cancelled(c) then error(c, 0) end
+    -- The caller's cancellation or deadline is not the server's fault: it passes untouched.
+    if type(c) ~= "table" or c.code ~= "connect_failed" then error(c, 0) end
     self.backoff = math.min(BACKOFF_MAX, (self.backoff or BACKOFF_MIN / 2) * 2)
     self.retry_at = core.time() + self.backoff
     self.last_error = (tostring(c.message or c):gsub("%s+", " "))
