@@ -191,6 +191,7 @@ int luaopen_moonbox_cron(lua_State *L);
 int luaopen_moonbox_http(lua_State *L);
 int luaopen_moonbox_httpd(lua_State *L);
 int luaopen_moonbox_lineedit(lua_State *L);
+int luaopen_moonbox_pg(lua_State *L);
 int luaopen_moonbox_proc(lua_State *L);
 int luaopen_moonbox_sse(lua_State *L);
 int luaopen_moonbox_store(lua_State *L);

@@ -8,12 +8,19 @@
 #include <lualib.h>
 
 static const luaL_Reg c_modules[] = {
-    {"moonbox.core", luaopen_moonbox_core},         {"moonbox.http", luaopen_moonbox_http},
-    {"moonbox.httpd", luaopen_moonbox_httpd},       {"moonbox.proc", luaopen_moonbox_proc},
-    {"moonbox.sse", luaopen_moonbox_sse},           {"moonbox.store", luaopen_moonbox_store},
-    {"moonbox.strings", luaopen_moonbox_strings},   {"moonbox.timer", luaopen_moonbox_timer},
-    {"moonbox.lineedit", luaopen_moonbox_lineedit}, {"moonbox.cron", luaopen_moonbox_cron},
-    {"moonbox.sys", luaopen_moonbox_sys},           {NULL, NULL},
+    {"moonbox.core", luaopen_moonbox_core},
+    {"moonbox.http", luaopen_moonbox_http},
+    {"moonbox.httpd", luaopen_moonbox_httpd},
+    {"moonbox.proc", luaopen_moonbox_proc},
+    {"moonbox.sse", luaopen_moonbox_sse},
+    {"moonbox.store", luaopen_moonbox_store},
+    {"moonbox.strings", luaopen_moonbox_strings},
+    {"moonbox.timer", luaopen_moonbox_timer},
+    {"moonbox.lineedit", luaopen_moonbox_lineedit},
+    {"moonbox.cron", luaopen_moonbox_cron},
+    {"moonbox.sys", luaopen_moonbox_sys},
+    {"moonbox.pg", luaopen_moonbox_pg},
+    {NULL, NULL},
 };
 
 void mb_preload_modules(lua_State *L)

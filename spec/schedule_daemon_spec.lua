@@ -9,6 +9,7 @@ local task = require "moonbox.task"
 local json = require "moonbox.json"
 local clock = require "moonbox.schedule.clock"
 local L = require "spec.support.local_backend"
+local S = require "spec.support.store_env"
 
 local START = "2026-03-01T00:00:00Z"
 
@@ -23,12 +24,16 @@ local function env_new(recipe, backend)
   local f = assert(io.open(dir .. "/recipe.lua", "w"))
   f:write(recipe)
   f:close()
-  return setmetatable({ dir = dir, recipe = dir .. "/recipe.lua", backend = backend }, Env)
+  -- store: on PostgreSQL, a fresh database of its own, as it has a state dir of its own
+  return setmetatable({ dir = dir, recipe = dir .. "/recipe.lua", backend = backend, store = S.vars() }, Env)
 end
+
+teardown(run(function() S.shutdown() end))
 
 function Env:vars(start)
   local v = { "env", "HOME=" .. self.dir, "XDG_STATE_HOME=" .. self.dir .. "/state",
     "MOONBOX_TEST_CLOCK=start=" .. (start or START) .. ",scale=600" }
+  for _, kv in ipairs(self.store) do v[#v + 1] = kv end
   if self.backend then
     v[#v + 1] = "RENDER_API_KEY=" .. self.backend.key
     v[#v + 1] = "RENDER_WORKSPACE_ID=" .. self.backend.workspace
@@ -395,6 +400,7 @@ end)]], B)
     local line = d:wait_for("^created sbx%-")
     local id = line:match("(sbx%-%S+)")
     d:stop("KILL")
+    S.after_kill()
     local _, sb = B:req("GET", "/v1/sandboxes/" .. id)
     assert.are.equal("running", sb.status)
     local before = e:runs("k")

@@ -533,21 +533,38 @@ function M.embedded_gone(dir)
   if pid == ledger.self_pid() then os.remove(dir .. "/" .. embedded.PID_FILE) end
 end
 
-command("ps", "list the sandboxes moonbox runs hold", "moonbox ps",
+-- --state DB of ps and reap: the database to read (moonbox.db.set_target); nil, or the usage
+-- error's exit status.
+local function state_flag(name, opts)
+  if not opts.state then return nil end
+  require("moonbox.db").set_target(opts.state)
+  local ok, err = pcall(require("moonbox.db").target)
+  if not ok then return usage_error("%s: --state: %s", name, tostring(err)) end
+end
+
+command("ps", "list the sandboxes moonbox runs hold", "moonbox ps [--state DB]",
   [[Lists every run recorded in the ledger ($XDG_STATE_HOME/moonbox/moonbox.db) that is still
 alive or still holds sandboxes: its id, pid, whether it is alive, the recipe and the backend
 (a URL, or the state dir of an embedded backend), and each sandbox it created and did not
 terminate, or each create whose answer was lost ("unknown create mb-..."). For a dead run it
 asks the backend what became of each (running, gone, or which sandbox a lost create's label
-names) when that backend can be reached; it never starts a backend. See
-docs/reference/ledger.md.]],
-  function()
+names) when that backend can be reached; it never starts a backend. --state DB reads another
+ledger: a SQLite file, or a postgres:// URL (default: MOONBOX_DATABASE_URL, else the state
+dir's moonbox.db); on PostgreSQL it shows every machine's runs, alive meaning its lease has not
+expired. See docs/reference/ledger.md.]],
+  function(args)
+    local opts, rest = parse_flags(args, { state = "value" })
+    if not opts then return usage_error("ps: %s", rest) end
+    if #rest > 0 then return usage_error("ps: unexpected argument '%s'", rest[1]) end
+    local bad = state_flag("ps", opts)
+    if bad then return bad end
     local code, err = run_root(function() require("moonbox.reap").ps(print) end)
     if err ~= nil then eprintf("moonbox ps: %s\n", M.format_error(err)) end
     return code
   end)
 
-command("reap", "terminate what dead runs left behind", "moonbox reap [--dry-run] [--forget RUN]",
+command("reap", "terminate what dead runs left behind",
+  "moonbox reap [--dry-run] [--forget RUN] [--state DB]",
   [[Goes through every run that is no longer alive (killed, crashed, or ended) and still holds
 sandboxes, and settles each with its backend: terminates what still runs, releases what the
 backend no longer knows, and reconciles a create whose answer was lost by the label moonbox puts
@@ -558,15 +575,19 @@ left for the next reap; every other run is still settled. Prints what it did per
 
 --dry-run only says what it would do. --forget RUN drops what run RUN (a dead one) holds from
 the ledger without asking its backend — for entries you know are gone; combine it with
---dry-run to see them first.
+--dry-run to see them first. --state DB as for `moonbox ps`: on a PostgreSQL ledger shared by
+several machines, reap acts on any machine's runs whose lease has expired, never on a run
+another machine is still renewing.
 
 Exit status: 0 when nothing is left held by a dead run, 1 when something is (see the lines
 above), 2 on usage errors. The backend's key comes from RENDER_API_KEY, or from the local
 backend's state dir for a local one.]],
   function(args)
-    local opts, rest = parse_flags(args, { ["dry-run"] = "flag", forget = "value" })
+    local opts, rest = parse_flags(args, { ["dry-run"] = "flag", forget = "value", state = "value" })
     if not opts then return usage_error("reap: %s", rest) end
     if #rest > 0 then return usage_error("reap: unexpected argument '%s'", rest[1]) end
+    local bad = state_flag("reap", opts)
+    if bad then return bad end
     local forget = opts.forget and math.tointeger(tonumber(opts.forget))
     if opts.forget and not forget then
       return usage_error("reap: --forget needs a run id, got '%s'", opts.forget)

@@ -11,8 +11,8 @@ local clock_mod = require "moonbox.schedule.clock"
 local M = {}
 
 M.command = {
-  usage = "moonbox schedule FILE [--drain] [--backend URL|local|render] [--listen [HOST:]PORT]\n" ..
-    "       [--webhook URL]... [--trace-dir DIR] [--control-token-file FILE]\n" ..
+  usage = "moonbox schedule FILE [--drain] [--backend URL|local|render] [--state DB]\n" ..
+    "       [--listen [HOST:]PORT] [--webhook URL]... [--trace-dir DIR] [--control-token-file FILE]\n" ..
     "       moonbox schedule FILE --list | --next NAME [N] | --trigger NAME | --pause NAME | --resume NAME",
   detail = [[Loads FILE, a recipe that registers schedules with schedule.cron / schedule.every
 (moonbox.schedule), and fires them until SIGTERM or SIGINT: each fire runs as a task with its
@@ -32,6 +32,9 @@ second signal cancels them), records their outcome and exits 0. The event log go
   --resume NAME    resume NAME and clear its failure count
   --drain          on SIGTERM/SIGINT let running runs finish instead of cancelling them
   --backend B      as for `moonbox run`
+  --state DB       where state and history live: a SQLite file, or a postgres:// URL shared
+                   by daemons on several machines (default: MOONBOX_DATABASE_URL, else
+                   $XDG_STATE_HOME/moonbox/moonbox.db); see docs/schedule.md
 
 Operating it (docs/schedule.md, "Operating a daemon"):
   --listen [HOST:]PORT    serve /healthz, /metrics (Prometheus) and the status page at /;
@@ -57,7 +60,7 @@ local function line_out(s)
   io.stdout:flush()
 end
 
-local function state_text(st)
+local function state_text(st, shared)
   if not st then return "new" end
   local parts = {}
   if st.paused == 1 then
@@ -66,7 +69,9 @@ local function state_text(st)
     parts[#parts + 1] = "active"
   end
   if (st.failures or 0) > 0 then parts[#parts + 1] = st.failures .. " consecutive failure(s)" end
-  if st.owner_pid and require("moonbox.ledger").alive(st.owner_pid, st.owner_pid_start) then
+  if shared then
+    parts[#parts + 1] = "shared database"
+  elseif st.owner_pid and require("moonbox.ledger").alive(st.owner_pid, st.owner_pid_start) then
     parts[#parts + 1] = "daemon pid " .. st.owner_pid
   else
     parts[#parts + 1] = "no daemon"
@@ -91,7 +96,30 @@ local function list(store, clock)
     end
     local last = store:last_run(s.name)
     line_out(string.format("%-20s %-26s %-25s %-8s %s", s.name, s.spec, nxt,
-      last and last.outcome or "-", state_text(st)))
+      last and last.outcome or "-", state_text(st, store.shared)))
+  end
+end
+
+--- The ledger (and with it the schedule store). The daemon (wait) waits for a database that is
+-- not there yet, saying so once, with a backoff up to 5 s; the one-shot modes report it. [yields]
+local function open_ledger(wait)
+  local delay, told = 0.2, false
+  while true do
+    local ok, L = pcall(require("moonbox.ledger").open)
+    if ok then return L end
+    local down = require("moonbox.schedule.daemon").db_down(L)
+    if not down then error(L, 0) end
+    if not wait then
+      error(core.Error.new { op = "moonbox schedule", code = L.code, message = L.message, where = false,
+        traceback = false }, 0)
+    end
+    if not told then
+      line_out(string.format("%s %s: not starting until it answers", clock_mod.format(core.time()),
+        tostring(L.message)))
+      told = true
+    end
+    require("moonbox.task").sleep(delay)
+    delay = math.min(5, delay * 2)
   end
 end
 
@@ -154,7 +182,7 @@ function M.main(args, cli)
   local opts, rest = cli.parse_flags(args, { list = "flag", next = "value", trigger = "value",
     pause = "value", resume = "value", drain = "flag", backend = "value", listen = "value",
     webhook = "list", ["webhook-timeout"] = "value", ["webhook-queue"] = "value", ["trace-dir"] = "value",
-    ["control-token-file"] = "value" })
+    ["control-token-file"] = "value", state = "value" })
   if not opts then return cli.usage_error("schedule: %s", rest) end
   local file = rest[1]
   if not file then return cli.usage_error("schedule: missing the recipe FILE") end
@@ -194,10 +222,15 @@ function M.main(args, cli)
   schedule._set_running(true)
   local build = require "moonbox.build"
   build.ledger = true
-  local ledger = require("moonbox.ledger").open()
-  local store = require("moonbox.schedule.store").open(ledger)
+  local db_mod = require "moonbox.db"
+  if opts.state then db_mod.set_target(opts.state) end
+  local tok, terr = pcall(db_mod.target)
+  if not tok then return cli.usage_error("schedule: --state: %s", tostring(terr)) end
+  local ledger, store
   local status = cli.EXIT_OK
   local code, err = cli.run_root_opts({ quiet_signals = true }, function()
+    ledger = open_ledger(not (opts.list or opts.next or opts.trigger or opts.pause or opts.resume))
+    store = require("moonbox.schedule.store").open(ledger)
     local render = require "moonbox.render"
     require("moonbox.ledger").set_process(ledger) -- creates outside any run go to this process's own run
     if opts.backend then render.connect { backend = opts.backend } end
@@ -273,8 +306,8 @@ function M.main(args, cli)
     pcall(render.close)
   end)
   local ledger_mod = require "moonbox.ledger"
-  if ledger_mod.process() == ledger then ledger_mod.set_process(nil) end
-  ledger:close()
+  if ledger and ledger_mod.process() == ledger then ledger_mod.set_process(nil) end
+  if ledger then ledger:close() end
   if err ~= nil then
     local msg = cli.format_error(err)
     if not msg:match("^moonbox schedule: ") then

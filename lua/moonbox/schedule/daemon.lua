@@ -12,6 +12,15 @@
 -- a daemon killed at any point leaves history that a restart can finish: runs left queued or
 -- running become "interrupted" and what their ledger runs hold is terminated; slots missed
 -- while no daemon ran are caught up once (inside the catch-up window) or recorded skipped.
+--
+-- On a shared store (PostgreSQL; store.shared) several daemons, on several machines, fire the
+-- same schedules: each slot is claimed by the INSERT of its record, so exactly one of them runs
+-- it and the others count it handled. Every daemon renews the leases of the runs it holds
+-- (ledger:keep_alive) and sweeps (Daemon:sweep_loop): a queued or running record whose lease
+-- expired is recorded interrupted by the one daemon whose UPDATE gets it, and what its ledger
+-- run holds is terminated. While the database is away, a timer neither fires nor marks its
+-- slot handled (db_down / await_db): when it is back, the timer's next turn catches the missed
+-- slots up under the schedule's policy.
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
@@ -39,6 +48,24 @@ local function one_line(err)
   s = trace.redact(s) -- the history must not keep the API key or an env value a message quoted
   if #s > 2000 then s = s:sub(1, 2000) .. " [...]" end
   return s
+end
+
+--- Whether err says the database is unavailable (the store raises code "db_unavailable").
+local function db_down(err)
+  return type(err) == "table" and rawget(err, "code") == "db_unavailable"
+end
+M.db_down = db_down
+
+--- shielded(fn, ...) -> fn's results: runs fn in a task of its own and waits for it, also when
+-- the caller is cancelled meanwhile (it waits again), so bookkeeping that yields (a run's
+-- outcome on PostgreSQL) is written even when a shutdown cancels the run. [yields]
+local function shielded(fn, ...)
+  local t = task.spawn(fn, ...)
+  while true do
+    local ok, a, b = pcall(task.join, t)
+    if ok then return a, b end
+    if task.result(t) ~= nil then error(a, 0) end -- it failed on its own
+  end
 end
 
 --- daemon.new{recipe, schedules, clock, store, out, errout, drain} -> Daemon. out(line) gets
@@ -123,7 +150,11 @@ function Daemon:start(s, q)
       fired_at = q.fired_at or now,
       started_at = now, outcome = "running", last_slot = q.trigger ~= "manual" }, now)
     if not id then
-      self:log("%s: slot %s already has a record; not running it again", s.name, fmt(q.slot))
+      if self.store.shared then
+        self:log("%s: slot %s was claimed by another daemon", s.name, fmt(q.slot))
+      else
+        self:log("%s: slot %s already has a record; not running it again", s.name, fmt(q.slot))
+      end
       if q.trigger ~= "manual" then self:handled(s, q.slot) end -- or the timer finds it again
       return nil
     end
@@ -186,7 +217,18 @@ function Daemon:run_body(s, run)
     self.errout(string.format("moonbox schedule: %s: run %d failed: %s\n", s.name, run.id,
         self.format_error(err)))
   end
-  local fok, ferr = pcall(self.finish, self, s, run, outcome, message)
+  ledger_mod.detach(me)
+  local function record()
+    local fok, ferr = pcall(self.finish, self, s, run, outcome, message)
+    while not fok and db_down(ferr) do
+      -- Its outcome is kept until the database is back (its lease may run out meanwhile).
+      local wok, werr = pcall(self.await_db, self, ferr)
+      if not wok then return false, werr end
+      fok, ferr = pcall(self.finish, self, s, run, outcome, message)
+    end
+    return fok, ferr
+  end
+  local fok, ferr = shielded(record)
   if not fok then
     -- Recording failed (the database): still let the schedule fire again.
     local rt = self.rt[s.name]
@@ -198,7 +240,6 @@ end
 
 function Daemon:finish(s, run, outcome, message)
   local now = self.clock:now()
-  ledger_mod.detach(task.current())
   if run.ledger_run then self.store.ledger:end_run(outcome, run.ledger_run) end
   self.store:finish(run.id, outcome, message, now)
   run.outcome, run.message = outcome, message
@@ -247,6 +288,14 @@ function Daemon:fire(s, slot, trigger, due)
   end
   local rt = self.rt[s.name]
   local active = rt.active
+  if not active and s.overlap == "skip" then
+    local other = self.store:running_elsewhere(s.name)
+    if other then
+      return self:record_skipped(s, slot, trigger, string.format(
+        "run %d (slot %s) was still running on %s (overlap = skip)", other.id, fmt(other.slot),
+        tostring(other.owner)), due)
+    end
+  end
   if active then
     if s.overlap == "skip" then
       return self:record_skipped(s, slot, trigger,
@@ -346,56 +395,144 @@ function Daemon:catch_up(s, after, why, trigger)
   end
 end
 
+-- One turn of a schedule's timer: handles what is due (catch-up when late), else sets the next
+-- fire and waits for it. Returns "done" when the expression matches no later time. [yields]
+function Daemon:timer_step(s)
+  local last = self.last[s.name]
+  local slot = schedule.next_after(s, last)
+  if not slot then
+    self:log("%s: the expression matches no later time; this schedule is done", s.name)
+    return "done"
+  end
+  if slot <= self.clock:now() then
+    local why = self.db_was_down and "the database was unavailable"
+      or "the daemon was late (stalled, stopped or the machine slept)"
+    self:catch_up(s, last, why, "cron")
+    self.db_was_down = nil
+  else
+    local at = slot
+    if s.jitter > 0 then at = slot + math.random() * s.jitter end
+    self.store:set_next_fire(s.name, at)
+    self:emit("next_fire", { schedule = s.name, at = at })
+    self.clock:sleep_until(at)
+    self:fire(s, slot, "cron", at)
+  end
+end
+
+--- Waits until the database answers again after err (db_down); logs the outage and the return.
+-- [yields]
+function Daemon:await_db(err, what)
+  self.db_was_down = true
+  if not self.db_outage then
+    self.db_outage = true
+    self:log("the database is unavailable (%s): not firing until it is back", one_line(err.message or err))
+  end
+  self.store:wait_available()
+  if self.db_outage then
+    self.db_outage = nil
+    self.db_ok_since = core.time()
+    self:log("the database is back%s", what and ("; " .. what) or "")
+  end
+end
+
 function Daemon:timer_loop(s)
   while not self.stopping do
-    local last = self.last[s.name]
-    local slot = schedule.next_after(s, last)
-    if not slot then
-      self:log("%s: the expression matches no later time; this schedule is done", s.name)
-      return
-    end
-    if slot <= self.clock:now() then
-      self:catch_up(s, last, "the daemon was late (stalled, stopped or the machine slept)", "cron")
+    local ok, r = pcall(self.timer_step, self, s)
+    if ok then
+      if r == "done" then return end
+    elseif db_down(r) then
+      self:await_db(r, "catching up under each schedule's policy")
     else
-      local at = slot
-      if s.jitter > 0 then at = slot + math.random() * s.jitter end
-      self.store:set_next_fire(s.name, at)
-      self:emit("next_fire", { schedule = s.name, at = at })
-      self.clock:sleep_until(at)
-      self:fire(s, slot, "cron", at)
+      error(r, 0)
     end
   end
 end
 
 -- ---- start and stop -------------------------------------------------------------------------
 
---- Marks the runs of dead daemons interrupted and terminates what their ledger runs hold.
--- [yields]
+--- Marks the runs of dead daemons interrupted and terminates what their ledger runs hold. On a
+-- shared store "dead" is "lease expired", and each orphan is settled by the one daemon whose
+-- store:interrupt takes it. [yields]
 function Daemon:recover()
   local now = self.clock:now()
   local ledger = self.store.ledger
   for _, r in ipairs(self.store:orphans()) do
-    local msg = r.outcome == "queued" and "its daemon (pid %d) stopped before this queued run started"
-      or "its daemon (pid %d) stopped during the run"
-    self.store:finish(r.id, "interrupted", string.format(msg, r.pid), now)
-    self:emit("finished", { schedule = r.schedule, id = r.id, outcome = "interrupted",
-      message = string.format(msg, r.pid), slot = r.slot, trigger = r.trigger, started_at = r.started_at,
-      ended_at = now, ledger_run = r.ledger_run })
-    self:log("%s: run %d (slot %s) recorded interrupted: " .. msg, r.schedule, r.id, fmt(r.slot), r.pid)
-    local lr = r.ledger_run and ledger:run(r.ledger_run)
-    if lr and not lr.alive then
-      local result = { terminated = 0, unattributed = 0, would = 0 }
-      local ok, err = pcall(require("moonbox.reap").reap_run, ledger, lr, {}, function(line)
-        self:log("%s: run %d: reap: %s", r.schedule, r.id, line) -- line names the ledger run
-      end, result)
-      if not ok then
-        self:log("%s: run %d (ledger run %d): could not terminate what it holds (`moonbox reap` retries): %s",
-            r.schedule, r.id, lr.id,
-          one_line(err))
+    -- A run this daemon holds is alive, whatever its lease says (a stalled renewal).
+    if ledger.leases.schedule_runs[r.id] then goto next end
+    local who = self.store.shared and string.format("%s (lease expired)", tostring(r.owner))
+      or string.format("(pid %d)", r.pid)
+    local msg = r.outcome == "queued" and "its daemon %s stopped before this queued run started"
+      or "its daemon %s stopped during the run"
+    msg = string.format(msg, who)
+    if self.store:interrupt(r.id, msg, now) then
+      self:emit("finished", { schedule = r.schedule, id = r.id, outcome = "interrupted",
+        message = msg, slot = r.slot, trigger = r.trigger, started_at = r.started_at,
+        ended_at = now, ledger_run = r.ledger_run })
+      self:log("%s: run %d (slot %s) recorded interrupted: %s", r.schedule, r.id, fmt(r.slot), msg)
+      local lr = r.ledger_run and ledger:run(r.ledger_run)
+      -- The daemon that held r held its ledger run too (one renewal covers both).
+      if lr and (not lr.alive or (self.store.shared and lr.owner == r.owner)) then
+        lr.alive = false
+        local result = { terminated = 0, unattributed = 0, would = 0 }
+        local ok, err = pcall(require("moonbox.reap").reap_run, ledger, lr, {}, function(line)
+          self:log("%s: run %d: reap: %s", r.schedule, r.id, line) -- line names the ledger run
+        end, result)
+        if not ok then
+          if db_down(err) or task.is_cancelled(err) then error(err, 0) end
+          self:log("%s: run %d (ledger run %d): could not terminate what it holds " ..
+            "(`moonbox reap` retries): %s",
+              r.schedule, r.id, lr.id,
+            one_line(err))
+        end
+        if lr.ended_at == nil then ledger:end_run("interrupted", lr.id) end
       end
-      if lr.ended_at == nil then ledger:end_run("interrupted", lr.id) end
+    end
+    ::next::
+  end
+end
+
+--- On a shared store: every half lease, recovers the runs of daemons that stopped renewing
+-- (recover). It sweeps only after the database has answered for a whole lease, so that after
+-- an outage the live daemons have renewed their leases before anyone judges them. [yields]
+function Daemon:sweep_loop()
+  while not self.stopping do
+    task.sleep(ledger_mod.LEASE / 2)
+    if core.time() - (self.db_ok_since or 0) >= ledger_mod.LEASE then
+      local ok, err = pcall(self.recover, self)
+      if not ok then
+        if task.is_cancelled(err) then error(err, 0) end
+        if db_down(err) then
+          self:await_db(err)
+        else
+          self.errout(string.format("moonbox schedule: recovering interrupted runs failed: %s\n",
+            self.format_error(err)))
+        end
+      end
     end
   end
+end
+
+--- On a shared store: the task that renews this daemon's leases, and the sweeper. Does not
+-- yield.
+function Daemon:start_shared()
+  if not self.store.shared then return end
+  self.db_ok_since = core.time()
+  self.store.ledger:keep_alive()
+  self.sweeper = task.spawn(function()
+    local ok, err = xpcall(self.sweep_loop, core.msgh, self)
+    if not ok and not task.is_cancelled(err) then
+      self.errout(string.format("moonbox schedule: the sweeper stopped: %s\n", self.format_error(err)))
+    end
+  end)
+end
+
+function Daemon:stop_shared()
+  if self.sweeper then
+    task.cancel(self.sweeper)
+    pcall(task.join, self.sweeper)
+    self.sweeper = nil
+  end
+  self.store.ledger:stop_keeping()
 end
 
 --- daemon:run(): claims the schedules, recovers, catches up, fires until cancelled, then stops.
@@ -408,7 +545,9 @@ function Daemon:run()
     error(string.format("moonbox schedule: schedule '%s' is already run by another moonbox schedule " ..
       "(pid %d, recipe %s); stop it first", owned.name, owned.owner_pid, tostring(owned.recipe)), 0)
   end
-  self:log("started: %d schedule(s) from %s (%s)", #self.schedules, self.recipe, self.clock:describe())
+  self:log("started: %d schedule(s) from %s (%s)%s", #self.schedules, self.recipe, self.clock:describe(),
+    self.store.shared and (", shared state in " .. self.store:describe()) or "")
+  self:start_shared()
   self:recover()
   for _, s in ipairs(self.schedules) do
     local st = self.store:state(s.name)
@@ -434,8 +573,16 @@ function Daemon:run()
   local lok, lerr = pcall(function()
     while true do
       while #self.pending > 0 do
-        local p = table.remove(self.pending, 1)
-        self:start(p.s, p.q)
+        local p = self.pending[1]
+        local sok, serr = pcall(self.start, self, p.s, p.q)
+        if sok then
+          table.remove(self.pending, 1)
+        elseif db_down(serr) then
+          self:await_db(serr)
+        else
+          table.remove(self.pending, 1)
+          error(serr, 0)
+        end
       end
       self.wake:wait()
     end
@@ -500,6 +647,7 @@ function Daemon:shutdown()
   end
   if #left > 0 then self:log("stopping (%s): cancelling %d run(s)", why, #left) end
   wait_all(left)
+  self:stop_shared()
   self.store:release(self.names)
   self:log("stopped")
 end
@@ -523,6 +671,7 @@ end
 function Daemon:trigger(s)
   local now = self.clock:now()
   self.store:ensure(s, self.recipe, now)
+  self.store.ledger:keep_alive()
   local run = self:start(s, { slot = now, trigger = "manual", fired_at = now })
   local ok = pcall(task.join, run.task)
   if not ok then
@@ -533,6 +682,7 @@ function Daemon:trigger(s)
     task.cancel(run.task)
     wait_all({ run })
   end
+  self:stop_shared()
   return run
 end
 
