@@ -1,0 +1,58 @@
+# tests/deploy/lib.sh — what the packaging checks share: the Debian 12 base root filesystem made
+# with mmdebstrap (cached once per machine), temp dirs that are always removed, and logging.
+# Sourced by the check scripts beside it (container.sh, deb.sh, systemd.sh); never run alone.
+
+set -euo pipefail
+export LC_ALL=C PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+
+say() { printf '[%s %s] %s\n' "$(date -u +%H:%M:%S)" "${0##*/}" "$*" >&2; }
+die() { say "FAIL: $*"; exit 1; }
+need() { command -v "$1" >/dev/null || die "$1 is missing (./dev setup installs it: Debian package $2)"; }
+
+[ "$(id -u)" -eq 0 ] || die "the packaging checks need root (chroots, mounts, containers)"
+
+# Where the base tarball is cached: machine-wide, beside the sandbox images, so that only the
+# first run on a machine pays for mmdebstrap.
+DEPLOY_CACHE=${MOONBOX_DEPLOY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/moonbox/deploy}
+BASE_TAR=$DEPLOY_CACHE/debian-12-minbase.tar
+
+# The machine's apt sources that name Debian's archive (other vendors' lists are left out: the
+# images must hold Debian's packages only).
+debian_sources() {
+  local f
+  for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+    [ -f "$f" ] || continue
+    grep -qE '^[^#]*(deb\.debian\.org|security\.debian\.org|debian-archive-keyring)' "$f" && printf '%s\n' "$f"
+  done
+  return 0
+}
+
+# base_tar: makes $BASE_TAR (Debian 12 minbase, the machine's Debian mirrors in its apt sources)
+# unless it exists. Concurrent callers wait on one lock and build it once.
+base_tar() {
+  need mmdebstrap mmdebstrap
+  mkdir -p "$DEPLOY_CACHE"
+  (
+    flock 9
+    [ -s "$BASE_TAR" ] && exit 0
+    mapfile -t sources < <(debian_sources)
+    [ ${#sources[@]} -gt 0 ] || die "no apt sources naming Debian's archive in /etc/apt"
+    say "making the Debian 12 base with mmdebstrap (once per machine) into $BASE_TAR"
+    mmdebstrap --quiet --variant=minbase --format=tar \
+      --dpkgopt=path-exclude=/usr/share/man/* --dpkgopt=path-exclude=/usr/share/doc/* \
+      --dpkgopt=path-include=/usr/share/doc/*/copyright --dpkgopt=path-exclude=/usr/share/locale/* \
+      bookworm "$BASE_TAR.partial" "${sources[@]}" </dev/null
+    mv -f "$BASE_TAR.partial" "$BASE_TAR"
+  ) 9>"$DEPLOY_CACHE/.lock"
+}
+
+# A temp dir removed on exit (after the script's own cleanup, registered with on_exit).
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/moonbox-deploy.XXXXXX")
+CLEANUPS=()
+on_exit() { CLEANUPS+=("$1"); }
+run_cleanups() {
+  local i
+  for ((i = ${#CLEANUPS[@]} - 1; i >= 0; i--)); do eval "${CLEANUPS[$i]}" || true; done
+  rm -rf --one-file-system "$WORK"
+}
+trap run_cleanups EXIT
