@@ -15,6 +15,7 @@ need() { command -v "$1" >/dev/null || die "$1 is missing (./dev setup installs 
 # first run on a machine pays for mmdebstrap.
 DEPLOY_CACHE=${MOONBOX_DEPLOY_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/moonbox/deploy}
 BASE_TAR=$DEPLOY_CACHE/debian-12-minbase.tar
+mkdir -p "$DEPLOY_CACHE"
 
 # The machine's apt sources that name Debian's archive (other vendors' lists are left out: the
 # images must hold Debian's packages only).
@@ -38,10 +39,17 @@ base_tar() {
     mapfile -t sources < <(debian_sources)
     [ ${#sources[@]} -gt 0 ] || die "no apt sources naming Debian's archive in /etc/apt"
     say "making the Debian 12 base with mmdebstrap (once per machine) into $BASE_TAR"
-    mmdebstrap --quiet --variant=minbase --format=tar \
+    # Without inherited descriptors (our locks, ctest's): mmdebstrap hands apt its pipe's fd
+    # number in a `cat >&N` hook that dash cannot parse when N has two digits.
+    if ! mmdebstrap --variant=minbase --format=tar \
       --dpkgopt=path-exclude=/usr/share/man/* --dpkgopt=path-exclude=/usr/share/doc/* \
       --dpkgopt=path-include=/usr/share/doc/*/copyright --dpkgopt=path-exclude=/usr/share/locale/* \
-      bookworm "$BASE_TAR.partial" "${sources[@]}" </dev/null
+      bookworm "$BASE_TAR.partial" "${sources[@]}" </dev/null >"$DEPLOY_CACHE/mmdebstrap.log" 2>&1 \
+      3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&-; then
+      tail -40 "$DEPLOY_CACHE/mmdebstrap.log" >&2
+      rm -f "$BASE_TAR.partial"
+      die "mmdebstrap failed (log above, whole in $DEPLOY_CACHE/mmdebstrap.log)"
+    fi
     mv -f "$BASE_TAR.partial" "$BASE_TAR"
   ) 9>"$DEPLOY_CACHE/.lock"
 }
