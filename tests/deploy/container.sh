@@ -3,42 +3,21 @@
 #
 #   container.sh SOURCE_DIR MOONBOX_BIN
 #
-# Imports the cached Debian 12 base (lib.sh, made by mmdebstrap) as debian:12 into a container
-# store of the checks' own (beside the base, so its layer cache survives between runs and never
-# mixes with the machine's other images), builds SOURCE_DIR's Dockerfile with buildah (no
-# registry is ever asked: --pull=never), then with podman:
+# In the checks' container store (lib.sh: debian:12 imported from the cached mmdebstrap base),
+# builds SOURCE_DIR's Dockerfile with buildah (no registry is ever asked: --pull=never), then
+# with podman:
 #   - the default image runs as the user moonbox, every library its files link is present and
 #     `moonbox version` says what MOONBOX_BIN (the build tree's binary) says;
 #   - its default command is the schedule daemon on Render's backend, and its recipe loads;
 #   - `moonbox schedule --trigger` runs a schedule with no sandboxes, its state in a temp volume,
 #     and a second container reads the run back (`moonbox runs --json`) from that volume;
 #   - the local image has the host tools moonbox local needs.
-# Podman runs with runc (crun refuses this kernel's hybrid cgroup hierarchy) and rlimits no
-# higher than the caller's (root here may not raise them). Removes its tags, containers and
-# volume; keeps only the base and the package layers, tagged moonbox-deploy-cache:*.
+# Removes its tags, containers and volume; keeps only the base and the package layers, tagged
+# moonbox-deploy-cache:*.
 . "$(dirname "$0")/lib.sh"
 SRC=$(cd "$1" && pwd) BIN=$2
-need buildah buildah
-need podman podman
-need runc runc
-
-STORE=$DEPLOY_CACHE/containers
-exec 8>"$DEPLOY_CACHE/.containers.lock"
-flock 8   # one container check at a time on a machine: they share the store and its cache
-G=(--root "$STORE/storage" --runroot /run/moonbox-deploy/containers --storage-driver overlay)
-BUILDAH=(buildah "${G[@]}")
-PODMAN=(podman "${G[@]}" --runtime runc)
-LIMITS=(--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=4096:4096)
-RUN=("${PODMAN[@]}" run --rm --pull=never --network=none "${LIMITS[@]}")
+container_store
 TAG=localhost/moonbox-check:$$ LTAG=localhost/moonbox-check-local:$$ VOL=moonbox-check-$$
-
-base_tar
-if ! "${PODMAN[@]}" image exists docker.io/library/debian:12 ||
-  [ "$BASE_TAR" -nt "$STORE/.imported" ]; then
-  say "importing the base as debian:12"
-  "${PODMAN[@]}" import --quiet "$BASE_TAR" docker.io/library/debian:12 >/dev/null
-  touch "$STORE/.imported"
-fi
 
 on_exit '"${PODMAN[@]}" volume rm -f "$VOL" >/dev/null 2>&1'
 on_exit '"${BUILDAH[@]}" rmi "$TAG" "$LTAG" >/dev/null 2>&1; "${BUILDAH[@]}" rmi --prune >/dev/null 2>&1'

@@ -54,6 +54,31 @@ base_tar() {
   ) 9>"$DEPLOY_CACHE/.lock"
 }
 
+# container_store: the checks' own container store beside the base (its layer cache survives
+# between runs and never mixes with the machine's other images), one check at a time on it,
+# with debian:12 imported from the base. Sets BUILDAH, PODMAN (runc: crun refuses this
+# kernel's hybrid cgroup hierarchy), LIMITS (rlimits no higher than ours: root here may not
+# raise them) and RUN (podman run, no network, no registry).
+container_store() {
+  need buildah buildah
+  need podman podman
+  need runc runc
+  STORE=$DEPLOY_CACHE/containers
+  exec 8>"$DEPLOY_CACHE/.containers.lock"
+  flock 8
+  local g=(--root "$STORE/storage" --runroot /run/moonbox-deploy/containers --storage-driver overlay)
+  BUILDAH=(buildah "${g[@]}")
+  PODMAN=(podman "${g[@]}" --runtime runc)
+  LIMITS=(--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=4096:4096)
+  RUN=("${PODMAN[@]}" run --rm --pull=never --network=none "${LIMITS[@]}")
+  base_tar
+  if ! "${PODMAN[@]}" image exists docker.io/library/debian:12 || [ "$BASE_TAR" -nt "$STORE/.imported" ]; then
+    say "importing the base as debian:12"
+    "${PODMAN[@]}" import --quiet "$BASE_TAR" docker.io/library/debian:12 >/dev/null
+    touch "$STORE/.imported"
+  fi
+}
+
 # A temp dir removed on exit (after the script's own cleanup, registered with on_exit).
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/moonbox-deploy.XXXXXX")
 CLEANUPS=()
