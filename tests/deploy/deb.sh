@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# tests/deploy/deb.sh — the CPack package installs on a clean Debian 12 and runs the quick start.
+# tests/deploy/deb.sh — the CPack package installs on a clean Debian 12 and runs the quick start;
+# `cmake --install` gives a prefix moonbox runs from.
 #
 #   deb.sh SOURCE_DIR BUILD_DIR
 #
+# Installs BUILD_DIR into a temp prefix and runs a recipe and the archive module from there.
 # Packs BUILD_DIR with `cpack -G DEB` (into a temp dir, so the build dir stays as it was),
 # unpacks the cached mmdebstrap base (lib.sh) into a temp root, and in a mount and pid
 # namespace of its own (everything mounted there goes away with it, even on a kill) makes it
@@ -30,6 +32,33 @@ depends=$(dpkg-deb -f "$deb" Depends) files=$(dpkg-deb -c "$deb")
 grep -q 'lua-cjson' <<<"$depends" || die "the package does not depend on lua-cjson: $depends"
 grep -q 'liblua5.4-0' <<<"$depends" || die "dpkg-shlibdeps found no libraries: $depends"
 grep -q ' \./usr/bin/moonbox$' <<<"$files" || die "the package does not install /usr/bin/moonbox"
+
+# `cmake --install` into a prefix of its own works from there: the version, a recipe, and the
+# lazily loaded archive module found in the prefix (not in the build tree).
+PREFIX=$WORK/prefix
+cmake --install "$BUILD" --prefix "$PREFIX" >/dev/null
+[ "$("$PREFIX/bin/moonbox" version)" = "$("$BUILD/moonbox" version)" ] || die "the installed moonbox says another version"
+cat >"$WORK/archive_from_prefix.lua" <<'LUA'
+local archive = require "moonbox.archive"
+assert(type(archive.to_records) == "function", "moonbox.archive has no to_records")
+local f = assert(io.open("/proc/self/maps"))
+local maps = f:read("a")
+f:close()
+local prefix = assert(arg[1])
+local n = 0
+for path in maps:gmatch("(/%S+/archive%.so)") do
+  assert(path:sub(1, #prefix + 1) == prefix .. "/", "moonbox.archive was loaded from " .. path)
+  n = n + 1
+end
+assert(n > 0, "no archive.so is mapped: where did moonbox.archive come from?")
+print("archive module from the prefix")
+LUA
+(cd "$WORK" && "$PREFIX/bin/moonbox" run "$PREFIX/share/moonbox/recipes/tasks_and_http.lua" >"$WORK/prefix.log" 2>&1 &&
+  "$PREFIX/bin/moonbox" run archive_from_prefix.lua "$PREFIX" >>"$WORK/prefix.log" 2>&1) || {
+  cat "$WORK/prefix.log" >&2
+  die "moonbox does not work from its cmake --install prefix"
+}
+say "cmake --install: works from $PREFIX"
 
 base_tar
 ROOT=$WORK/root
