@@ -71,6 +71,16 @@ container_store() {
   PODMAN=(podman "${g[@]}" --runtime runc)
   LIMITS=(--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=4096:4096)
   RUN=("${PODMAN[@]}" run --rm --pull=never --network=none "${LIMITS[@]}")
+  # Holding the lock, anything named moonbox-check* is what a killed check left: remove it.
+  local left
+  left=$("${PODMAN[@]}" ps -a --filter name=moonbox-check -q)
+  [ -z "$left" ] || "${PODMAN[@]}" rm -f $left >/dev/null
+  left=$("${PODMAN[@]}" volume ls -q --filter name=moonbox-check)
+  [ -z "$left" ] || "${PODMAN[@]}" volume rm -f $left >/dev/null
+  left=$("${BUILDAH[@]}" containers -q)
+  [ -z "$left" ] || "${BUILDAH[@]}" rm $left >/dev/null
+  left=$("${BUILDAH[@]}" images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/moonbox-check' || true)
+  [ -z "$left" ] || "${BUILDAH[@]}" rmi $left >/dev/null
   base_tar
   if ! "${PODMAN[@]}" image exists docker.io/library/debian:12 || [ "$BASE_TAR" -nt "$STORE/.imported" ]; then
     say "importing the base as debian:12"
