@@ -29,8 +29,10 @@ RUN export DEBIAN_FRONTEND=noninteractive \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
+# Everything is built (not only the binary): `cmake --install` needs every target its install
+# lists name, whichever modules and programs those lists grow to.
 RUN cmake -S . -B /build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_INSTALL_PREFIX=/usr \
- && cmake --build /build -j"$(nproc)" --target moonbox moonbox_core \
+ && cmake --build /build -j"$(nproc)" \
  && DESTDIR=/out cmake --install /build --strip
 
 FROM debian:12 AS local
