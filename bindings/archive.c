@@ -3,10 +3,10 @@
  * (or plain) tar archives of directory trees, done on a worker thread while the calling task
  * waits and every other task keeps running.
  *
- * runtime/archive.c owns the job, its thread, its partial output and the safety rules; this
- * file parses arguments, parks the calling task, and turns the job's result into Lua values or
- * a structured error. The worker reports through an ev_async whose callback only wakes the
- * task (mb.h invariants); the continuation reads the result and releases the job.
+ * runtime/ (tarball.h, archive_*.c) owns the job, its thread, its partial output and the
+ * safety rules; this file parses arguments, parks the calling task, and turns the job's result
+ * into Lua values or a structured error. The worker reports through an ev_async whose callback
+ * only wakes the task (mb.h invariants); the continuation reads the result and releases the job.
  *
  * Ownership: each call keeps a small userdata on the waiting task's own stack that points at
  * its job. Exactly one of three places releases the job: the continuation (normal end), the
@@ -348,7 +348,7 @@ static int l_list(lua_State *L)
 
 /* archive.to_records(in_file, out_file [, opts]) -> {entries, bytes}
  * Turns a gzip'd or plain tar into the records a `moonbox local` sandbox's file helper
- * extracts (see runtime/tarball.c, "records"), checking every member as unpack does before
+ * extracts (see runtime/archive_records.c), checking every member as unpack does before
  * anything is written: an absolute name, a ".." component, a symlink whose target is absolute
  * or leaves the tree or has ".." after a name, a hard link, a device, fifo or socket refuse the
  * whole archive. out_file is written through a 0600 temporary file renamed into place.

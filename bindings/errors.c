@@ -1,5 +1,5 @@
 /*
- * errors.c — structured errors (DESIGN.md §3 rule 8) and recipe locations.
+ * errors.c — structured errors (docs/architecture.md, rule 8) and recipe locations.
  *
  * An operational failure is a table with metatable "moonbox.Error" carrying op, code, message,
  * where (file:line of the nearest recipe frame), traceback, and whatever the raising layer knows

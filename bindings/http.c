@@ -215,6 +215,28 @@ static const char **collect_headers(lua_State *L, int t)
     return g_hdr.lines;
 }
 
+/* Collects opts.resolve ({"host:port:address", ...}: CURLOPT_RESOLVE) into a NULL-terminated
+ * array left on the stack (the strings stay in opts); NULL when the option is absent. */
+static const char **collect_resolve(lua_State *L, int t)
+{
+    if (lua_getfield(L, t, "resolve") == LUA_TNIL) return NULL;
+    if (!lua_istable(L, -1)) luaL_error(L, "http: option 'resolve' must be a list of strings");
+    int list = lua_gettop(L);
+    lua_Integer n = luaL_len(L, list);
+    const char **arr = (const char **)lua_newuserdatauv(L, sizeof(char *) * (size_t)(n + 1), 0);
+    for (lua_Integer i = 1; i <= n; i++) {
+        lua_rawgeti(L, list, i);
+        size_t len;
+        const char *line = lua_tolstring(L, -1, &len);
+        if (!line || !valid_header_text(line, len) || !strchr(line, ':'))
+            luaL_error(L, "http: resolve entry %d must be 'host:port:address'", (int)i);
+        arr[i - 1] = line; /* anchored by the list, which stays on the stack */
+        lua_pop(L, 1);
+    }
+    arr[n] = NULL;
+    return arr;
+}
+
 static void notify_cb(http_request *r, void *ud, int events)
 {
     http_op *op = (http_op *)ud;
@@ -249,6 +271,15 @@ static http_op *start_op(lua_State *L, http_op *op, int stream)
     lua_getfield(L, 1, "fresh_connect");
     spec.fresh_connect = lua_toboolean(L, -1);
     lua_pop(L, 1);
+    if (lua_getfield(L, 1, "no_resend") == LUA_TSTRING) {
+        if (strcmp(lua_tostring(L, -1), "reuse") != 0)
+            luaL_error(L, "http: option 'no_resend' must be true, false or \"reuse\"");
+        spec.no_resend = HTTP_NO_RESEND_REUSE;
+    } else {
+        spec.no_resend = lua_toboolean(L, -1) ? HTTP_NO_RESEND : 0;
+    }
+    lua_pop(L, 1);
+    spec.resolve = collect_resolve(L, 1); /* left on the stack above anchor until the start */
     spec.stream = stream;
     if (lua_getfield(L, 1, "buffer") != LUA_TNIL)
         spec.stream_buffer = (size_t)luaL_checkinteger(L, -1);
@@ -332,8 +363,15 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
         free(op);
         return lua_error(L);
     }
-    lua_createtable(L, 0, 3);
+    lua_createtable(L, 0, 4);
     mb_setfield_int(L, -1, "status", http_request_status(op->req));
+    int hv = http_request_http_version(op->req);
+    if (hv) {
+        lua_pushstring(L, hv == 10 ? "1.0" : hv == 11 ? "1.1" : hv == 20 ? "2" : "3");
+        lua_setfield(L, -2, "http_version");
+    }
+    const char *ip = http_request_primary_ip(op->req);
+    if (*ip) mb_setfield_str(L, -1, "remote_ip", ip);
     push_headers(L, op->req);
     lua_setfield(L, -2, "headers");
     size_t len;
@@ -345,15 +383,20 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
     return 1;
 }
 
-/* http.request(opts) -> {status, headers, body}. opts: url (required), method ("GET"),
- * headers ({name=value} or {"Name: value"}), body (string) or body_file (path), output_file
- * (write the body there; body is then ""), timeout / connect_timeout / idle_timeout (seconds),
- * max_body (bytes kept in memory, default 256 MiB), accept_encoding ("gzip" to request and
- * decode compressed bodies), fresh_connect (true: a new connection, so libcurl can never
- * re-send the request on its own after a reused connection died). Any HTTP status is a result, not
- * an error. Raises a structured error (op "http.request", code connect_failed | dns_failed |
- * timeout | connection_reset | malformed_response | tls_failed | body_too_large | file_error |
- * bad_url | transport_error, retryable, method, url) when the transfer itself fails. [yields] */
+/* http.request(opts) -> {status, headers, body, http_version, remote_ip}. opts: url (required),
+ * method
+ * ("GET"), headers ({name=value} or {"Name: value"}), body (string) or body_file (path),
+ * output_file (write the body there; body is then ""), timeout / connect_timeout / idle_timeout
+ * (seconds), max_body (bytes kept in memory, default 256 MiB), accept_encoding ("gzip" to request
+ * and decode compressed bodies), fresh_connect (true: a new connection, so libcurl can never
+ * re-send the request on its own after a reused connection died), no_resend (true: the request must
+ * not be carried out twice; libcurl is kept from sending it again without a connection of its own
+ * where the server multiplexes, see http_client.c; "reuse": the same on any kept-alive connection),
+ * resolve ({"host:port:address"}: pin a name to an address, e.g. "localhost:8120:[::1]").
+ * http_version is "1.1", "2", ... Any HTTP status is a result, not an error. Raises a structured
+ * error (op "http.request", code connect_failed | dns_failed | timeout | connection_reset |
+ * malformed_response | tls_failed | body_too_large | file_error | bad_url | transport_error,
+ * retryable, method, url) when the transfer itself fails. [yields] */
 static int l_request(lua_State *L)
 {
     mb_task *t = mb_task_check_yieldable(L, "http.request");

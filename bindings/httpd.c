@@ -14,6 +14,7 @@
 #include "mb.h"
 
 #include "http_server.h"
+#include "jsonq.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -535,6 +536,46 @@ static int writer_sse(lua_State *L)
     size_t n;
     const char *s = lua_tolstring(L, -1, &n);
     return writer_put(L, "w:sse", s, n);
+}
+
+/* The buffer w:sse_output builds an event in, kept between calls (exec output comes in chunks
+ * of one size: after the first nothing is allocated); writer_put copies it into the stream's
+ * queue before it waits. Lua runs on one thread. */
+static char *out_buf;
+static size_t out_cap;
+
+#define OUTPUT_HEAD "event: output\ndata: {\"data\":"
+#define OUTPUT_MID  ",\"stream\":"
+#define OUTPUT_TAIL "}\n\n"
+
+/* w:sse_output(stream, data): writes the SSE event an exec's output chunk travels in, exactly
+ * what w:sse("output", json.encode({stream = stream, data = data})) writes (keys sorted, data
+ * and stream quoted by runtime/jsonq.c: invalid UTF-8 becomes U+FFFD), built in one pass with
+ * no intermediate Lua strings. Raises and yields as w:write. [yields] */
+static int writer_sse_output(lua_State *L)
+{
+    check_writer(L, 1);
+    size_t sn, dn;
+    const unsigned char *stream = (const unsigned char *)luaL_checklstring(L, 2, &sn);
+    const unsigned char *data = (const unsigned char *)luaL_checklstring(L, 3, &dn);
+    size_t need = sizeof OUTPUT_HEAD + sizeof OUTPUT_MID + sizeof OUTPUT_TAIL + JSONQ_BOUND(sn) +
+                  JSONQ_BOUND(dn);
+    if (need > out_cap) {
+        char *p = (char *)realloc(out_buf, need);
+        if (!p) return luaL_error(L, "w:sse_output: out of memory");
+        out_buf = p;
+        out_cap = need;
+    }
+    char *o = out_buf;
+    memcpy(o, OUTPUT_HEAD, sizeof OUTPUT_HEAD - 1);
+    o += sizeof OUTPUT_HEAD - 1;
+    o += jsonq_quote(o, data, dn);
+    memcpy(o, OUTPUT_MID, sizeof OUTPUT_MID - 1);
+    o += sizeof OUTPUT_MID - 1;
+    o += jsonq_quote(o, stream, sn);
+    memcpy(o, OUTPUT_TAIL, sizeof OUTPUT_TAIL - 1);
+    o += sizeof OUTPUT_TAIL - 1;
+    return writer_put(L, "w:sse_output", out_buf, (size_t)(o - out_buf));
 }
 
 /* w:comment(text): writes an SSE comment (": text\n" per line; ":\n" without text), which
@@ -1248,8 +1289,10 @@ static int srv_tostring(lua_State *L)
 }
 
 /* httpd.listen(opts) -> Server. opts (all optional): host (default "127.0.0.1"; "0.0.0.0" or
- * "::" listen on every interface), port (default 0: an ephemeral port, see srv.port), max_body
- * (default body limit of routes, 1 MiB), upload_dir (default directory of file-mode bodies,
+ * "::" listen on every interface), also_host (a second address served the same on the same
+ * port, e.g. "::1" beside "127.0.0.1"; an ephemeral port is chosen free on both), port (default 0:
+ * an ephemeral port, see srv.port), max_body (default body limit of routes, 1 MiB), upload_dir
+ * (default directory of file-mode bodies,
  * "/tmp"), connection_limit (default 4096), idle_timeout (seconds a silent client is kept,
  * default 120), log (function(line) receiving handler failures; default writes to io.stderr).
  * The server serves as the loop runs and stays open (and referenced) until srv:close().
@@ -1266,6 +1309,7 @@ static int l_listen(lua_State *L)
     }
     luaL_checktype(L, 1, LUA_TTABLE);
     cfg.host = opt_string(L, 1, "host", "httpd.listen");
+    cfg.also_host = opt_string(L, 1, "also_host", "httpd.listen");
     lua_getfield(L, 1, "port");
     if (!lua_isnil(L, -1)) {
         int isnum;
@@ -1356,8 +1400,13 @@ static const luaL_Reg response_methods[] = {
 };
 
 static const luaL_Reg writer_methods[] = {
-    {"write", writer_write}, {"sse", writer_sse},         {"comment", writer_comment},
-    {"close", writer_close}, {"pending", writer_pending}, {NULL, NULL},
+    {"write", writer_write},
+    {"sse", writer_sse},
+    {"sse_output", writer_sse_output},
+    {"comment", writer_comment},
+    {"close", writer_close},
+    {"pending", writer_pending},
+    {NULL, NULL},
 };
 
 static const luaL_Reg httpd_funcs[] = {

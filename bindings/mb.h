@@ -2,7 +2,7 @@
  * mb.h — what every binding shares: the runtime (one libev loop + one Lua state), tasks, the
  * run queue, parking and waking, registry-ref accounting and structured errors.
  *
- * Invariants (DESIGN.md §3):
+ * Invariants (docs/architecture.md, "Rules of the runtime core"):
  *  - Only the drain (the run queue's ev_prepare callback) resumes coroutines. libev, libcurl and
  *    libmicrohttpd callbacks never call Lua: they store results and call mb_task_wake() or
  *    mb_defer().
@@ -191,6 +191,7 @@ int luaopen_moonbox_cron(lua_State *L);
 int luaopen_moonbox_http(lua_State *L);
 int luaopen_moonbox_httpd(lua_State *L);
 int luaopen_moonbox_lineedit(lua_State *L);
+int luaopen_moonbox_pg(lua_State *L);
 int luaopen_moonbox_proc(lua_State *L);
 int luaopen_moonbox_sse(lua_State *L);
 int luaopen_moonbox_store(lua_State *L);

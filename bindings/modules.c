@@ -1,7 +1,8 @@
 /*
  * modules.c — the list of moonbox's C modules built into the binary, which puts them in
  * package.preload. The modules that bring large libraries (moonbox.http: libcurl, moonbox.httpd:
- * libmicrohttpd, moonbox.store: SQLite, moonbox.lineedit: libedit, moonbox.archive: libarchive)
+ * libmicrohttpd, moonbox.store: SQLite, moonbox.pg: libpq, moonbox.lineedit: libedit,
+ * moonbox.archive: libarchive)
  * are not here: they are lib/exe/moonbox/NAME.so, found through the binary's package.cpath by
  * the first require (CMakeLists.txt, moonbox_lazy_module). Plain lua5.4 loads the shared
  * library moonbox.so, which has them all, and finds each luaopen_moonbox_* through its

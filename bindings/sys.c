@@ -86,7 +86,32 @@ static int mkdir_parents(char *buf, mode_t mode)
     size_t n = strlen(buf);
     while (n > 1 && buf[n - 1] == '/')
         buf[--n] = '\0';
-    for (char *p = buf + 1;; p++) {
+    /* The usual cases first, without one failing mkdir per existing level: the directory exists,
+     * or the parents do, or the nearest existing ancestor is a few levels up (found from the
+     * leaf upwards). Anything unusual takes the walk from the root, which names the failing
+     * prefix. */
+    if (mkdir(buf, mode) == 0) return chmod(buf, mode) != 0 ? errno : 0;
+    struct stat st0;
+    if (errno == EEXIST && stat(buf, &st0) == 0 && S_ISDIR(st0.st_mode)) return 0;
+    char *start = buf + 1; /* where the walk below begins: after the nearest existing ancestor */
+    if (errno == ENOENT) {
+        char *cut = strrchr(buf, '/');
+        while (cut && cut > buf) {
+            *cut = '\0';
+            int rc = mkdir(buf, 0755), e = errno;
+            *cut = '/';
+            if (rc == 0 || e == EEXIST) {
+                start = cut; /* buf up to cut exists now (or is not a directory: the walk says) */
+                break;
+            }
+            if (e != ENOENT) break;
+            char *prev = cut - 1;
+            while (prev > buf && *prev != '/')
+                prev--;
+            cut = prev;
+        }
+    }
+    for (char *p = start;; p++) {
         if (*p != '/' && *p != '\0') continue;
         char saved = *p;
         *p = '\0';
@@ -285,6 +310,20 @@ static int l_getcwd(lua_State *L)
         return raise_errno(L, "sys.getcwd", errno, NULL, "cannot read the working directory");
     lua_pushstring(L, buf);
     return 1;
+}
+
+/* ---- setenv --------------------------------------------------------------------------------- */
+
+/* sys.setenv(name, value) sets an environment variable of this process (value nil: unsets it),
+ * which libcurl reads per transfer (proxies, and moonbox's CA bundle variables) and children
+ * inherit. Raises on a name with '=' or an empty one. Does not yield. */
+static int l_setenv(lua_State *L)
+{
+    const char *name = luaL_checkstring(L, 1);
+    if (!*name || strchr(name, '=')) return luaL_error(L, "sys.setenv: bad variable name");
+    int rc = lua_isnoneornil(L, 2) ? unsetenv(name) : setenv(name, luaL_checkstring(L, 2), 1);
+    if (rc != 0) return raise_errno(L, "sys.setenv", errno, NULL, "cannot set %s", name);
+    return 0;
 }
 
 /* ---- listdir -------------------------------------------------------------------------------- */
@@ -628,6 +667,7 @@ static const luaL_Reg sys_functions[] = {
     {"kill", l_kill},
     {"listdir", l_listdir},
     {"getcwd", l_getcwd},
+    {"setenv", l_setenv},
     {"umount_start", l_umount_start},
     {"remove_tree_start", l_remove_tree_start},
     {"try_lock", l_try_lock},

@@ -1,5 +1,5 @@
 /*
- * http_client.c — libcurl's multi interface on a libev loop (DESIGN.md §3 rules 6 and 7).
+ * http_client.c — libcurl's multi interface on a libev loop (docs/architecture.md, rules 6 and 7).
  *
  * curl tells us which sockets to watch (socket callback → one ev_io each, attached with
  * curl_multi_assign) and when to call it back (timer callback → one ev_timer; a timeout of 0 is
@@ -27,6 +27,13 @@
 #define CACHE_MIN     16 /* connections kept however few requests ever ran at once */
 #define REQ_POOL_MAX  64
 #define REQ_KEEP_BUF  (256 * 1024) /* a body buffer larger than this is not kept for reuse */
+#define ORIGINS_MAX   32
+
+/* What a server's connection was seen to speak (see "connection use" below). */
+typedef struct origin_memo {
+    char origin[128]; /* "scheme://host:port", lower-cased */
+    int multiplexed;  /* the last response from it came over HTTP/2 or later */
+} origin_memo;
 
 typedef struct sock_watch {
     ev_io io;
@@ -48,6 +55,8 @@ struct http_client {
     long inflight;
     long maxconnects;
     http_request *pending; /* requests with events to deliver */
+    origin_memo origins[ORIGINS_MAX];
+    int norigins, next_origin;
 };
 
 typedef struct header {
@@ -77,6 +86,13 @@ struct http_request {
     char message[512];
     char method[16];
 
+    /* Connection use (see "connection use" below). */
+    char origin[128];
+    size_t body_len, body_off; /* no_resend: body_copy's size, and the bytes handed to curl */
+    int http_version;
+    char primary_ip[48]; /* the address the connection went to */
+    struct curl_slist *resolve;
+
     /* Headers of the current response: text in hbuf, spans in hdrs. */
     char *hbuf;
     size_t hlen, hcap;
@@ -97,6 +113,9 @@ struct http_request {
 static void deliver_pending(http_client *c);
 static void check_done(http_client *c);
 static void req_destroy(http_request *r);
+static void origin_learn(http_client *c, http_request *r, CURL *easy);
+static void redact_userinfo(char *s);
+static void multi_connection_use(CURLM *multi);
 
 /* ---- results ------------------------------------------------------------------------------- */
 
@@ -154,6 +173,7 @@ static enum http_result map_curl(CURLcode cc)
     case CURLE_PARTIAL_FILE:
     case CURLE_HTTP2:
     case CURLE_HTTP2_STREAM:
+    case CURLE_SEND_FAIL_REWIND: /* a no_resend request that libcurl wanted to send again */
         return HTTP_ERR_RESET;
     case CURLE_WEIRD_SERVER_REPLY:
     case CURLE_BAD_CONTENT_ENCODING:
@@ -281,6 +301,7 @@ http_client *http_client_new(struct ev_loop *loop, char *err, size_t errlen)
     curl_multi_setopt(c->multi, CURLMOPT_PIPELINING, (long)CURLPIPE_MULTIPLEX);
     c->maxconnects = CACHE_MIN;
     curl_multi_setopt(c->multi, CURLMOPT_MAXCONNECTS, c->maxconnects);
+    multi_connection_use(c->multi);
     return c;
 }
 
@@ -485,10 +506,17 @@ static void check_done(http_client *c)
         long code = 0;
         curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &code);
         if (code) r->status = code;
+        origin_learn(c, r, easy);
         if (r->result == HTTP_OK && cc != CURLE_OK) {
             r->result = map_curl(cc);
-            snprintf(r->message, sizeof r->message, "%s",
-                     r->errbuf[0] ? r->errbuf : curl_easy_strerror(cc));
+            if (cc == CURLE_SEND_FAIL_REWIND)
+                snprintf(r->message, sizeof r->message,
+                         "the connection closed after the request was sent and before any "
+                         "answer; it was not sent again");
+            else
+                snprintf(r->message, sizeof r->message, "%s",
+                         r->errbuf[0] ? r->errbuf : curl_easy_strerror(cc));
+            redact_userinfo(r->message);
         }
         curl_multi_remove_handle(c->multi, easy);
         request_left_multi(r);
@@ -604,6 +632,191 @@ static int set_headers(http_request *r, const char *const *headers)
     return 0;
 }
 
+/* ---- connection use: HTTP/2, the CA bundle, no silent re-sends ------------------------------ */
+/*
+ * HTTP/2 where the server offers it (ALPN on TLS), and an https:// request waits for a connection
+ * being set up rather than opening one more (CURLOPT_PIPEWAIT), so concurrent requests to one
+ * server share one connection as streams. The environment's CA bundle (CURL_CA_BUNDLE,
+ * SSL_CERT_FILE, SSL_CERT_DIR, as the curl tool reads them; libcurl itself does not) replaces the
+ * built-in one. Proxies come from the environment (https_proxy, HTTPS_PROXY, http_proxy, no_proxy,
+ * NO_PROXY), which libcurl reads itself while CURLOPT_PROXY is unset; it is set (to "", no proxy)
+ * only for plain http:// to loopback, where moonbox local and the embedded backend listen.
+ *
+ * Re-sends. libcurl 7.88 sends a request again on a new connection, without telling, when it
+ * went out on a reused connection and the connection failed before any byte of answer
+ * (Curl_retry_request: "Connection died, retrying a fresh connect"), and when an HTTP/2 stream
+ * is refused (REFUSED_STREAM, or above a GOAWAY's last stream). Over HTTP/2 that can re-send a
+ * request the server has carried out (the TCP connection reset after the request went out).
+ * A request with no_resend therefore hands curl its body through a read callback with no seek
+ * callback: to send it again curl would have to rewind the body, cannot, and fails the transfer
+ * (CURLE_SEND_FAIL_REWIND, reported as connection_reset) as soon as any body byte had gone out.
+ * A request none of whose body left may still be repeated by curl, which is harmless: the server
+ * cannot act on a request it has not received whole. On a server whose connections are not
+ * multiplexed (HTTP/1.1, or plain http:// before anything is known) a no_resend request also
+ * takes a connection of its own (CURLOPT_FRESH_CONNECT), which curl never retries: a stale
+ * keep-alive connection would otherwise turn the usual harmless race into a failed request. A
+ * no_resend request without a body always takes a connection of its own. HTTP_NO_RESEND_REUSE
+ * skips the connection of its own (an exec start: a TLS handshake per command would cost more
+ * than the rare stale keep-alive race, which then fails the request instead of re-sending it).
+ */
+
+/* Writes the lower-cased "scheme://authority" of url into out (empty when url has none). */
+static void origin_of(const char *url, char *out, size_t n)
+{
+    const char *p = strstr(url, "://");
+    size_t len = 0;
+    if (p) {
+        const char *end = p + 3;
+        while (*end && *end != '/' && *end != '?' && *end != '#')
+            end++;
+        len = (size_t)(end - url);
+    }
+    if (len >= n) len = n - 1;
+    for (size_t i = 0; i < len; i++)
+        out[i] = (char)tolower((unsigned char)url[i]);
+    out[len] = '\0';
+}
+
+/* Whether origin is plain http:// to this machine's loopback (localhost, 127.x, [::1]). */
+static int origin_plain_loopback(const char *origin)
+{
+    if (strncmp(origin, "http://", 7) != 0) return 0;
+    const char *h = origin + 7;
+    const char *at = strchr(h, '@');
+    if (at) h = at + 1;
+    size_t n = strcspn(h, ":");
+    if (*h == '[') return strncmp(h, "[::1]", 5) == 0;
+    if (n == 9 && strncmp(h, "localhost", 9) == 0) return 1;
+    if (n < 7 || strncmp(h, "127.", 4) != 0) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!isdigit((unsigned char)h[i]) && h[i] != '.') return 0;
+    return 1;
+}
+
+/* 1: the origin's last answer came over a multiplexed protocol; 0: over HTTP/1.x; -1: unknown. */
+static int origin_multiplexed(const http_client *c, const char *origin)
+{
+    for (int i = 0; i < c->norigins; i++)
+        if (strcmp(c->origins[i].origin, origin) == 0) return c->origins[i].multiplexed;
+    return -1;
+}
+
+/* Records the HTTP version a finished transfer used, for r and for its origin. */
+static void origin_learn(http_client *c, http_request *r, CURL *easy)
+{
+    long v = 0;
+    char *ip = NULL;
+    if (curl_easy_getinfo(easy, CURLINFO_PRIMARY_IP, &ip) == CURLE_OK && ip)
+        snprintf(r->primary_ip, sizeof r->primary_ip, "%s", ip);
+    if (curl_easy_getinfo(easy, CURLINFO_HTTP_VERSION, &v) != CURLE_OK || v == 0) return;
+    r->http_version = v == CURL_HTTP_VERSION_1_0   ? 10
+                      : v == CURL_HTTP_VERSION_1_1 ? 11
+                      : v == CURL_HTTP_VERSION_2_0 ? 20
+                                                   : 30;
+    if (!r->origin[0]) return;
+    int mux = r->http_version >= 20;
+    for (int i = 0; i < c->norigins; i++)
+        if (strcmp(c->origins[i].origin, r->origin) == 0) {
+            c->origins[i].multiplexed = mux;
+            return;
+        }
+    int slot = c->norigins < ORIGINS_MAX ? c->norigins++ : c->next_origin++ % ORIGINS_MAX;
+    snprintf(c->origins[slot].origin, sizeof c->origins[slot].origin, "%s", r->origin);
+    c->origins[slot].multiplexed = mux;
+}
+
+/* Replaces the user:password of any "scheme://user:password@" in s by "***" (proxy URLs come
+ * from the environment and may carry credentials; messages must not). */
+static void redact_userinfo(char *s)
+{
+    char *p = s;
+    while ((p = strstr(p, "://"))) {
+        char *start = p + 3, *q = start;
+        while (*q && *q != '@' && *q != '/' && *q != ' ')
+            q++;
+        if (*q == '@') {
+            memmove(start + 3, q, strlen(q) + 1);
+            memcpy(start, "***", 3);
+        }
+        p = start;
+    }
+}
+
+/* The read callback of a no_resend body: body_copy, once; no seek callback exists. */
+static size_t body_once_cb(char *buffer, size_t size, size_t nitems, void *ud)
+{
+    http_request *r = (http_request *)ud;
+    size_t left = r->body_len - r->body_off, n = size * nitems;
+    if (n > left) n = left;
+    memcpy(buffer, r->body_copy + r->body_off, n);
+    r->body_off += n;
+    return n;
+}
+
+/* The multi handle's part: as many streams on one connection as the server allows (libcurl's
+ * own cap is 100, below a 100-sandbox fan-out plus its other requests). */
+static void multi_connection_use(CURLM *multi)
+{
+    curl_multi_setopt(multi, CURLMOPT_MAX_CONCURRENT_STREAMS, 1000L);
+}
+
+/* Applies what this section describes to e. Returns 0, or -1 with a message in err. */
+static int connection_use(http_client *c, http_request *r, CURL *e, const http_request_spec *spec,
+                          char *err, size_t errlen)
+{
+    origin_of(spec->url, r->origin, sizeof r->origin);
+    int tls = strncmp(r->origin, "https://", 8) == 0;
+    curl_easy_setopt(e, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_2TLS);
+    /* Only where HTTP/2 is possible: over plain http:// curl would learn that a connection does
+     * not multiplex only from its first answer, and hold every other request until then. Over
+     * TLS it knows at the handshake (ALPN). */
+    if (tls) curl_easy_setopt(e, CURLOPT_PIPEWAIT, 1L);
+    const char *ca = getenv("CURL_CA_BUNDLE");
+    if (!ca || !*ca) ca = getenv("SSL_CERT_FILE");
+    if (ca && *ca) {
+        curl_easy_setopt(e, CURLOPT_CAINFO, ca);
+        curl_easy_setopt(e, CURLOPT_PROXY_CAINFO, ca);
+    }
+    const char *cadir = getenv("SSL_CERT_DIR");
+    if (cadir && *cadir) {
+        curl_easy_setopt(e, CURLOPT_CAPATH, cadir);
+        curl_easy_setopt(e, CURLOPT_PROXY_CAPATH, cadir);
+    }
+    for (const char *const *l = spec->resolve; l && *l; l++) {
+        struct curl_slist *n = curl_slist_append(r->resolve, *l);
+        if (!n) {
+            snprintf(err, errlen, "out of memory building the resolve list");
+            return -1;
+        }
+        r->resolve = n;
+    }
+    if (r->resolve) curl_easy_setopt(e, CURLOPT_RESOLVE, r->resolve);
+    /* A local backend (plain HTTP on loopback) is never asked for through http_proxy: the
+     * proxy's loopback is not ours. An empty CURLOPT_PROXY overrides the environment. */
+    if (origin_plain_loopback(r->origin)) curl_easy_setopt(e, CURLOPT_PROXY, "");
+    if (spec->no_resend == HTTP_NO_RESEND) {
+        int mux = origin_multiplexed(c, r->origin);
+        int body = (spec->has_body && spec->body_len > 0) || spec->body_file;
+        if (!body || mux == 0 || (mux < 0 && !tls)) curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
+    }
+    return 0;
+}
+
+/* Sets r->body_copy (already filled, len bytes) as the request body of e. */
+static void set_body(http_request *r, CURL *e, const http_request_spec *spec, const char *method)
+{
+    if (spec->no_resend && spec->body_len > 0) {
+        r->body_len = spec->body_len;
+        curl_easy_setopt(e, CURLOPT_POST, 1L);
+        curl_easy_setopt(e, CURLOPT_READFUNCTION, body_once_cb);
+        curl_easy_setopt(e, CURLOPT_READDATA, r);
+    } else {
+        curl_easy_setopt(e, CURLOPT_POSTFIELDS, r->body_copy);
+    }
+    curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)spec->body_len);
+    if (strcmp(method, "POST") != 0) curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
+}
+
 /* ---- requests -------------------------------------------------------------------------------- */
 
 static void unlink_pending(http_request *r)
@@ -662,6 +875,10 @@ http_request *http_request_start(http_client *c, const http_request_spec *spec,
      * dies before any reply byte. A request that must never be sent twice (a create) asks for
      * a connection of its own, which curl does not retry. */
     if (spec->fresh_connect) curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
+    if (connection_use(c, r, e, spec, err, errlen) < 0) {
+        http_request_free(r);
+        return NULL;
+    }
 
     if (strcmp(method, "HEAD") == 0) {
         curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
@@ -689,9 +906,7 @@ http_request *http_request_start(http_client *c, const http_request_spec *spec,
             return NULL;
         }
         memcpy(r->body_copy, spec->body, spec->body_len);
-        curl_easy_setopt(e, CURLOPT_POSTFIELDS, r->body_copy);
-        curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)spec->body_len);
-        if (strcmp(method, "POST") != 0) curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
+        set_body(r, e, spec, method);
     } else if (strcmp(method, "GET") != 0) {
         curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
         if (strcmp(method, "POST") == 0 || strcmp(method, "PUT") == 0 ||
@@ -746,6 +961,8 @@ void http_request_free(http_request *r)
     }
     if (r->in_file) fclose(r->in_file);
     if (r->out_file) fclose(r->out_file);
+    curl_slist_free_all(r->resolve);
+    r->resolve = NULL;
     free(r->body_copy);
     req_recycle(c, r);
     client_release(c);
@@ -774,6 +991,16 @@ const char *http_request_error(const http_request *r)
 long http_request_status(const http_request *r)
 {
     return r->status;
+}
+
+int http_request_http_version(const http_request *r)
+{
+    return r->http_version;
+}
+
+const char *http_request_primary_ip(const http_request *r)
+{
+    return r->primary_ip;
 }
 
 size_t http_request_header_count(const http_request *r)

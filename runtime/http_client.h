@@ -34,6 +34,11 @@ enum http_result {
     HTTP_ERR_OTHER,
 };
 
+/* http_request_spec.no_resend: libcurl never sends the request again once its body went out;
+ * NO_RESEND also takes a connection of its own where the server does not multiplex, REUSE
+ * never does (a rare lost race with a closing keep-alive connection then fails the request). */
+enum { HTTP_NO_RESEND = 1, HTTP_NO_RESEND_REUSE = 2 };
+
 /* Events passed to the notify callback (a bit set). */
 enum { HTTP_EV_HEADERS = 1, HTTP_EV_DATA = 2, HTTP_EV_DONE = 4 };
 
@@ -56,6 +61,8 @@ typedef struct http_request_spec {
     size_t max_body;         /* memory mode: fail with HTTP_ERR_TOO_LARGE above this; 0 = no cap */
     const char *accept_encoding; /* e.g. "gzip"; NULL = send none, no decoding */
     int fresh_connect;           /* never on a reused connection (see http_request_start) */
+    int no_resend; /* HTTP_NO_RESEND*: must not be sent twice (http_client.c "re-sends") */
+    const char *const *resolve; /* CURLOPT_RESOLVE lines "host:port:address"; may be NULL */
 } http_request_spec;
 
 /* Creates a client on loop. Returns NULL with a message in err on failure. */
@@ -82,6 +89,10 @@ const char *http_result_code(enum http_result res);
 int http_result_retryable(enum http_result res);
 
 long http_request_status(const http_request *r);
+/* The HTTP version the final response came in: 10, 11, 20, 30, or 0 when none came. */
+int http_request_http_version(const http_request *r);
+/* The address the transfer's connection went to (e.g. "::1"), or "" when none is known. */
+const char *http_request_primary_ip(const http_request *r);
 size_t http_request_header_count(const http_request *r);
 /* The i-th response header of the final response; name is lower-cased. */
 void http_request_header(const http_request *r, size_t i, const char **name, size_t *name_len,

@@ -87,7 +87,8 @@ typedef struct hs_token {
 struct hs_server {
     struct ev_loop *loop;
     struct MHD_Daemon *daemon;
-    ev_io io;
+    struct MHD_Daemon *daemon2; /* the same service on the second address, or NULL */
+    ev_io io, io2;
     ev_timer timer;
     hs_route *routes;
     size_t nroutes, routes_cap;
@@ -1366,10 +1367,16 @@ static void hs_log_cb(void *cls, const char *fmt, va_list ap)
  * connection timeout otherwise, and not at all when MHD needs no timer. */
 static void hs_run(hs_server *s)
 {
-    MHD_UNSIGNED_LONG_LONG ms;
+    MHD_UNSIGNED_LONG_LONG ms, ms2;
     MHD_run(s->daemon);
+    if (s->daemon2) MHD_run(s->daemon2);
     ev_timer_stop(s->loop, &s->timer);
-    if (MHD_get_timeout(s->daemon, &ms) == MHD_YES) {
+    int have = MHD_get_timeout(s->daemon, &ms) == MHD_YES;
+    if (s->daemon2 && MHD_get_timeout(s->daemon2, &ms2) == MHD_YES && (!have || ms2 < ms)) {
+        ms = ms2;
+        have = 1;
+    }
+    if (have) {
         ev_timer_set(&s->timer, (double)ms / 1000.0, 0.);
         ev_timer_start(s->loop, &s->timer);
     }
@@ -1405,6 +1412,54 @@ static void hs_server_free(hs_server *s)
     free(s);
 }
 
+/* Starts one MHD daemon for s listening on host:port (port 0: an ephemeral one) into *out, its
+ * numeric address in shown. Returns HS_OK, or an error code with a message in err. */
+static int hs_daemon_start(hs_server *s, const char *host, int port, unsigned limit, unsigned idle,
+                           struct MHD_Daemon **out, char *shown, size_t shownlen, char *err,
+                           size_t errlen)
+{
+    struct addrinfo hints, *ai = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    int gai = getaddrinfo(host, NULL, &hints, &ai);
+    if (gai != 0 || !ai) {
+        hs_seterr(err, errlen, "cannot resolve listen address '%s': %s", host,
+                  gai ? gai_strerror(gai) : "no address");
+        return HS_ERR_INVALID;
+    }
+    struct sockaddr_storage addr;
+    memset(&addr, 0, sizeof addr);
+    memcpy(&addr, ai->ai_addr, ai->ai_addrlen);
+    int family = ai->ai_family;
+    freeaddrinfo(ai);
+    unsigned int flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    if (family == AF_INET6) {
+        struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)&addr;
+        in6->sin6_port = htons((uint16_t)port);
+        inet_ntop(AF_INET6, &in6->sin6_addr, shown, (socklen_t)shownlen);
+        flags |= MHD_USE_IPv6;
+    } else {
+        struct sockaddr_in *in = (struct sockaddr_in *)&addr;
+        in->sin_port = htons((uint16_t)port);
+        inet_ntop(AF_INET, &in->sin_addr, shown, (socklen_t)shownlen);
+    }
+    s->lastlog[0] = '\0';
+    *out = MHD_start_daemon(
+        flags, (uint16_t)port, NULL, NULL, hs_access_cb, s, MHD_OPTION_SOCK_ADDR,
+        (struct sockaddr *)&addr, MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_CONNECTION_TIMEOUT,
+        idle, MHD_OPTION_LISTEN_BACKLOG_SIZE, HS_LISTEN_BACKLOG, MHD_OPTION_NOTIFY_COMPLETED,
+        hs_completed_cb, s, MHD_OPTION_URI_LOG_CALLBACK, hs_uri_cb, s, MHD_OPTION_EXTERNAL_LOGGER,
+        hs_log_cb, s, MHD_OPTION_END);
+    if (!*out) {
+        hs_seterr(err, errlen, "cannot listen on %s port %d: %s", shown, port,
+                  s->lastlog[0] ? s->lastlog : "libmicrohttpd refused to start");
+        return HS_ERR_SYSTEM;
+    }
+    return HS_OK;
+}
+
 int hs_server_start(struct ev_loop *loop, const hs_config *cfg, hs_server **out, char *err,
                     size_t errlen)
 {
@@ -1436,34 +1491,6 @@ int hs_server_start(struct ev_loop *loop, const hs_config *cfg, hs_server **out,
         return HS_ERR_NOMEM;
     }
 
-    struct addrinfo hints, *ai = NULL;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE;
-    int gai = getaddrinfo(host, NULL, &hints, &ai);
-    if (gai != 0 || !ai) {
-        hs_seterr(err, errlen, "cannot resolve listen address '%s': %s", host,
-                  gai ? gai_strerror(gai) : "no address");
-        hs_server_free(s);
-        return HS_ERR_INVALID;
-    }
-    struct sockaddr_storage addr;
-    memset(&addr, 0, sizeof addr);
-    memcpy(&addr, ai->ai_addr, ai->ai_addrlen);
-    int family = ai->ai_family;
-    freeaddrinfo(ai);
-    unsigned int flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
-    if (family == AF_INET6) {
-        struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)&addr;
-        in6->sin6_port = htons((uint16_t)cfg->port);
-        inet_ntop(AF_INET6, &in6->sin6_addr, s->host, sizeof s->host);
-        flags |= MHD_USE_IPv6;
-    } else {
-        struct sockaddr_in *in = (struct sockaddr_in *)&addr;
-        in->sin_port = htons((uint16_t)cfg->port);
-        inet_ntop(AF_INET, &in->sin_addr, s->host, sizeof s->host);
-    }
     unsigned int limit = cfg->connection_limit ? cfg->connection_limit : HS_DEFAULT_CONNECTION_MAX;
     /* Each connection is a descriptor: let the process have as many as its hard limit allows
      * (the usual soft limit of 1024 would refuse clients long before the connection limit). */
@@ -1474,22 +1501,35 @@ int hs_server_start(struct ev_loop *loop, const hs_config *cfg, hs_server **out,
         setrlimit(RLIMIT_NOFILE, &rl);
     }
     unsigned int idle = cfg->idle_timeout ? cfg->idle_timeout : HS_DEFAULT_IDLE_TIMEOUT;
-    s->daemon = MHD_start_daemon(
-        flags, (uint16_t)cfg->port, NULL, NULL, hs_access_cb, s, MHD_OPTION_SOCK_ADDR,
-        (struct sockaddr *)&addr, MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_CONNECTION_TIMEOUT,
-        idle, MHD_OPTION_LISTEN_BACKLOG_SIZE, HS_LISTEN_BACKLOG, MHD_OPTION_NOTIFY_COMPLETED,
-        hs_completed_cb, s, MHD_OPTION_URI_LOG_CALLBACK, hs_uri_cb, s, MHD_OPTION_EXTERNAL_LOGGER,
-        hs_log_cb, s, MHD_OPTION_END);
-    if (!s->daemon) {
-        hs_seterr(err, errlen, "cannot listen on %s port %d: %s", s->host, cfg->port,
-                  s->lastlog[0] ? s->lastlog : "libmicrohttpd refused to start");
-        hs_server_free(s);
-        return HS_ERR_SYSTEM;
+    /* With a second address on an ephemeral port, the port the first address got may be taken
+     * on the second: try a few ports before giving up. */
+    for (int attempt = 0;; attempt++) {
+        int rc = hs_daemon_start(s, host, cfg->port, limit, idle, &s->daemon, s->host,
+                                 sizeof s->host, err, errlen);
+        if (rc != HS_OK) {
+            hs_server_free(s);
+            return rc;
+        }
+        if (!cfg->also_host) break;
+        const union MHD_DaemonInfo *bp = MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_BIND_PORT);
+        char shown[INET6_ADDRSTRLEN];
+        rc = hs_daemon_start(s, cfg->also_host, bp ? bp->port : cfg->port, limit, idle, &s->daemon2,
+                             shown, sizeof shown, err, errlen);
+        if (rc == HS_OK) break;
+        MHD_stop_daemon(s->daemon);
+        s->daemon = NULL;
+        if (cfg->port != 0 || attempt >= 8) {
+            hs_server_free(s);
+            return rc;
+        }
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_EPOLL_FD);
     const union MHD_DaemonInfo *pi = MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_BIND_PORT);
-    if (!di || di->epoll_fd < 0 || !pi) {
+    const union MHD_DaemonInfo *di2 =
+        s->daemon2 ? MHD_get_daemon_info(s->daemon2, MHD_DAEMON_INFO_EPOLL_FD) : NULL;
+    if (!di || di->epoll_fd < 0 || !pi || (s->daemon2 && (!di2 || di2->epoll_fd < 0))) {
         MHD_stop_daemon(s->daemon);
+        if (s->daemon2) MHD_stop_daemon(s->daemon2);
         hs_server_free(s);
         hs_seterr(err, errlen, "libmicrohttpd did not report its epoll descriptor or port");
         return HS_ERR_SYSTEM;
@@ -1498,6 +1538,11 @@ int hs_server_start(struct ev_loop *loop, const hs_config *cfg, hs_server **out,
     ev_io_init(&s->io, hs_io_cb, di->epoll_fd, EV_READ);
     s->io.data = s;
     ev_io_start(loop, &s->io);
+    if (s->daemon2) {
+        ev_io_init(&s->io2, hs_io_cb, di2->epoll_fd, EV_READ);
+        s->io2.data = s;
+        ev_io_start(loop, &s->io2);
+    }
     ev_timer_init(&s->timer, hs_timer_cb, 0., 0.);
     s->timer.data = s;
     hs_kick(s);
@@ -1521,6 +1566,10 @@ void hs_server_stats(const hs_server *s, hs_stats *out)
     const union MHD_DaemonInfo *ci =
         MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
     out->connections = ci ? ci->num_connections : 0;
+    if (s->daemon2) {
+        ci = MHD_get_daemon_info(s->daemon2, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+        out->connections += ci ? ci->num_connections : 0;
+    }
 }
 
 void hs_server_quiesce(hs_server *s)
@@ -1529,6 +1578,10 @@ void hs_server_quiesce(hs_server *s)
     s->quiesced = 1;
     MHD_socket fd = MHD_quiesce_daemon(s->daemon);
     if (fd != MHD_INVALID_SOCKET) close(fd);
+    if (s->daemon2) {
+        fd = MHD_quiesce_daemon(s->daemon2);
+        if (fd != MHD_INVALID_SOCKET) close(fd);
+    }
     hs_kick(s);
 }
 
@@ -1536,6 +1589,7 @@ void hs_server_close(hs_server *s)
 {
     s->closing = 1;
     ev_io_stop(s->loop, &s->io);
+    if (s->daemon2) ev_io_stop(s->loop, &s->io2);
     ev_timer_stop(s->loop, &s->timer);
     /* MHD must not be stopped with suspended connections; resumed ones it closes itself,
      * ending their requests as HS_GONE_SERVER through hs_completed_cb. */
@@ -1547,6 +1601,8 @@ void hs_server_close(hs_server *s)
     }
     MHD_stop_daemon(s->daemon);
     s->daemon = NULL;
+    if (s->daemon2) MHD_stop_daemon(s->daemon2);
+    s->daemon2 = NULL;
     /* What is left is held by handlers (or, defensively, by MHD if it never reported an end). */
     while (s->live) {
         hs_request *r = s->live;

@@ -74,6 +74,7 @@ typedef struct hs_pair {
 
 typedef struct hs_config {
     const char *host;          /* numeric address or resolvable name; NULL = "127.0.0.1" */
+    const char *also_host;     /* a second address served the same, on the same port; or NULL */
     int port;                  /* 0 = an ephemeral port (read it back with hs_server_port) */
     size_t max_body;           /* default body limit of routes; 0 = HS_DEFAULT_MAX_BODY */
     const char *upload_dir;    /* default directory of file-mode routes; NULL = "/tmp" */

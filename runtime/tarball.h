@@ -5,7 +5,11 @@
  * the loop the job finished, the result, and every partial output (the pack's temporary file,
  * the unpack's staging directory), which the worker removes unless the job succeeded.
  * Start and release on the loop's thread; notify runs there and must only record and wake.
- * No Lua here. (Named tarball, not archive, so that <archive.h> is always libarchive's.) */
+ * No Lua here. (Named tarball, not archive, so that <archive.h> is always libarchive's.)
+ * The implementation, one concern a file: archive_job.c (threads, references, completion),
+ * archive_pack.c, archive_read.c (gunzip, tar reading, list), archive_names.c (which names and
+ * link targets are safe), archive_unpack.c (staging), archive_commit.c (into place),
+ * archive_records.c (a sandbox's file helper's stream), archive_fs.c (shared helpers). */
 #ifndef MOONBOX_ARCHIVE_H
 #define MOONBOX_ARCHIVE_H
 

@@ -6,6 +6,7 @@ local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local httpd = require "moonbox.httpd"
 local http = require "moonbox.http"
+local json = require "moonbox.json"
 
 local tmp -- a private directory for this spec file
 local seq = 0
@@ -348,6 +349,26 @@ describe("httpd answers", function()
                      "id: 7\ndata: plain\n\nevent: crlf\ndata: a\ndata: b\n\n", r.body)
   end))
 
+  it("writes an exec output event with w:sse_output exactly as w:sse of its JSON", T.async(function()
+    local srv <close> = server()
+    local chunks = { "", "plain", "a\nb\r\n\"q\" \\ \t\0\31", "é€😀", "bad \255\237\160\128\192\175 \226\130",
+      ("0123456789abcdefghijklmnopqrstuvwxyz\n"):rep(3000) }
+    srv:route("GET", "/both", function(req, res)
+      local w = res:stream(200, { ["Content-Type"] = "text/event-stream" })
+      local fast = req:query_param("fast") == "1"
+      for i, c in ipairs(chunks) do
+        local stream = i % 2 == 0 and "stderr" or "stdout"
+        if fast then w:sse_output(stream, c) else w:sse("output", json.encode({ stream = stream, data = c })) end
+      end
+      w:close()
+    end)
+    local slow = http.request { url = srv.url .. "/both" }
+    local fast = http.request { url = srv.url .. "/both?fast=1" }
+    assert.are.equal(200, fast.status)
+    assert.is_true(#slow.body > 100000)
+    assert.are.equal(slow.body, fast.body)
+  end))
+
   it("parses as SSE for moonbox.http's stream reader", T.async(function()
     local srv <close> = server()
     srv:route("GET", "/events", function(_, res)
@@ -369,17 +390,27 @@ describe("httpd answers", function()
     local chunk = string.rep("b", 64 * 1024)
     local n_chunks = 256 -- 16 MiB: more than loopback socket buffers can absorb
     local written, max_pending, wrote_all = 0, 0, false
+    local writer, in_write
     srv:route("GET", "/big", function(_, res)
       local w = res:stream(200, nil, { buffer = 64 * 1024 })
+      writer = w
       for _ = 1, n_chunks do
+        in_write = true
         w:write(chunk)
+        in_write = false
         written = written + #chunk
         if w:pending() > max_pending then max_pending = w:pending() end
       end
       wrote_all = true
     end)
     local resp <close> = http.stream { url = srv.url .. "/big", buffer = 16 * 1024 }
-    task.sleep(0.3) -- the client reads nothing for a while: the writer must be waiting
+    -- The client reads nothing: await the writer parked in a write with more than its buffer
+    -- queued (a writer that queued without bound would finish instead).
+    local deadline = task.now() + 30
+    while not wrote_all and not (in_write and writer:pending() > 64 * 1024) do
+      assert(task.now() < deadline, "the writer neither parked nor finished")
+      task.sleep(0.01)
+    end
     assert.is_false(wrote_all)
     assert.is_true(written < n_chunks * #chunk)
     local total = 0

@@ -29,6 +29,56 @@ describe("strings.json_quote", function()
     assert.are.equal('"\239\191\189\239\191\189"', strings.json_quote("\192\175")) -- overlong "/"
   end)
 
+  -- The rule, byte by byte, as plainly as it can be written: what the word-at-a-time C pass must
+  -- give for every input.
+  local ESC = { ['"'] = '\\"', ["\\"] = "\\\\", ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t",
+    ["\b"] = "\\b", ["\f"] = "\\f" }
+  local function reference(s)
+    local out, i = { '"' }, 1
+    while i <= #s do
+      local b = s:byte(i)
+      local len = (b >= 0xC2 and b <= 0xDF and 2) or (b >= 0xE0 and b <= 0xEF and 3) or (b >= 0xF0 and b <= 0xF4
+        and 4) or 1
+      local seq = s:sub(i, i + len - 1)
+      if b < 0x80 then
+        local c = string.char(b)
+        out[#out + 1] = ESC[c] or (b < 0x20 and string.format("\\u%04x", b)) or c
+        i = i + 1
+      elseif len > 1 and #seq == len and utf8.len(seq) == 1 then
+        out[#out + 1] = seq
+        i = i + len
+      else
+        out[#out + 1] = "\239\191\189"
+        i = i + 1
+      end
+    end
+    out[#out + 1] = '"'
+    return table.concat(out)
+  end
+
+  it("quotes every special byte at every offset of a word as the plain rule does", function()
+    local specials = { '"', "\\", "\n", "\0", "\31", "\127", "é", "€", "😀", "\255", "\237\160\128", "\192\175",
+      "\226\130", "\244\144\128\128" }
+    for _, sp in ipairs(specials) do
+      for off = 0, 17 do
+        for tail = 0, 9 do
+          local s = ("a"):rep(off) .. sp .. ("b"):rep(tail)
+          assert.are.equal(reference(s), strings.json_quote(s), string.format("%q", s))
+        end
+      end
+    end
+    -- and random bytes, long enough for the word loop
+    math.randomseed(13)
+    for _ = 1, 300 do
+      local t = {}
+      for k = 1, math.random(0, 200) do
+        t[k] = string.char(math.random() < 0.8 and math.random(0x20, 0x7e) or math.random(0, 255))
+      end
+      local s = table.concat(t)
+      assert.are.equal(reference(s), strings.json_quote(s), string.format("%q", s))
+    end
+  end)
+
   it("round-trips through lua-cjson", function()
     local s = "line1\nline2\t\"quoted\" \\ é"
     assert.are.equal(s, json.decode(strings.json_quote(s)))

@@ -3,8 +3,9 @@
 local T = require "moonbox.testing"
 local proc = require "moonbox.proc"
 local L = require "spec.support.local_backend"
+local S = require "spec.support.store_env"
 
-local B, home
+local B, home, store
 
 local run = T.async
 
@@ -12,19 +13,28 @@ setup(run(function()
   B = L.start()
   B:connect_render()
   home = proc.run({ "mktemp", "-d" }).stdout:gsub("%s+$", "")
+  store = S.vars() -- on PostgreSQL: one database for the file, as one home holds one ledger
 end))
 teardown(run(function()
   if B then B:destroy() end
   proc.run { "rm", "-rf", home }
+  S.shutdown()
 end))
 
 local function live() return B:live() end
 
-local function moonbox(args)
+-- `env HOME=... (the store) moonbox ARGS...` for this file's home.
+local function argv_of(args)
   local argv = { "env", "HOME=" .. home, "XDG_STATE_HOME=", "RENDER_API_KEY=" .. B.key,
-    "RENDER_WORKSPACE_ID=" .. B.workspace, "RENDER_LOCAL_DEV_URL=" .. B.url, L.BIN }
+    "RENDER_WORKSPACE_ID=" .. B.workspace, "RENDER_LOCAL_DEV_URL=" .. B.url }
+  for _, kv in ipairs(store) do argv[#argv + 1] = kv end
+  argv[#argv + 1] = L.BIN
   for _, a in ipairs(args) do argv[#argv + 1] = a end
-  return proc.run(argv)
+  return argv
+end
+
+local function moonbox(args)
+  return proc.run(argv_of(args))
 end
 
 describe("a run killed in the middle of a fan-out", function()
@@ -38,14 +48,15 @@ io.stdout:write("made ", #fleet, "\n"); io.stdout:flush()
 require("moonbox.task").sleep(120)
 ]])
     f:close()
-    local p = proc.spawn { "env", "HOME=" .. home, "XDG_STATE_HOME=", "RENDER_API_KEY=" .. B.key,
-      "RENDER_WORKSPACE_ID=" .. B.workspace, "RENDER_LOCAL_DEV_URL=" .. B.url, L.BIN, "run", recipe,
-      stderr = "inherit" }
+    local argv = argv_of { "run", recipe }
+    argv.stderr = "inherit"
+    local p = proc.spawn(argv)
     local lines = p:lines("stdout")
     local first = lines()
     assert.matches("^made 20", first or "")
     p:kill("KILL") -- no guard runs: the ledger is all that is left
     p:wait()
+    S.after_kill()
     assert.are.equal(20, live())
     local ps = moonbox { "ps" }
     assert.are.equal(0, ps.code, ps.stderr)
@@ -77,9 +88,9 @@ local render = require "moonbox.render"
 render.sandboxes.create {}
 ]])
     f:close()
-    local p = proc.spawn { "env", "HOME=" .. home, "XDG_STATE_HOME=", "RENDER_API_KEY=" .. B.key,
-      "RENDER_WORKSPACE_ID=" .. B.workspace, "RENDER_LOCAL_DEV_URL=" .. B.url, L.BIN, "run", recipe,
-      stderr = "inherit" }
+    local argv = argv_of { "run", recipe }
+    argv.stderr = "inherit"
+    local p = proc.spawn(argv)
     local function create_entry()
       local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = mark } })
       for _, e in ipairs(entries) do
@@ -94,6 +105,7 @@ render.sandboxes.create {}
     end
     p:kill("KILL")
     p:wait()
+    S.after_kill()
     while not create_entry().status do require("moonbox.task").sleep(0.05) end -- the backend made it
     B:req("DELETE", "/_moonbox/faults")
     assert.are.equal(1, live())

@@ -1,5 +1,5 @@
--- `moonbox local` over real HTTP: every endpoint of render-api.md §2 with its status codes,
--- bodies and error codes (§1.6, §7.6), against a real backend process running real sandboxes.
+-- `moonbox local` over real HTTP: every endpoint of docs/wire.md ("Endpoints") with its status codes,
+-- bodies and error codes ("Errors", "Restore"), against a real backend process running real sandboxes.
 local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local http = require "moonbox.http"
@@ -660,19 +660,54 @@ describe("wire defects found with Render's SDKs", function()
   end))
 
   it("downloads /proc/self/status (the reading process's own) as it does /proc/1/cmdline", T.async(function()
-    for _, path in ipairs({ "/proc/self/status", "/proc/1/cmdline" }) do
+    for _, path in ipairs({ "/proc/self/status", "/proc/thread-self/status", "/proc/1/cmdline" }) do
       local _, tok = B:req("POST", "/v1/sandboxes/" .. sb.id .. "/files/download/token",
         { query = { path = path } })
       local d = http.request { url = tok.uri, headers = { Authorization = "Bearer " .. tok.token } }
       assert.are.equal(200, d.status, path .. ": " .. d.body)
       assert.is_true(#d.body > 0, path)
+      if path:find("status$") then
+        -- the reader's own view: one pid (inside the sandbox's pid namespace, not the host's)
+        -- and root of the sandbox's user namespace
+        assert.matches("\nNSpid:\t%d+\n", d.body, path)
+        assert.matches("\nUid:\t0\t", d.body, path)
+      end
     end
+  end))
+
+  it("counts /v1 requests honestly in ratelimit-*, logs stream included, and enforces --rate-limit", T.async(function()
+    -- A backend of its own: its first request opens the window, so the counts are exact.
+    local small = L.start { args = { "--rate-limit", "5" } }
+    local ok, err = pcall(function()
+      local _, sbx = small:req("POST", "/v1/sandboxes", { body = { ownerId = small.workspace } })
+      local _, _, h1 = small:req("GET", "/v1/sandboxes/" .. sbx.id)
+      assert.are.same({ "5", "3" }, { h1["ratelimit-limit"], h1["ratelimit-remaining"] })
+      local reset = tonumber(h1["ratelimit-reset"])
+      assert.is_true(reset >= 1 and reset <= 60, "reset " .. tostring(reset))
+      local resp <close> = http.stream { url = small.url .. "/v1/sandboxes/" .. sbx.id .. "/logs?follow=false",
+        headers = { Authorization = "Bearer " .. small.key, Accept = "text/event-stream" } }
+      assert.are.equal(200, resp.status)
+      assert.are.same({ "5", "2" }, { resp.headers["ratelimit-limit"], resp.headers["ratelimit-remaining"] })
+      local seen = {}
+      for i = 1, 3 do
+        local status, body, h = small:req("GET", "/v1/sandboxes", { query = { ownerId = small.workspace } })
+        seen[i] = { status = status, left = h["ratelimit-remaining"], retry = h["retry-after"], body = body }
+      end
+      assert.are.same({ 200, "0" }, { seen[2].status, seen[2].left })
+      assert.are.equal(429, seen[3].status)
+      assert.are.equal("0", seen[3].left)
+      assert.matches("^%d+$", seen[3].retry)
+      assert.matches("rate limit exceeded", seen[3].body.message)
+    end)
+    small:destroy()
+    if not ok then error(err, 0) end
   end))
 
   it("sends ratelimit-* headers on every response, not only on a 429", T.async(function()
     local probes = {
       { "GET", "/v1/sandboxes" }, { "GET", "/v1/sandboxes/" .. sb.id }, { "GET", "/v1/sandboxes/sbx-nope" },
       { "POST", "/v1/sandboxes", { body = { ownerId = B.workspace, plan = "nope" } } },
+      { "GET", "/v1/no-such-route" }, { "DELETE", "/v1/sandboxes/" .. sb.id .. "/terminate" },
     }
     for _, p in ipairs(probes) do
       local status, _, h = B:req(p[1], p[2], p[3])
@@ -680,13 +715,20 @@ describe("wire defects found with Render's SDKs", function()
         assert.matches("^%d+$", h[name], p[1] .. " " .. p[2] .. " (" .. status .. ") has no " .. name)
       end
     end
+    -- a /v1 path no route has, and a route's path with another method, answer as before
+    local s404, b404 = B:req("GET", "/v1/no-such-route")
+    assert.are.same({ 404, "no route for GET /v1/no-such-route" }, { s404, b404.message })
+    local s405, b405, h405 = B:req("DELETE", "/v1/sandboxes/" .. sb.id .. "/terminate")
+    assert.are.same({ 405, "POST" }, { s405, h405["allow"] })
+    assert.matches("method DELETE is not allowed", b405.message)
   end))
 
   it("names the old plan names too when a plan is unknown (the SDKs still offer them)", T.async(function()
     local s, body = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, plan = "huge" } })
     assert.are.equal(400, s)
-    for _, name in ipairs({ "1c%-2g", "8c%-16g", "starter", "standard", "pro" }) do assert.matches(name,
-      body.message) end
+    for _, name in ipairs({ "1c%-2g", "8c%-16g", "starter = 1c%-2g", "standard = 2c%-4g", "pro = 4c%-8g" }) do
+      assert.matches(name, body.message)
+    end
     local s2, made = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, plan = "standard" } })
     assert.are.equal(201, s2)
     assert.are.equal("standard", made.plan) -- as sent: an older SDK's enum has no "2c-4g"

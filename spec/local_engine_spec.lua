@@ -74,6 +74,16 @@ local async = T.async
 local COUNTER = [[setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/count; ]] ..
   [[sleep 0.005; done' >/dev/null 2>&1 &]]
 
+-- Reads h's stdout until it holds `want` (or ends); returns what was read.
+local function read_until(h, want)
+  local got = ""
+  repeat
+    local chunk = h:read("stdout")
+    got = got .. (chunk or "")
+  until not chunk or got:find(want, 1, true)
+  return got
+end
+
 local function wait_for(fn, seconds)
   local deadline = task.now() + (seconds or 5)
   while task.now() < deadline do
@@ -202,10 +212,9 @@ describe("moonbox.local.engine", function()
     eng:create(id)
     sh(eng, id, "setsid nohup sleep 1000 >/dev/null 2>&1 &")
     assert.matches("^%d+\n$", sh(eng, id, "pgrep -f 'sleep 1000'"))
-    -- one that keeps the exec's pipes open does not hold eng:run either
-    local t0 = task.now()
+    -- one that keeps the exec's pipes open does not hold eng:run either: it returns while that
+    -- process still runs (it would end in 2000 s)
     assert.are.equal("started\n", sh(eng, id, "sleep 2000 & echo started"))
-    assert.is_true(task.now() - t0 < 2)
     assert.matches("^%d+\n$", sh(eng, id, "pgrep -f 'sleep 2000'"))
     eng:terminate(id)
   end))
@@ -219,8 +228,11 @@ describe("moonbox.local.engine", function()
     assert.are.equal("", sh(eng, id, "pgrep -f '^sleep 1000'; true"))
     -- orphans are reaped by the init: no zombie is left behind
     sh(eng, id, "for i in 1 2 3; do sh -c 'sleep 0.02 &'; done")
-    task.sleep(0.2)
-    assert.are.equal("", sh(eng, id, "ps -eo stat= | grep Z; true"))
+    local left
+    assert.is_true(wait_for(function()
+      left = sh(eng, id, "ps -eo stat=,comm= | grep -E '^ *Z| sleep$'; true")
+      return left == ""
+    end, 10), "orphans not reaped: " .. tostring(left))
     eng:terminate(id)
   end))
 
@@ -480,12 +492,12 @@ describe("moonbox.local.engine", function()
         local ok, a = pcall(eng.files.stat, eng.files, id, "/root/done")
         return ok and a and eng.files:stat(id, "/root/done2")
       end, 10), "a detached or dropped command did not finish")
-      local k = eng:exec(id, "trap 'exit 42' TERM; sleep 100 & wait")
-      task.sleep(0.1)
+      local k = eng:exec(id, "trap 'exit 42' TERM; echo trapped; sleep 100 & wait")
+      assert.are.equal("trapped\n", read_until(k, "\n")) -- the trap is set
       assert.is_true(k:kill("TERM"))
       assert.are.equal(42, (k:wait()))
-      local k2 = eng:exec(id, "sleep 100")
-      task.sleep(0.05)
+      local k2 = eng:exec(id, "echo started; exec sleep 100")
+      assert.are.equal("started\n", read_until(k2, "\n"))
       k2:kill("KILL")
       local code, sig = k2:wait()
       assert.are.equal(137, code)

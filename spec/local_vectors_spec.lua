@@ -1,4 +1,4 @@
--- The request/response test vectors of render-api.md §11 (Render's TypeScript SDK, Python SDK
+-- The request/response test vectors listed in docs/wire.md (Render's TypeScript SDK, Python SDK
 -- and CLI tests), replayed against `moonbox local` with plain HTTP requests shaped exactly as
 -- those clients send them. Ids and times differ; shapes, statuses and codes must hold.
 local T = require "moonbox.testing"
@@ -37,7 +37,7 @@ local function wait_snapshot(gid, sid)
   end
 end
 
-describe("TypeScript SDK vectors (§11.1)", function()
+describe("TypeScript SDK vectors", function()
   it("1-2: list with ownerId, cursor, limit and status; list with only the default owner", T.async(function()
     local s, page = raw("GET", "/sandboxes?ownerId=" .. B.workspace .. "&limit=25&status=running")
     assert.are.equal(200, s)
@@ -160,7 +160,7 @@ describe("TypeScript SDK vectors (§11.1)", function()
   end))
 end)
 
-describe("Python SDK vectors (§11.2)", function()
+describe("Python SDK vectors", function()
   it("1: create with plan and timeoutSeconds, env sent verbatim", T.async(function()
     local s, sb = raw("POST", "/sandboxes", json.encode({ ownerId = B.workspace, plan = "starter", timeoutSeconds = 3600,
       env = { FOO = "bar", BAZ = "qux" } }))
@@ -232,7 +232,7 @@ describe("Python SDK vectors (§11.2)", function()
   end))
 end)
 
-describe("CLI vectors (§11.3)", function()
+describe("CLI vectors", function()
   it("2: snapshotName \"\" is 400 invalid_snapshot_name; names that look like ids are names", T.async(function()
     local s, b = raw("POST", "/sandboxes", json.encode({ ownerId = B.workspace, snapshotName = "" }))
     assert.are.same({ 400, "invalid_snapshot_name" }, { s, b.code })

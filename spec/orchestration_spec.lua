@@ -309,10 +309,21 @@ require("moonbox.task").map(fleet, function(s) return s:exec("sleep 60") end, { 
   it("SIGTERM cancels the recipe: exit 143 and every sandbox terminated", T.async(function()
     local recipe = tmp .. "/term.lua"
     write(recipe, SLOW)
+    local seq = last_seq()
     local p = spawn_run(recipe)
     local lines = p:lines("stdout")
     assert.are.equal("ready", lines())
-    task.sleep(0.3)
+    -- The signal comes while the six execs run: the backend has received all their streams.
+    local deadline = task.now() + 60
+    while true do
+      local streams = 0
+      for _, e in ipairs(journal_since(seq)) do
+        if e.method == "POST" and e.path:find("/runs/stream$") then streams = streams + 1 end
+      end
+      if streams >= 6 then break end
+      assert(task.now() < deadline, "only " .. streams .. " of 6 exec streams reached the backend")
+      task.sleep(0.05)
+    end
     p:kill("TERM")
     local code = p:wait()
     assert.are.equal(143, code)
@@ -329,7 +340,10 @@ local guard = require "moonbox.guard"
 local snap = render.snapshots.latest("orch")
 local fleet <close> = render.restore(snap, { count = 4, concurrency = 4 })
 local g <close> = guard.new("slow")
-g:defer(function() require("moonbox.task").sleep(30) end)
+g:defer(function()
+  io.stdout:write("unwinding\n"); io.stdout:flush()
+  require("moonbox.task").sleep(30)
+end)
 io.stdout:write("ready\n"); io.stdout:flush()
 require("moonbox.task").sleep(60)
 ]])
@@ -337,7 +351,7 @@ require("moonbox.task").sleep(60)
     local lines = p:lines("stdout")
     assert.are.equal("ready", lines())
     p:kill("INT")
-    task.sleep(0.5)
+    assert.are.equal("unwinding", lines()) -- the first SIGINT is being handled
     p:kill("INT")
     local code = p:wait()
     assert.are.equal(130, code)

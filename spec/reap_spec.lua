@@ -6,6 +6,7 @@ local T = require "moonbox.testing"
 local L = require "spec.support.local_backend"
 local runs = require "spec.support.runs"
 local json = require "moonbox.json"
+local S = require "spec.support.store_env"
 
 local B, home
 
@@ -17,6 +18,7 @@ end))
 teardown(T.async(function()
   if home then home:destroy() end
   if B then B:destroy() end
+  S.shutdown()
 end))
 
 -- Starts a run of home h that makes n sandboxes, then SIGKILLs it: a dead run holding n.
@@ -31,6 +33,7 @@ require("moonbox.task").sleep(600)
   assert.are.equal("made " .. n, p:lines()())
   p:kill("KILL")
   p:wait()
+  S.after_kill()
 end
 
 describe("moonbox reap", function()

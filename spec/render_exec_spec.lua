@@ -1,4 +1,4 @@
--- sb:exec / sb:spawn semantics (DESIGN.md §4 "Exec semantics") against a real `moonbox local`:
+-- sb:exec / sb:spawn semantics (docs/reference/render.md, "Exec") against a real `moonbox local`:
 -- env never in command text, kill before start, process-group kill, cancellation, max_output.
 local T = require "moonbox.testing"
 local task = require "moonbox.task"

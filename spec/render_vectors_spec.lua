@@ -1,4 +1,4 @@
--- The request vectors of render-api.md §11 for requests moonbox.render itself sends: paths,
+-- The request vectors listed in docs/wire.md for requests moonbox.render itself sends: paths,
 -- query keys, exact JSON bodies and headers, as the backend's request journal recorded them.
 local T = require "moonbox.testing"
 local json = require "moonbox.json"
@@ -34,7 +34,7 @@ local function query_keys(q)
   return keys
 end
 
-describe("requests moonbox.render sends (§11)", function()
+describe("requests moonbox.render sends (the SDKs' vectors)", function()
   it("TS 4 / Py 1: create sends the options given, camelCased, and nothing else but its label",
     T.async(function()
       local sb

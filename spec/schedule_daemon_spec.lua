@@ -9,6 +9,7 @@ local task = require "moonbox.task"
 local json = require "moonbox.json"
 local clock = require "moonbox.schedule.clock"
 local L = require "spec.support.local_backend"
+local S = require "spec.support.store_env"
 
 local START = "2026-03-01T00:00:00Z"
 
@@ -23,12 +24,16 @@ local function env_new(recipe, backend)
   local f = assert(io.open(dir .. "/recipe.lua", "w"))
   f:write(recipe)
   f:close()
-  return setmetatable({ dir = dir, recipe = dir .. "/recipe.lua", backend = backend }, Env)
+  -- store: on PostgreSQL, a fresh database of its own, as it has a state dir of its own
+  return setmetatable({ dir = dir, recipe = dir .. "/recipe.lua", backend = backend, store = S.vars() }, Env)
 end
+
+teardown(run(function() S.shutdown() end))
 
 function Env:vars(start)
   local v = { "env", "HOME=" .. self.dir, "XDG_STATE_HOME=" .. self.dir .. "/state",
     "MOONBOX_TEST_CLOCK=start=" .. (start or START) .. ",scale=600" }
+  for _, kv in ipairs(self.store) do v[#v + 1] = kv end
   if self.backend then
     v[#v + 1] = "RENDER_API_KEY=" .. self.backend.key
     v[#v + 1] = "RENDER_WORKSPACE_ID=" .. self.backend.workspace
@@ -333,6 +338,48 @@ if not schedule.running() then print("one-off") end]])
   end))
 end)
 
+describe("a schedule's budget (max_sandboxes, max_sandbox_seconds)", function()
+  local B, e
+  setup(run(function() B = L.start() end))
+  teardown(run(function()
+    if e then e:destroy() end
+    if B then B:destroy() end
+  end))
+
+  it("holds each run to its own budget: the create beyond is refused, the run fails with budget_exceeded",
+    T.async(function()
+      e = env_new(PRELUDE .. [[
+local render = require "moonbox.render"
+schedule.cron("two", "0 3 * * *", function()
+  local a <close> = render.sandboxes.create { network = "deny-all" }
+  local b <close> = render.sandboxes.create { network = "deny-all" }
+end, { max_sandboxes = 1 })
+schedule.every("slow", "1h", function()
+  local a <close> = render.sandboxes.create { network = "deny-all" }
+  a:exec("sleep 60")
+end, { max_sandbox_seconds = "2s" })]], B)
+      for round = 1, 2 do -- a budget per run: the second run has all of it again
+        local r = e:moonbox { "schedule", e.recipe, "--trigger", "two" }
+        assert.are.equal(1, r.code, r.stdout)
+        assert.matches("budget of 1 sandbox is spent", r.stderr)
+        local rows = e:runs("two")
+        assert.are.equal(round, #rows)
+        assert.are.equal("failed", rows[round].outcome)
+        assert.matches("budget_exceeded", rows[round].error)
+        assert.are.equal(1, #rows[round].sandboxes)
+      end
+      local r = e:moonbox { "schedule", e.recipe, "--trigger", "slow" }
+      assert.are.equal(1, r.code, r.stdout)
+      local rows = e:runs("slow")
+      assert.are.equal("failed", rows[1].outcome)
+      assert.matches("budget of 2 sandbox%-seconds is spent", rows[1].error)
+      assert.matches("budget_exceeded", rows[1].error)
+      local _, sb = B:req("GET", "/v1/sandboxes/" .. rows[1].sandboxes[1])
+      assert.are.equal("terminated", sb.status)
+      assert.are.equal(0, B:live())
+    end))
+end)
+
 describe("moonbox schedule killed with -9 during a run", function()
   local B, e
   setup(run(function() B = L.start() end))
@@ -353,6 +400,7 @@ end)]], B)
     local line = d:wait_for("^created sbx%-")
     local id = line:match("(sbx%-%S+)")
     d:stop("KILL")
+    S.after_kill()
     local _, sb = B:req("GET", "/v1/sandboxes/" .. id)
     assert.are.equal("running", sb.status)
     local before = e:runs("k")

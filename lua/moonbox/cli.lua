@@ -67,6 +67,32 @@ function M.finish_run()
   if not ok then io.stderr:write("moonbox: leaving the backend failed: ", M.format_error(err), "\n") end
 end
 
+--- cli.print_dry_run(report, file, want_json, code, err, budget): what `moonbox run --dry-run`
+-- prints on stdout once the recipe ended: the report as text (moonbox.render.dryrun.text), or
+-- as one JSON line with --json (the outcome, exit status, error and budget added).
+function M.print_dry_run(rep, file, want_json, code, err, budget)
+  local dryrun = require "moonbox.render.dryrun"
+  if want_json then
+    local json = require "moonbox.json"
+    local e = json.null
+    if err ~= nil then
+      e = type(err) == "table" and { message = err.message or tostring(err), code = err.code, op = err.op,
+        budget = err.budget } or { message = tostring(err) }
+    end
+    io.stdout:write(require("moonbox.trace").redact(dryrun.json(rep, {
+      recipe = file, exit_code = code, error = e,
+      outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",
+      budget = { sandboxes = budget.max_sandboxes or json.null,
+        sandbox_seconds = budget.max_seconds or json.null,
+        exceeded = budget.breach and budget.breach.budget or
+          (type(err) == "table" and err.code == "budget_exceeded" and err.budget) or json.null },
+    })), "\n")
+  else
+    io.stdout:write(dryrun.text(rep, file), "\n")
+  end
+  io.stdout:flush()
+end
+
 --- Runs fn(...) as the root task with SIGINT/SIGTERM cancelling it; returns exit code, plus
 -- the error when it failed.
 local function run_root(fn, ...)
@@ -111,7 +137,7 @@ end
 M.bad_backend = bad_backend
 
 command("run", "run a recipe as a task",
-  "moonbox run [--backend URL|local|render] [--trace FILE] [--json] [--progress]\n" ..
+  "moonbox run [--backend URL|local|render] [--trace FILE] [--json] [--progress] [--dry-run]\n" ..
   "                   [--max-sandboxes N] [--max-sandbox-seconds S] FILE [ARGS...]",
   [[Loads FILE as a Lua chunk and runs it as the root task on the event loop, so its top
 level can call any moonbox function that waits. ARGS are in the global `arg` table (arg[0] is
@@ -137,9 +163,16 @@ when stderr is not a terminal; on a terminal it is always shown.
 --max-sandboxes N and --max-sandbox-seconds S are the run's budget (docs/reference/render.md,
 "Budgets"): a create beyond N raises budget_exceeded before anything is sent; when the run's
 sandboxes have existed S seconds in total, those still running are terminated and the run
-fails with budget_exceeded. A recipe's render.budget{...} can lower them, never raise them.]],
+fails with budget_exceeded. A recipe's render.budget{...} can lower them, never raise them.
+
+--dry-run runs the recipe against a backend simulated in memory, on a simulated clock: no
+process, no network, no sandbox. Execs exit 0 with empty output unless the recipe's
+render.dry_run hooks say otherwise. Then it prints what the run would do: each step in
+simulated time, creates by plan, snapshots, restores, execs, peak live sandboxes and
+sandbox-seconds (with --json: one JSON object instead). Budgets apply. See
+docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
   function(args)
-    local backend, trace_file, want_json, want_progress
+    local backend, trace_file, want_json, want_progress, dry_run
     local limits = {}
     while args[1] and args[1]:match("^%-%-") do
       local a = table.remove(args, 1)
@@ -169,6 +202,8 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
         want_json = true
       elseif name == "progress" and not v then
         want_progress = true
+      elseif name == "dry-run" and not v then
+        dry_run = true
       elseif a == "--" then
         break
       else
@@ -177,6 +212,9 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
     end
     local bad = bad_backend("run", backend)
     if bad then return bad end
+    if dry_run and backend then
+      return usage_error("run: --dry-run simulates the backend; it takes no --backend")
+    end
     local file = args[1]
     if not file then return usage_error("run: missing the recipe FILE") end
     local rest = table.move(args, 2, #args, 1, {})
@@ -186,7 +224,8 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
       return EXIT_FAIL
     end
     set_arg(file, rest)
-    build.ledger = true -- moonbox.render records this run's creates (moonbox ps / reap)
+    -- moonbox.render records this run's creates (moonbox ps / reap); a dry run creates nothing.
+    build.ledger = not dry_run
     local trace = require "moonbox.trace"
     if trace_file then
       local ok, terr = pcall(trace.start, trace_file, { name = "moonbox run " .. file })
@@ -195,7 +234,8 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
         return EXIT_FAIL
       end
     end
-    local summary = want_json and require("moonbox.run_summary").start() or nil
+    local summary = want_json and not dry_run and require("moonbox.run_summary").start() or nil
+    local dry_report
     local t_start = core.now()
     local budget_mod = require "moonbox.render.budget"
     local budget = budget_mod.new(limits)
@@ -204,15 +244,17 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
       -- recipe file rather than moonbox's own.
       local data = core.data(core.current())
       data.site, data.site_recipe = file, true
+      if dry_run then require("moonbox.render.dryrun").start() end
       budget_mod.attach(core.current(), budget)
       local progress
-      if want_progress or core.isatty(2) then
+      if not dry_run and (want_progress or core.isatty(2)) then
         progress = require("moonbox.progress").start { tty = core.isatty(2) }
       end
       if backend then require("moonbox.render").connect { backend = backend } end
       local r = table.pack(xpcall(chunk, core.msgh, ...))
       if progress then progress:stop() end
       M.finish_run()
+      if dry_run then dry_report = require("moonbox.render.dryrun").stop() end
       if budget.breach then
         -- Raised in the watchdog: say where the recipe was when its run was stopped.
         local e, stopped = budget.breach, r[2]
@@ -233,6 +275,7 @@ fails with budget_exceeded. A recipe's render.budget{...} can lower them, never 
     if ledger then ledger.close_process(outcome) end
     budget:close()
     if trace_file then trace.stop() end
+    if dry_report then M.print_dry_run(dry_report, file, want_json, code, err, budget) end
     if summary then
       io.stdout:write(summary:finish { recipe = file, exit_code = code, error = err,
         duration_s = core.now() - t_start, budget = budget }, "\n")
@@ -285,7 +328,12 @@ local function parse_flags(args, spec)
           value = args[i]
           if value == nil then return nil, "option --" .. name .. " needs a value" end
         end
-        opts[name] = value
+        if kind == "list" then -- repeatable: every value, in order
+          opts[name] = opts[name] or {}
+          table.insert(opts[name], value)
+        else
+          opts[name] = value
+        end
       end
     else
       rest[#rest + 1] = a
@@ -307,8 +355,8 @@ end
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
   "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]\n" ..
-  "                     [--dns IPV4]",
-  [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and runs real, isolated sandboxes on
+  "                     [--dns IPV4] [--rate-limit N] [--public-url URL]",
+  [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and ::1 and runs real, isolated sandboxes on
 this machine: each in its own user namespace (root inside is an unprivileged id on the host),
 with a seccomp filter, its plan's cgroup limits, and an overlay root over a Debian 12 image
 (built once per machine with mmdebstrap; --image DIR for your own root filesystem; --host-root
@@ -319,9 +367,15 @@ at it:
   RENDER_API_KEY=...            (generated at first start, kept 0600 in the state dir)
   RENDER_WORKSPACE_ID=tea-...
 
---port 0 picks a free port. --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
+--port 0 picks a free port (the same on both addresses).
+--state DIR defaults to $XDG_STATE_HOME/moonbox/local.
 --dns IPV4 is the resolver that allow-list sandboxes' gates ask for the allowed names (default:
 the host's, through slirp4netns; see docs/local-isolation.md).
+--rate-limit N answers /v1 requests beyond N a minute with 429 and Retry-After (default 100000;
+every /v1 answer carries RateLimit-Limit, -Remaining and -Reset; a low N rehearses throttling).
+--public-url URL (e.g. https://sandbox.example.test): the base of the exec and file URIs it
+hands out; without it they follow the request's Host, or a loopback proxy's X-Forwarded-Host and
+X-Forwarded-Proto (docs/local.md: "Behind a TLS proxy").
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
 Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
@@ -330,8 +384,13 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
       ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
-      dns = "value" })
+      dns = "value", ["rate-limit"] = "value", ["public-url"] = "value" })
     if not opts then return usage_error("local: %s", rest) end
+    local rate_limit = opts["rate-limit"] and math.tointeger(tonumber(opts["rate-limit"]))
+    if opts["rate-limit"] and not (rate_limit and rate_limit >= 1) then
+      return usage_error("local: --rate-limit wants a whole number of requests per minute >= 1, got '%s'",
+        opts["rate-limit"])
+    end
     if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
     if opts.image and opts["host-root"] then return usage_error(
       "local: --image and --host-root exclude each other") end
@@ -342,6 +401,10 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     local loopback = { ["127.0.0.1"] = true, localhost = true, ["::1"] = true }
     if opts.host and not loopback[opts.host] then
       return usage_error("local: --host must be a loopback address; moonbox local never listens elsewhere")
+    end
+    if opts["public-url"] then
+      local ok_url, why = require("moonbox.local.http.public").valid_url(opts["public-url"])
+      if not ok_url then return usage_error("local: --public-url %s: %s", opts["public-url"], why) end
     end
     if opts.dns and not opts.dns:match("^%d+%.%d+%.%d+%.%d+$") then
       return usage_error("local: --dns must be an IPv4 address (the resolver allow-list sandboxes ask)")
@@ -361,7 +424,7 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
         on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
         api_key = opts["api-key"], workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
-        dns = opts.dns,
+        dns = opts.dns, rate_limit = rate_limit, public_url = opts["public-url"],
       }
       local _close <close> = setmetatable({}, { __close = function()
         backend:close()
@@ -472,21 +535,38 @@ function M.embedded_gone(dir)
   if pid == ledger.self_pid() then os.remove(dir .. "/" .. embedded.PID_FILE) end
 end
 
-command("ps", "list the sandboxes moonbox runs hold", "moonbox ps",
+-- --state DB of ps and reap: the database to read (moonbox.db.set_target); nil, or the usage
+-- error's exit status.
+local function state_flag(name, opts)
+  if not opts.state then return nil end
+  require("moonbox.db").set_target(opts.state)
+  local ok, err = pcall(require("moonbox.db").target)
+  if not ok then return usage_error("%s: --state: %s", name, tostring(err)) end
+end
+
+command("ps", "list the sandboxes moonbox runs hold", "moonbox ps [--state DB]",
   [[Lists every run recorded in the ledger ($XDG_STATE_HOME/moonbox/moonbox.db) that is still
 alive or still holds sandboxes: its id, pid, whether it is alive, the recipe and the backend
 (a URL, or the state dir of an embedded backend), and each sandbox it created and did not
 terminate, or each create whose answer was lost ("unknown create mb-..."). For a dead run it
 asks the backend what became of each (running, gone, or which sandbox a lost create's label
-names) when that backend can be reached; it never starts a backend. See
-docs/reference/ledger.md.]],
-  function()
+names) when that backend can be reached; it never starts a backend. --state DB reads another
+ledger: a SQLite file, or a postgres:// URL (default: MOONBOX_DATABASE_URL, else the state
+dir's moonbox.db); on PostgreSQL it shows every machine's runs, alive meaning its lease has not
+expired. See docs/reference/ledger.md.]],
+  function(args)
+    local opts, rest = parse_flags(args, { state = "value" })
+    if not opts then return usage_error("ps: %s", rest) end
+    if #rest > 0 then return usage_error("ps: unexpected argument '%s'", rest[1]) end
+    local bad = state_flag("ps", opts)
+    if bad then return bad end
     local code, err = run_root(function() require("moonbox.reap").ps(print) end)
     if err ~= nil then eprintf("moonbox ps: %s\n", M.format_error(err)) end
     return code
   end)
 
-command("reap", "terminate what dead runs left behind", "moonbox reap [--dry-run] [--forget RUN]",
+command("reap", "terminate what dead runs left behind",
+  "moonbox reap [--dry-run] [--forget RUN] [--state DB]",
   [[Goes through every run that is no longer alive (killed, crashed, or ended) and still holds
 sandboxes, and settles each with its backend: terminates what still runs, releases what the
 backend no longer knows, and reconciles a create whose answer was lost by the label moonbox puts
@@ -497,15 +577,19 @@ left for the next reap; every other run is still settled. Prints what it did per
 
 --dry-run only says what it would do. --forget RUN drops what run RUN (a dead one) holds from
 the ledger without asking its backend — for entries you know are gone; combine it with
---dry-run to see them first.
+--dry-run to see them first. --state DB as for `moonbox ps`: on a PostgreSQL ledger shared by
+several machines, reap acts on any machine's runs whose lease has expired, never on a run
+another machine is still renewing.
 
 Exit status: 0 when nothing is left held by a dead run, 1 when something is (see the lines
 above), 2 on usage errors. The backend's key comes from RENDER_API_KEY, or from the local
 backend's state dir for a local one.]],
   function(args)
-    local opts, rest = parse_flags(args, { ["dry-run"] = "flag", forget = "value" })
+    local opts, rest = parse_flags(args, { ["dry-run"] = "flag", forget = "value", state = "value" })
     if not opts then return usage_error("reap: %s", rest) end
     if #rest > 0 then return usage_error("reap: unexpected argument '%s'", rest[1]) end
+    local bad = state_flag("reap", opts)
+    if bad then return bad end
     local forget = opts.forget and math.tointeger(tonumber(opts.forget))
     if opts.forget and not forget then
       return usage_error("reap: --forget needs a run id, got '%s'", opts.forget)

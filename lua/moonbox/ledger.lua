@@ -1,4 +1,4 @@
---- moonbox.ledger — what every run created, written down before it exists (DESIGN.md §6).
+--- moonbox.ledger — what every run created, written down before it exists (docs/reference/ledger.md).
 --
 -- `$XDG_STATE_HOME/moonbox/moonbox.db` (SQLite, WAL) holds one row per `moonbox run` (pid,
 -- process start time, recipe, backend, the embedded backend's state dir when it used one,
@@ -16,9 +16,14 @@
 -- to the process's own run (`moonbox run`), begun at the first create.
 --
 -- The same database holds the schedule state and history of `moonbox schedule`
--- (lua/moonbox/schedule/store.lua); its tables are migration 2 below, because SQLite keeps one
--- schema version per file.
-local store = require "moonbox.store"
+-- (lua/moonbox/schedule/store.lua); moonbox.db owns where it is (SQLite by default, PostgreSQL
+-- with --state postgres://... or MOONBOX_DATABASE_URL) and its schema.
+--
+-- Liveness: on SQLite a run is alive while its process is (pid and process start time); on
+-- PostgreSQL, whose runs may belong to other machines, while its lease has not expired: the
+-- process renews lease_until of every run it owns (ledger.keep_alive) and a run whose lease
+-- ran out is dead wherever it ran.
+local db_mod = require "moonbox.db"
 local core = require "moonbox.core"
 local task = require "moonbox.task"
 
@@ -26,42 +31,10 @@ local M = {}
 local Ledger = {}
 Ledger.__index = Ledger
 
-local MIGRATIONS = {
-  [[
-  CREATE TABLE runs (
-    id INTEGER PRIMARY KEY, pid INTEGER NOT NULL, pid_start TEXT, recipe TEXT,
-    backend TEXT NOT NULL, workspace TEXT, started_at REAL NOT NULL, ended_at REAL, outcome TEXT
-  );
-  CREATE TABLE intents (
-    id INTEGER PRIMARY KEY, run_id INTEGER NOT NULL REFERENCES runs(id),
-    created_at REAL NOT NULL, label TEXT NOT NULL, sandbox_id TEXT, released_at REAL, outcome TEXT
-  );
-  CREATE INDEX intents_by_run ON intents (run_id);
-  CREATE INDEX intents_by_sandbox ON intents (sandbox_id);
-  ]],
-  [[
-  CREATE TABLE schedules (
-    name TEXT PRIMARY KEY, recipe TEXT, spec TEXT, last_slot REAL, next_fire REAL,
-    failures INTEGER NOT NULL DEFAULT 0, paused INTEGER NOT NULL DEFAULT 0, paused_reason TEXT,
-    paused_at REAL, owner_pid INTEGER, owner_pid_start TEXT, updated_at REAL
-  );
-  CREATE TABLE schedule_runs (
-    id INTEGER PRIMARY KEY, schedule TEXT NOT NULL, slot REAL NOT NULL, trigger TEXT NOT NULL,
-    due_at REAL, fired_at REAL, started_at REAL, ended_at REAL, outcome TEXT NOT NULL, error TEXT,
-    ledger_run INTEGER, pid INTEGER, pid_start TEXT
-  );
-  CREATE INDEX schedule_runs_by_schedule ON schedule_runs (schedule, id);
-  CREATE UNIQUE INDEX schedule_runs_one_per_slot ON schedule_runs (schedule, slot)
-    WHERE trigger <> 'manual';
-  ]],
-  -- Where an embedded backend keeps a run's sandboxes: its URL dies with it, its state dir does
-  -- not, so `moonbox reap` can bring it up again there.
-  [[
-  ALTER TABLE runs ADD COLUMN local_state TEXT;
-  ]],
-}
+--- ledger.LEASE: seconds a lease lasts after each renewal (MOONBOX_LEASE_SECONDS, default 30);
+-- the keeper renews it every third of that.
+M.LEASE = tonumber(os.getenv("MOONBOX_LEASE_SECONDS") or "") or 30
 
-local state_home = require("moonbox.path").state_home
 
 --- ledger.pid_start(pid) -> the start time of process pid (field 22 of /proc/PID/stat), so a
 -- reused pid is not mistaken for the run that died; nil when no such process runs. A zombie
@@ -82,25 +55,34 @@ local function pid_start(pid)
 end
 M.pid_start = pid_start
 
---- ledger.open(path) -> Ledger (default path: the state dir's moonbox.db, created 0600).
-function M.open(path)
-  if not path then
-    local dir = state_home()
-    os.execute("mkdir -p -m 0700 '" .. dir:gsub("'", "'\\''") .. "'")
-    path = dir .. "/moonbox.db"
+--- ledger.open([where]) -> Ledger over moonbox.db.open(where) (default: db.target(): the
+-- state dir's moonbox.db, created 0600, or the PostgreSQL database named by --state or
+-- MOONBOX_DATABASE_URL). [yields] on PostgreSQL.
+function M.open(where)
+  local db = db_mod.open(where)
+  -- leases: the ids of the runs and schedule runs this process holds leases on (renew).
+  return setmetatable({ db = db, path = db:describe(), shared = db.shared,
+    leases = { runs = {}, schedule_runs = {} } }, Ledger)
+end
+
+--- ledger:now() -> the time leases are reckoned in: the database server's clock on
+-- PostgreSQL (one clock for every machine), this machine's otherwise. [yields] on PostgreSQL.
+function Ledger:now()
+  if self.shared then
+    return self.db:value("SELECT extract(epoch FROM clock_timestamp())::float8 AS now")
   end
-  local db = store.open(path)
-  db:migrate(MIGRATIONS)
-  return setmetatable({ db = db, path = path }, Ledger)
+  return core.time()
 end
 
 --- ledger:open_run{recipe, backend, workspace, local_state} -> run id: a new run record owned by
 -- this process (not made the process's own run; see begin_run). local_state: the state dir of
 -- the embedded backend the run uses, if it does.
 function Ledger:open_run(info)
+  local lease = self.shared and (self:now() + M.LEASE) or nil
   local _, id = self.db:run([[INSERT INTO runs (pid, pid_start, recipe, backend, workspace, started_at,
-    local_state) VALUES (?, ?, ?, ?, ?, ?, ?)]], M.self_pid(), M.self_start(), info.recipe, info.backend,
-    info.workspace, core.time(), info.local_state)
+    local_state, owner, lease_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)]], M.self_pid(), M.self_start(),
+    info.recipe, info.backend, info.workspace, core.time(), info.local_state, M.owner(), lease)
+  if self.shared then self.leases.runs[id] = true end
   return id
 end
 
@@ -117,6 +99,7 @@ function Ledger:end_run(outcome, run_id)
   run_id = run_id or self.run_id
   if not run_id then return end
   self.db:run("UPDATE runs SET ended_at = ?, outcome = ? WHERE id = ?", core.time(), outcome, run_id)
+  self.leases.runs[run_id] = nil
 end
 
 --- ledger:intent([run_id]) -> intent id, label: written before a create is sent; label goes
@@ -171,17 +154,28 @@ function Ledger:forget(run_id)
   return n
 end
 
-local function fill_run(db, r)
-  r.alive = r.ended_at == nil and M.alive(r.pid, r.pid_start)
-  r.held = db:rows("SELECT * FROM intents WHERE run_id = ? AND released_at IS NULL ORDER BY id", r.id)
+--- ledger:is_alive(r [, now]) -> whether run row r has not ended and its owner lives: its
+-- process (SQLite), its lease (PostgreSQL; now: ledger:now()). [yields] on PostgreSQL.
+function Ledger:is_alive(r, now)
+  if r.ended_at ~= nil then return false end
+  if self.shared then
+    return r.lease_until ~= nil and r.lease_until > (now or self:now())
+  end
+  return M.alive(r.pid, r.pid_start)
+end
+
+local function fill_run(L, r, now)
+  r.alive = L:is_alive(r, now)
+  r.held = L.db:rows("SELECT * FROM intents WHERE run_id = ? AND released_at IS NULL ORDER BY id", r.id)
   return r
 end
 
 --- ledger:runs() -> array of runs with `alive` and `held` (unreleased intents) filled in.
 function Ledger:runs()
   local out = {}
+  local now = self.shared and self:now() or nil
   for _, r in ipairs(self.db:rows("SELECT * FROM runs ORDER BY id")) do
-    out[#out + 1] = fill_run(self.db, r)
+    out[#out + 1] = fill_run(self, r, now)
   end
   return out
 end
@@ -189,7 +183,62 @@ end
 --- ledger:run(id) -> that run with `alive` and `held` filled in, or nil.
 function Ledger:run(id)
   local r = self.db:row("SELECT * FROM runs WHERE id = ?", id)
-  return r and fill_run(self.db, r)
+  return r and fill_run(self, r)
+end
+
+local function id_array(set)
+  local ids = {}
+  for id in pairs(set) do ids[#ids + 1] = tostring(math.tointeger(id) or id) end
+  if #ids == 0 then return nil end
+  table.sort(ids)
+  return "{" .. table.concat(ids, ",") .. "}"
+end
+
+--- ledger:renew() -> the new lease_until: extends the lease of the runs this process opened
+-- and has not ended, and of the schedule runs it is running (ledger.leases, kept by
+-- moonbox.schedule.store) — by id, so a row this process wrote but never learnt of (its answer
+-- was lost with the connection) is not kept alive by it. Nothing on SQLite (liveness is the
+-- process there). [yields] on PostgreSQL.
+function Ledger:renew()
+  if not self.shared then return nil end
+  local until_ = self:now() + M.LEASE
+  local runs, sruns = id_array(self.leases.runs), id_array(self.leases.schedule_runs)
+  if runs then
+    self.db:run("UPDATE runs SET lease_until = ? WHERE id = ANY (?::bigint[]) AND ended_at IS NULL",
+      until_, runs)
+  end
+  if sruns then
+    self.db:run("UPDATE schedule_runs SET lease_until = ? WHERE id = ANY (?::bigint[]) " ..
+      "AND outcome IN ('queued', 'running')", until_, sruns)
+  end
+  return until_
+end
+
+--- ledger:keep_alive([on_error]) -> task or nil: on PostgreSQL, the task that renews this
+-- ledger's leases (ledger:renew) every third of ledger.LEASE until it is cancelled (one per
+-- ledger: a second call returns the running one); on_error(err) hears a renewal that failed
+-- (the next one tries again). nil on SQLite. Does not yield.
+function Ledger:keep_alive(on_error)
+  if not self.shared then return nil end
+  if self.keeper and task.result(self.keeper) == nil then return self.keeper end
+  self.keeper = task.spawn(function()
+    while true do
+      task.sleep(M.LEASE / 3)
+      local ok, err = pcall(self.renew, self)
+      if not ok then
+        if task.is_cancelled(err) then error(err, 0) end
+        if on_error then on_error(err) end
+      end
+    end
+  end)
+  return self.keeper
+end
+
+--- ledger:stop_keeping(): cancels the keeper (keep_alive), if one runs; the leases then run
+-- out unless the runs end first. Does not yield.
+function Ledger:stop_keeping()
+  if self.keeper then task.cancel(self.keeper) end
+  self.keeper = nil
 end
 
 --- ledger:sandboxes(run_id) -> array of the sandbox ids that run's creates answered with.
@@ -224,6 +273,34 @@ end
 function M.self_start()
   self_start = self_start or pid_start(M.self_pid())
   return self_start
+end
+
+local owner_id, host_name
+
+--- ledger.host() -> this machine's host name (as in owner ids).
+function M.host()
+  if not host_name then
+    local f = io.open("/proc/sys/kernel/hostname")
+    host_name = f and f:read("l") or "?"
+    if f then f:close() end
+  end
+  return host_name
+end
+
+--- ledger.owner() -> who this process is, for other machines: "HOST/PID/START" (the host name,
+-- pid and process start time).
+function M.owner()
+  owner_id = owner_id or string.format("%s/%d/%s", M.host(), M.self_pid(), tostring(M.self_start()))
+  return owner_id
+end
+
+--- ledger.elsewhere(r) -> the host of run row r when it ran on another machine and used an
+-- embedded backend there (whose sandboxes only that machine can reach), else nil.
+function M.elsewhere(r)
+  if not (r.local_state and r.owner) then return nil end
+  local host = r.owner:match("^(.*)/%d+/[^/]*$")
+  if host and host ~= M.host() then return host end
+  return nil
 end
 
 --- ledger.alive(pid, start) -> whether process pid runs and is the one that started at `start`
@@ -272,11 +349,12 @@ function M.set_process(L) process_ledger = L end
 function M.process() return process_ledger end
 
 --- ledger.close_process(outcome): ends this process's own run with outcome ("ok", "failed",
--- "interrupted"; nothing when it never began) and closes its ledger. Does not yield.
+-- "interrupted"; nothing when it never began) and closes its ledger. Yields only on PostgreSQL.
 function M.close_process(outcome)
   local L = process_ledger
   if not L then return end
   process_ledger = nil
+  L:stop_keeping()
   L:end_run(outcome)
   L:close()
 end
@@ -284,30 +362,54 @@ end
 --- ledger.for_create(conn) -> Ledger, run id | nil: where moonbox.render records a create made
 -- now: the run attached to the current task (begun now if needed), else the process's own run
 -- (begun at the first create). The run records conn's backend URL and, for an embedded
--- backend, its state dir. Does not yield.
+-- backend, its state dir. Yields only on PostgreSQL.
+-- Runs make() once for holder: the first caller runs it, callers that come while it is under
+-- way (it yields on PostgreSQL) wait for it and see what it made, so concurrent first creates
+-- begin one run, not several. make() stores its result; a failure lets the next caller try.
+local function once(holder, done, make)
+  while not done() and holder.opening do holder.opening:wait() end
+  if done() then return end
+  local cond = core.cond()
+  holder.opening = cond
+  local ok, err = pcall(make)
+  holder.opening = nil
+  cond:broadcast()
+  if not ok then error(err, 0) end
+end
+
+local process_opening = {}
+
 function M.for_create(c)
   local info = { backend = c.base, workspace = c.workspace, local_state = c.state_dir }
   local ctx = M.context()
   if ctx then
-    if not ctx.run_id then
+    once(ctx, function() return ctx.run_id ~= nil end, function()
       info.recipe = ctx.recipe
-      ctx.run_id = ctx.ledger:open_run(info)
-      if ctx.on_begin then ctx.on_begin(ctx.run_id) end
-    end
+      local id = ctx.ledger:open_run(info)
+      ctx.run_id = id
+      if ctx.on_begin then ctx.on_begin(id) end
+    end)
     return ctx.ledger, ctx.run_id
   end
-  if process_ledger == nil and require("moonbox.build").ledger then process_ledger = M.open() end
+  if require("moonbox.build").ledger then
+    once(process_opening, function() return process_ledger ~= nil end, function()
+      process_ledger = M.open()
+    end)
+  end
   local L = process_ledger
   if not L then return nil end
-  if not L.run_id then
+  once(L, function() return L.run_id ~= nil end, function()
     info.recipe = arg and arg[0]
     L:begin_run(info)
-  end
+    -- On PostgreSQL the run is alive while its lease lasts: renew it until the process ends
+    -- (the keeper is cancelled with the recipe's other tasks, then close_process ends the run).
+    if L.shared then L:keep_alive() end
+  end)
   return L, L.run_id
 end
 
 --- ledger.release_anywhere(sandbox_id, outcome): releases the sandbox in the ledger a create of
--- the current task would use (its run's, else the process's), if any. Does not yield.
+-- the current task would use (its run's, else the process's), if any. Yields only on PostgreSQL.
 function M.release_anywhere(sandbox_id, outcome)
   local ctx = M.context()
   local L = ctx and ctx.ledger or process_ledger

@@ -1,7 +1,7 @@
 --- moonbox.path — path arithmetic shared by the Render client, the ledger and the local backend.
 local M = {}
 
---- path.clean(p) -> p cleaned exactly as Go's path.Clean does (render-api.md §6.1: Render
+--- path.clean(p) -> p cleaned exactly as Go's path.Clean does (docs/wire.md, "File tokens": Render
 -- refuses any path that this would change). "" cleans to ".".
 function M.clean(p)
   if p == "" then return "." end
@@ -24,7 +24,7 @@ function M.clean(p)
 end
 
 --- path.state_home() -> moonbox's state directory: $XDG_STATE_HOME/moonbox, else
--- ~/.local/state/moonbox (DESIGN.md §6).
+-- ~/.local/state/moonbox (docs/reference/ledger.md, "What is recorded").
 function M.state_home()
   local xdg = os.getenv("XDG_STATE_HOME")
   if xdg and xdg ~= "" then return xdg .. "/moonbox" end

@@ -1,9 +1,13 @@
 --- moonbox.reap — `moonbox ps` and `moonbox reap`: what runs hold, and finishing the cleanup of
--- runs that died (DESIGN.md §6).
+-- runs that died (docs/reference/ledger.md).
 --
--- A run is dead when its process is gone (pid and process start time no longer match) or it
--- recorded an end. reap goes through every dead run that still holds something, each over its
--- own connection to the run's backend — an embedded backend is brought up again on the state
+-- A run is dead when it recorded an end, or when its owner is gone: on SQLite its process (pid
+-- and process start time no longer match), on a PostgreSQL ledger shared by several machines
+-- its lease (the owner stopped renewing it: moonbox.ledger), so reap on any machine acts on
+-- every machine's dead runs and never on one whose owner still renews it.
+--
+-- reap goes through every dead run that still holds something, each over its own connection
+-- to the run's backend — an embedded backend is brought up again on the state
 -- dir the ledger recorded — and settles each intent with the backend's word: a sandbox it
 -- terminates (or the backend no longer knows) is released; a create whose answer was lost is
 -- found by the label in its name and terminated, or, when no sandbox carries the label, settled
@@ -71,6 +75,8 @@ end
 --- A read-only look at run r's backend for `moonbox ps`: the listing, or nil and why not. An
 -- embedded backend is looked at only when it is already serving (ps never starts one). [yields]
 local function look(r)
+  local far = ledger_mod.elsewhere(r)
+  if far then return nil, "its embedded backend ran on " .. far .. "; `moonbox ps` there can check it" end
   local opts = { backend = r.backend, workspace = r.workspace }
   if r.local_state then
     local url = (read_file(r.local_state .. "/endpoint") or ""):match("^(%S+)")
@@ -102,7 +108,8 @@ function M.ps(out)
   local n = 0
   for _, r in ipairs(L:runs()) do
     if #r.held > 0 or r.alive then
-      out(string.format("run %d  pid %d  %s  %s  %s", r.id, r.pid, r.alive and "alive" or "dead",
+      local who = L.shared and r.owner and ("on " .. r.owner) or ("pid " .. r.pid)
+      out(string.format("run %d  %s  %s  %s  %s", r.id, who, r.alive and "alive" or "dead",
         r.recipe or "?", describe_backend(r)))
       local l, why
       if not r.alive and #r.held > 0 then l, why = look(r) end
@@ -215,7 +222,15 @@ function M.reap_run(L, r, opts, out, result)
   if #r.held == 0 then return result end
   result.runs = result.runs + 1
   local tally = new_result()
-  local ok, c = pcall(connect_run, r)
+  local far = ledger_mod.elsewhere(r)
+  local ok, c
+  if far then
+    -- An embedded backend on another machine: starting one here would find none of its
+    -- sandboxes and release what still runs there.
+    ok, c = false, string.format("its embedded backend ran on %s: run `moonbox reap` there", far)
+  else
+    ok, c = pcall(connect_run, r)
+  end
   if not ok then
     if api.is_interruption(c) then error(c, 0) end
     tally.failed = #r.held
@@ -271,8 +286,9 @@ function M.forget(run_id, opts, out)
     local r = L:run(run_id)
     if not r then error("moonbox reap: no run " .. run_id .. " in the ledger", 0) end
     if r.alive then
-      error(string.format("moonbox reap: run %d is alive (pid %d): only a dead run's entries can go",
-        run_id, r.pid), 0)
+      error(string.format("moonbox reap: run %d is alive (%s): only a dead run's entries can go",
+        run_id, L.shared and r.owner and ("on " .. r.owner .. ", its lease not expired")
+          or ("pid " .. r.pid)), 0)
     end
     for _, i in ipairs(r.held) do
       out(string.format("run %d: %s %s", r.id, opts.dry_run and "would forget" or "forgot", held_line(i)))

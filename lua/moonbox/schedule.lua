@@ -4,6 +4,7 @@
 --   schedule.cron("nightly-base", "0 3 * * *", function(run) rebuild() end,
 --     { overlap = "skip", catchup = "6h", jitter = "5m", timeout = "45m", pause_after_failures = 3 })
 --   schedule.every("heartbeat", "15m", function(run) check() end)
+--   schedule.cron("fanout", "0 * * * *", work, { max_sandboxes = 50, max_sandbox_seconds = "2h" })
 --   if not schedule.running() then rebuild() end   -- `moonbox run`: once, now
 --
 -- Registering only records the schedule (validated at once, errors name the recipe line and the
@@ -20,17 +21,64 @@ local running = false
 
 local OVERLAP = { skip = true, buffer_one = true, cancel_other = true }
 local OPTIONS = { overlap = true, catchup = true, jitter = true, timeout = true,
-  pause_after_failures = true, tz = true }
+  pause_after_failures = true, tz = true, webhooks = true, max_sandboxes = true,
+  max_sandbox_seconds = true }
 
 --- schedule.duration(v) -> seconds, or nil and a message; schedule.format_duration(seconds) ->
 -- "1h30m". The parser shared with the rest of moonbox (lua/moonbox/duration.lua).
 M.duration = duration.parse
 M.format_duration = duration.format
 
+--- schedule.check_webhook(url) -> true, or nil and why: an alert webhook must be an absolute
+-- http:// or https:// URL without spaces or control characters.
+function M.check_webhook(u)
+  if type(u) ~= "string" then return nil, "expected a URL string, got a " .. type(u) end
+  if not u:match("^https?://[^/%s]+") or u:find("[%c%s]") then
+    return nil, "expected an http:// or https:// URL"
+  end
+  return true
+end
+
 local function where_of(level)
   local info = debug.getinfo(level + 1, "Sl")
   if not info then return "?" end
   return info.short_src .. ":" .. (info.currentline or 0)
+end
+
+-- A run's budget from the options max_sandboxes (a count) and max_sandbox_seconds (a
+-- DURATION), as `moonbox run --max-sandboxes N --max-sandbox-seconds S` takes them; nil when
+-- neither is given.
+local function budget_opts(opts, bad, dur)
+  local n = opts.max_sandboxes
+  if n ~= nil and (math.type(n) ~= "integer" or n < 0) then
+    bad("max_sandboxes must be a non-negative integer, got %s", tostring(n))
+  end
+  local secs = dur("max_sandbox_seconds", nil)
+  if n == nil and secs == nil then return nil end
+  return { sandboxes = n, sandbox_seconds = secs }
+end
+
+-- Runs fn(run) under a budget of its own (moonbox.render.budget), attached to the run's task:
+-- a create beyond max_sandboxes raises budget_exceeded before it is sent; when the run's
+-- sandboxes have existed max_sandbox_seconds in total, those still alive are terminated and
+-- the run fails with the budget's error (not as a cancellation). [yields]
+local function with_budget(limits, fn)
+  return function(run)
+    local core = require "moonbox.core"
+    local budget = require "moonbox.render.budget"
+    local b = budget.attach(core.current(), budget.new(limits))
+    local r = table.pack(xpcall(fn, core.msgh, run))
+    b:close()
+    if b.breach then
+      local e, stopped = b.breach, r[2]
+      if not r[1] and type(stopped) == "table" and stopped.where then
+        e.where, e.traceback = stopped.where, stopped.traceback
+      end
+      error(e, 0)
+    end
+    if not r[1] then error(r[2], 0) end
+    return table.unpack(r, 2, r.n)
+  end
 end
 
 -- Validates the options shared by cron and every; returns the schedule's fields. Raises a plain
@@ -53,7 +101,7 @@ local function check_opts(kind, name, where, opts)
   if type(opts) ~= "table" then bad("options must be a table, got a %s", type(opts)) end
   for k in pairs(opts) do
     if not OPTIONS[k] then bad("unknown option '%s' (known: overlap, catchup, jitter, timeout, " ..
-      "pause_after_failures, tz)", tostring(k)) end
+      "pause_after_failures, tz, webhooks, max_sandboxes, max_sandbox_seconds)", tostring(k)) end
   end
   local s = { name = name, where = where, overlap = opts.overlap or "skip" }
   if not OVERLAP[s.overlap] then
@@ -80,12 +128,30 @@ local function check_opts(kind, name, where, opts)
     bad("pause_after_failures must be an integer >= 1, got %s", tostring(n))
   end
   s.pause_after_failures = n
+  local hooks = opts.webhooks
+  if hooks ~= nil then
+    if type(hooks) == "string" then hooks = { hooks } end
+    if type(hooks) ~= "table" then
+      bad("webhooks must be a URL or an array of URLs, got a %s", type(hooks))
+    end
+    local list = {}
+    for i, u in ipairs(hooks) do
+      local okurl, why = M.check_webhook(u)
+      if not okurl then bad("webhooks[%d]: %s", i, why) end
+      list[i] = u
+    end
+    for k in pairs(hooks) do
+      if math.type(k) ~= "integer" or k < 1 or k > #list then bad("webhooks must be an array of URLs") end
+    end
+    s.webhooks = list
+  end
+  s.budget = budget_opts(opts, bad, dur)
   return s, bad
 end
 
 local function register(s, fn, bad)
   if type(fn) ~= "function" then bad("expected a function to run, got a %s", type(fn)) end
-  s.fn = fn
+  s.fn = s.budget and with_budget(s.budget, fn) or fn
   registry.list[#registry.list + 1] = s
   registry.by_name[s.name] = s
   return s
@@ -95,7 +161,9 @@ end
 -- Fires fn(run) at every minute that the five-field cron expression `expr` matches in time
 -- zone opts.tz (default "UTC"; see docs/reference/cron.md). opts: overlap ("skip" default,
 -- "buffer_one", "cancel_other"), catchup (DURATION or false; default "1d"), jitter (DURATION,
--- default 0), timeout (DURATION, none by default), pause_after_failures (integer), tz. Raises
+-- default 0), timeout (DURATION, none by default), pause_after_failures (integer), tz,
+-- max_sandboxes (integer) and max_sandbox_seconds (DURATION): each run's budget, as
+-- `moonbox run --max-sandboxes/--max-sandbox-seconds` (moonbox.render.budget). Raises
 -- a plain error with the recipe's file:line and the schedule's name for any bad argument, a
 -- bad expression (naming the field) or an unknown zone. Does not yield.
 function M.cron(name, expr, fn, opts)

@@ -33,6 +33,7 @@ local secrets = {}
 local open_sandboxes = {}
 local named_tids = {}
 local first = true
+local keep = false
 
 local function now_us()
   return math.floor((core.time() - t_base) * 1e6 + 0.5)
@@ -77,10 +78,18 @@ function M.secret(value, always)
   if type(value) ~= "string" or #value < 4 then return end
   if always then
     secrets[value] = "always"
+  elseif keep and not secrets[value] then
+    secrets[value] = "always"
   elseif M.on and not secrets[value] then
     secrets[value] = "trace"
   end
 end
+
+--- trace.keep_secrets(): from now on every secret registered is kept for the life of the
+-- process, trace or not, so trace.redact scrubs env values from any text (`moonbox schedule`
+-- does this: its alert messages and status page quote run errors). Costs the memory of every
+-- distinct env value sent.
+function M.keep_secrets() keep = true end
 
 --- trace.start(path, opts) -> path: starts writing events to path (truncating it). opts.name:
 -- the process's name in the viewer. Raises if the file cannot be opened or a trace is on.

@@ -15,8 +15,34 @@ M.WORKSPACE = "tea-cph1rs3idesc73a2b2mg"
 local Backend = {}
 Backend.__index = Backend
 
+--- M.edge: whether backends are reached through a TLS + HTTP/2 edge (MOONBOX_SPEC_EDGE=1: the
+-- edge_* ctest entries run the render specs so; see spec/support/edge.lua).
+M.edge = os.getenv("MOONBOX_SPEC_EDGE") == "1"
+if M.edge then io.stderr:write("spec: through the nginx TLS + HTTP/2 edge (MOONBOX_SPEC_EDGE=1)\n") end
+
+--- M.localhost6: whether backends are reached as http://localhost:PORT with localhost resolving
+-- to ::1 (MOONBOX_SPEC_LOCALHOST6=1: what Render's SDKs' default URL meets on machines whose
+-- localhost is ::1 first). The name is pinned in this process's HTTP client (libcurl's DNS cache,
+-- CURLOPT_RESOLVE), so every later request to localhost:PORT, connect URIs included, goes to ::1.
+M.localhost6 = os.getenv("MOONBOX_SPEC_LOCALHOST6") == "1"
+if M.localhost6 then io.stderr:write("spec: as http://localhost:PORT with localhost = ::1 (MOONBOX_SPEC_LOCALHOST6=1)\n") end
+
+-- Points backend b at http://localhost:PORT with localhost pinned to ::1, and checks that a
+-- request really went there. [yields]
+local function via_localhost6(b)
+  local port = assert(b.url:match(":(%d+)$"), "no port in " .. b.url)
+  b.url = "http://localhost:" .. port
+  local r = http.request { url = b.url .. "/v1/sandboxes?limit=1", headers = { Authorization = "Bearer " .. b.key },
+    resolve = { "localhost:" .. port .. ":[::1]" }, timeout = 30 }
+  assert(r.status == 200 and r.remote_ip == "::1", "localhost:" .. port .. " did not answer on ::1: " ..
+    tostring(r.status) .. " from " .. tostring(r.remote_ip))
+end
+
 --- M.start(opts) -> backend. opts.args: extra `moonbox local` arguments; opts.state: reuse a
--- state directory (restart specs). [yields]
+-- state directory (restart specs); opts.edge: put an nginx TLS + HTTP/2 edge in front (default
+-- M.edge). With an edge, backend.url is the edge's https URL (what clients use),
+-- backend.direct_url the backend's own, and backend.edge the edge (spec/support/edge.lua).
+-- [yields]
 function M.start(opts)
   opts = opts or {}
   local state = opts.state or proc.run({ "mktemp", "-d", "/tmp/moonbox-local-spec.XXXXXX" }).stdout:gsub("%s+$", "")
@@ -36,6 +62,24 @@ function M.start(opts)
   end
   local self = setmetatable({ p = p, state = state, url = env.RENDER_LOCAL_DEV_URL,
     key = env.RENDER_API_KEY, workspace = env.RENDER_WORKSPACE_ID }, Backend)
+  self.direct_url = self.url
+  if M.localhost6 and opts.edge ~= true then
+    local ok, err = pcall(via_localhost6, self)
+    if not ok then
+      self:stop()
+      error(err, 0)
+    end
+  end
+  local want_edge = opts.edge
+  if want_edge == nil then want_edge = M.edge end
+  if want_edge then
+    local ok, edge = pcall(require("spec.support.edge").start, { upstream = self.url })
+    if not ok then
+      self:stop()
+      error(edge, 0)
+    end
+    self.edge, self.url = edge, edge.url
+  end
   return self
 end
 
@@ -62,6 +106,7 @@ function Backend:stop()
   self.stopped = true
   self.p:kill("TERM")
   self.p:wait()
+  if self.edge then self.edge:stop() end
 end
 
 --- backend:destroy(): stop and remove the state directory. [yields]

@@ -24,13 +24,15 @@ Home.__index = Home
 -- RENDER_LOCAL_DEV_URL; without, they use the embedded local backend of that home. [yields]
 function M.home(backend)
   local dir = proc.run({ "mktemp", "-d", "/tmp/moonbox-runs-spec.XXXXXX" }).stdout:gsub("%s+$", "")
-  return setmetatable({ dir = dir, B = backend, n = 0 }, Home)
+  -- store: MOONBOX_DATABASE_URL of a fresh database when the spec runs on PostgreSQL
+  return setmetatable({ dir = dir, B = backend, n = 0, store = require("spec.support.store_env").vars() },
+    Home)
 end
 
 --- home:on(backend) -> the same home (same ledger, same recipes directory) with its commands
 -- pointed at another backend.
 function Home:on(backend)
-  return setmetatable({ dir = self.dir, B = backend, n = self.n + 1000 }, Home)
+  return setmetatable({ dir = self.dir, B = backend, n = self.n + 1000, store = self.store }, Home)
 end
 
 --- home:state_dir() -> the embedded backend's state dir of this home.
@@ -57,6 +59,7 @@ function Home:argv(args)
       argv[#argv + 1] = kv
     end
   end
+  for _, kv in ipairs(self.store or {}) do argv[#argv + 1] = kv end
   argv[#argv + 1] = L.BIN
   for _, a in ipairs(args) do argv[#argv + 1] = a end
   return argv

@@ -45,12 +45,36 @@ local function write_secret(path, content)
   if r.code ~= 0 then error("cannot write " .. path .. ": " .. r.stderr, 0) end
 end
 
+-- Listens where opts say: by default on both loopback addresses, 127.0.0.1 and ::1, on one port
+-- (clients that resolve localhost to ::1 first, as Render's SDKs' default URL makes them do,
+-- find it there); a machine without IPv6 loopback gets 127.0.0.1 alone and a line in the log,
+-- while ::1's port taken by another program is an error like 127.0.0.1's.
+-- opts.host (one loopback address) listens there only.
+local function listen(opts, state_dir, log)
+  local o = { host = opts.host or "127.0.0.1", port = opts.port or 8120,
+    max_body = 1024 * 1024, upload_dir = state_dir .. "/tmp", connection_limit = CONNECTION_LIMIT,
+    idle_timeout = IDLE_TIMEOUT, log = log }
+  if opts.host == nil or opts.host == "localhost" then
+    o.host, o.also_host = "127.0.0.1", "::1"
+    local ok, srv = pcall(httpd.listen, o)
+    if ok then return srv end
+    -- Only a machine without ::1 falls back: ::1 taken by another program would send the
+    -- clients whose localhost is ::1 there.
+    local msg = type(srv) == "table" and tostring(srv.message) or ""
+    if not msg:find("::1", 1, true) or msg:find("in use", 1, true) then error(srv, 0) end
+    log("not listening on ::1 (" .. tostring(srv.message) .. "); serving on 127.0.0.1 only")
+    o.also_host = nil
+  end
+  return httpd.listen(o)
+end
+
 --- local.start(opts) -> Backend. Starts the API on opts.host:opts.port (default
--- 127.0.0.1:8120) with its state under opts.state_dir. opts: image (a root filesystem
+-- 127.0.0.1 and ::1, port 8120) with its state under opts.state_dir. opts: image (a root filesystem
 -- directory; default: the "debian-12" image, built on first use), host_root (use the host's /
 -- as the base: discouraged), faults (spec), seed, api_key, workspace, concurrency_limit, log
 -- (function(line)), dns (the resolver allow-list sandboxes' gates ask; default slirp4netns's),
--- engine (an Engine, for tests), on_image_build (function(line): progress of
+-- engine (an Engine, for tests), public_url (the base of the connect URIs it hands out; default:
+-- from each request's Host or a loopback proxy's X-Forwarded-*), on_image_build (function(line): progress of
 -- a first image build). Raises when the state dir, the port or the image cannot be set up.
 -- [yields]
 function M.start(opts)
@@ -94,6 +118,7 @@ function M.start(opts)
   local user = self.st:meta("user") or ids.new("usr")
   self.st:set_meta("user", user)
   self.faults = Faults.new(opts.faults, opts.seed)
+  self.rate_limit = opts.rate_limit -- /v1 requests per minute (moonbox.local.http.route.meter)
 
   local engine = opts.engine
   if not engine then
@@ -121,9 +146,12 @@ function M.start(opts)
   end
   self.check = ok_check and chk or { ok = false, problems = { tostring(chk) } }
 
-  self.srv = httpd.listen { host = opts.host or "127.0.0.1", port = opts.port or 8120,
-    max_body = 1024 * 1024, upload_dir = state_dir .. "/tmp", connection_limit = CONNECTION_LIMIT,
-    idle_timeout = IDLE_TIMEOUT, log = function(l) self.log(l) end }
+  if opts.public_url then
+    local url, why = require("moonbox.local.http.public").valid_url(opts.public_url)
+    if not url then error("--public-url " .. tostring(opts.public_url) .. ": " .. why, 0) end
+    self.public_url = url
+  end
+  self.srv = listen(opts, state_dir, self.log)
   self.srv:set_key(self.api_key)
   self.url = self.srv.url
   self.port = self.srv.port
@@ -132,8 +160,9 @@ function M.start(opts)
     st = self.st, engine = engine, state_dir = state_dir, workspace = self.workspace, user = user,
     log = self.log,
     limits = { concurrency_limit = opts.concurrency_limit,
-      token_ttl = tonumber(os.getenv("MOONBOX_LOCAL_TOKEN_TTL") or "") },
-        -- test only: tokens that expire fast
+      token_ttl = tonumber(os.getenv("MOONBOX_LOCAL_TOKEN_TTL") or ""),
+      idle_scale = tonumber(os.getenv("MOONBOX_LOCAL_IDLE_SCALE") or "") },
+        -- test only: tokens that expire fast, idle timeouts scaled down (0.005: 300 s → 1.5 s)
     on_token = function(op, token, info, ttl)
       if srv.closed then return end
       if op == "put" then srv:token_put(token, info.sandbox, info.op, ttl) else srv:token_drop(token) end

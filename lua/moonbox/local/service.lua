@@ -37,6 +37,7 @@ M.DEFAULTS = {
   log_max = 5000,
   log_bytes = 4 * 1024 * 1024,
   sync_output_max = 1024 * 1024, -- bytes kept per stream of a runs/sync answer
+  idle_scale = 1, -- specs only: idle timeouts are multiplied by this (MOONBOX_LOCAL_IDLE_SCALE)
   max_upload = 8 * 1024 * 1024 * 1024,
 }
 
@@ -53,7 +54,9 @@ M.PLANS = {
 -- older SDK parses the plan into its own enum, which has no "2c-4g".
 M.PLAN_ALIASES = { starter = "1c-2g", standard = "2c-4g", pro = "4c-8g" }
 for old, new in pairs(M.PLAN_ALIASES) do M.PLANS[old] = M.PLANS[new] end
-M.PLAN_NAMES = "1c-2g, 2c-4g, 4c-8g or 8c-16g (older names: starter, standard, pro)"
+-- What an unknown plan's error offers: the sizes, and each older name with the size it maps to.
+M.PLAN_NAMES = "1c-2g, 2c-4g, 4c-8g or 8c-16g (older names: starter = 1c-2g, standard = 2c-4g, " ..
+  "pro = 4c-8g)"
 
 M.SANDBOX_STATUSES = { creating = true, running = true, suspending = true, suspended = true,
   resuming = true, errored = true, terminated = true }
@@ -97,10 +100,11 @@ function M.new(opts)
     user = opts.user, log = opts.log or function() end, on_token = opts.on_token or function() end,
     limits = setmetatable({}, { __index = M.DEFAULTS }),
     tokens = {}, runtime = {}, logs = {}, log_conds = {}, tasks = {}, closing = false,
+    ended_logs = { first = 1, last = 0 }, snap_timers = {},
   }, Service)
   for k, v in pairs(opts.limits or {}) do self.limits[k] = v end
   -- Records of older versions kept create-env values; they are never written now.
-  for _, rec in pairs(self.st.sandboxes) do
+  for _, rec in ipairs(self.st:each_with("sandbox", '"_env"')) do
     if rec._env then
       rec._env = nil
       self.st:save("sandbox", rec)
@@ -109,10 +113,12 @@ function M.new(opts)
   return self
 end
 
---- svc:start(): recovers what a previous backend left and starts the timers. [yields]
+--- svc:start(): recovers what a previous backend left and arms the snapshots' expiry timers.
+-- Nothing runs on a tick: each deadline (a sandbox's timeout and idle timeout, a snapshot's
+-- expiry, the connect tokens' sweep) has a timer of its own. [yields]
 function Service:start()
   self:recover()
-  self.tasks.ticker = task.spawn(function() self:tick_loop() end)
+  for _, snap in pairs(self.st.snapshots) do self:expire_later(snap) end
 end
 
 --- svc:close(): stops the timers and every sandbox's processes (their records stay and are
@@ -121,9 +127,13 @@ function Service:close()
   if self.closing then return end
   self.closing = true
   for _, t in pairs(self.tasks) do task.cancel(t) end
+  for _, t in pairs(self.snap_timers) do task.cancel(t) end
+  for _, r in pairs(self.runtime) do if r.watch then task.cancel(r.watch) end end
   for id, rec in pairs(self.st.sandboxes) do
     if M.LIVE[rec.status] then pcall(self.engine.terminate, self.engine, id) end
   end
+  -- A terminate in flight (its task may have been cancelled above) is finished here.
+  for id in pairs(self.runtime) do pcall(self.engine.terminate, self.engine, id) end
   if self.engine.close then pcall(self.engine.close, self.engine) end
 end
 
@@ -150,6 +160,36 @@ function Service:emit(id, event, data)
   if c then c:broadcast() end
 end
 
+-- How many terminated sandboxes keep their log streams in memory (the newest ones); an older
+-- one's log answers its end only.
+local ENDED_LOGS = 100
+
+--- svc:log_events(rec) -> the sandbox's log events, oldest first (each {event, data, t, n}).
+-- A terminated sandbox whose stream was dropped (ENDED_LOGS) answers its terminated event.
+function Service:log_events(rec)
+  local list = self.logs[rec.id]
+  if list then return list end
+  if rec.status == "terminated" then
+    local t = ids.parse_iso(rec.terminatedAt or "") or now()
+    return { { event = "lifecycle", data = { type = "terminated", at = rec.terminatedAt }, t = t, size = 0,
+      n = 1 } }
+  end
+  return {}
+end
+
+-- Keeps the log streams of the ENDED_LOGS most recently terminated sandboxes; drops older ones.
+local function retire_logs(self, id)
+  local q = self.ended_logs
+  q.last = q.last + 1
+  q[q.last] = id
+  while q.last - q.first + 1 > ENDED_LOGS do
+    local old = q[q.first]
+    q[q.first] = nil
+    q.first = q.first + 1
+    self.logs[old], self.log_conds[old] = nil, nil
+  end
+end
+
 --- svc:log_cond(id) -> the condition a log follower of sandbox id waits on.
 function Service:log_cond(id)
   local c = self.log_conds[id] or core.cond()
@@ -164,6 +204,8 @@ local function set_status(self, rec, status, extra)
   for k, v in pairs(extra or {}) do rec[k] = v end
   self.st:save("sandbox", rec)
   if status ~= "suspending" then self:emit(rec.id, "lifecycle", { type = status }) end
+  local r = self.runtime[rec.id]
+  if r and r.wake then r.wake:broadcast() end
 end
 
 -- The runtime (unpersisted) state of a sandbox: boot task, activity, execs.
@@ -201,6 +243,7 @@ function Service:boot(rec, env)
       r.started = now()
       r.last_activity = now()
       set_status(self, rec, "running")
+      self:watch(rec)
     else
       self.log("sandbox " .. rec.id .. " failed to boot: " .. message_of(err))
       rec._error = message_of(err)
@@ -247,6 +290,7 @@ function Service:activity(id, delta)
   local r = self:rt(id)
   r.active = r.active + delta
   r.last_activity = now()
+  if r.active == 0 and r.wake then r.wake:broadcast() end
 end
 
 --- svc:terminate(rec): terminates a sandbox (idempotent): stops its processes, frees its disk
@@ -256,11 +300,13 @@ function Service:terminate(rec)
   local r = self:rt(rec.id)
   if r.boot then task.cancel(r.boot) end
   rec.terminatedAt = ids.iso(now())
+  r.watch = nil -- its deadlines are over; close() must not cancel a watcher terminating it
   set_status(self, rec, "terminated")
   r.ready:broadcast()
   local ok, err = pcall(self.engine.terminate, self.engine, rec.id)
   if not ok then self.log("terminating " .. rec.id .. ": " .. message_of(err)) end
   self.runtime[rec.id] = nil
+  retire_logs(self, rec.id)
   self:gc_layers()
 end
 
@@ -338,47 +384,91 @@ function Service:recover()
   end
 end
 
---- Once a second: idle suspend, lifetime timeouts, snapshot expiry, token expiry. [yields]
-function Service:tick_loop()
-  while true do
-    task.sleep(1)
-    local t = now()
-    for id, rec in pairs(self.st.sandboxes) do
-      local r = self.runtime[id]
-      if rec.status == "running" and r then
-        local idle = rec.idleTimeoutSeconds or self.limits.idle_timeout_seconds
-        if rec.timeoutSeconds and rec.timeoutSeconds > 0 and r.started
-          and t - r.started >= rec.timeoutSeconds then
-          self:emit(id, "log", { stream = "stderr", data = "sandbox reached its timeoutSeconds\n" })
-          self:terminate(rec)
-        elseif idle > 0 and r.active == 0 and t - r.last_activity >= idle then
-          set_status(self, rec, "suspending")
-          local ok, err = pcall(self.engine.freeze, self.engine, id)
-          if ok then
-            set_status(self, rec, "suspended")
-          else
-            self.log("suspending " .. id .. ": " .. message_of(err))
-            set_status(self, rec, "running")
-          end
+-- ---- timers ------------------------------------------------------------------------------
+-- Each deadline has a timer of its own, so an idle backend wakes only when something is due.
+
+-- Idle suspend: running → suspending → suspended (back to running when the freeze fails).
+local function idle_suspend(self, rec)
+  set_status(self, rec, "suspending")
+  local ok, err = pcall(self.engine.freeze, self.engine, rec.id)
+  if rec.status ~= "suspending" then return end
+  if ok then
+    set_status(self, rec, "suspended")
+  else
+    self.log("suspending " .. rec.id .. ": " .. message_of(err))
+    set_status(self, rec, "running")
+  end
+end
+
+-- Waits on cond for at most secs (math.huge: without a deadline); re-raises a cancellation.
+local function wait_for(cond, secs)
+  if secs == math.huge then return cond:wait() end
+  local ok, err = pcall(task.timeout, math.max(secs, 0), cond.wait, cond)
+  if not ok and not task.is_timeout(err) then error(err, 0) end
+end
+
+--- svc:watch(rec): starts the task that keeps a running sandbox's deadlines: its timeoutSeconds
+-- (counted from when it first ran; a running or suspended sandbox is terminated) and its idle
+-- timeout (a running one with no operation keeping it awake is suspended). It sleeps until the
+-- nearer deadline, or until r.wake (a status change, the end of the last activity) says the
+-- deadlines moved; it ends with the sandbox. Idempotent.
+function Service:watch(rec)
+  local r = self:rt(rec.id)
+  if r.watch then return end
+  r.wake = r.wake or core.cond()
+  r.watch = task.spawn(function()
+    while M.LIVE[rec.status] do
+      local t = now()
+      local lifetime = rec.timeoutSeconds and rec.timeoutSeconds > 0 and r.started
+        and r.started + rec.timeoutSeconds or math.huge
+      local idle = (rec.idleTimeoutSeconds or self.limits.idle_timeout_seconds) * self.limits.idle_scale
+      local idle_due = (rec.status == "running" and idle > 0 and r.active == 0) and r.last_activity + idle
+        or math.huge
+      if t >= lifetime and (rec.status == "running" or rec.status == "suspended") then
+        self:emit(rec.id, "log", { stream = "stderr", data = "sandbox reached its timeoutSeconds\n" })
+        self:terminate(rec)
+      elseif t >= idle_due then
+        idle_suspend(self, rec)
+      else
+        wait_for(r.wake, math.min(lifetime, idle_due) - t)
+      end
+    end
+    r.watch = nil
+  end)
+end
+
+--- svc:expire_later(snap): arms the timer that deletes a snapshot at its expiresAt.
+function Service:expire_later(snap)
+  local at = not snap._deleted and snap.expiresAt and ids.parse_iso(snap.expiresAt)
+  if not at or self.snap_timers[snap.id] then return end
+  self.snap_timers[snap.id] = task.spawn(function()
+    task.sleep(math.max(0, at - now()))
+    self.snap_timers[snap.id] = nil
+    if not snap._deleted then
+      snap._deleted = true
+      self.st:save("snapshot", snap)
+      self:gc_layers()
+    end
+  end)
+end
+
+-- Starts the sweep of expired connect tokens unless it runs: it wakes once per token lifetime
+-- while tokens exist (a token is dropped a minute after it expires) and ends when none is left.
+local function sweep_tokens(self)
+  if self.tasks.tokens then return end
+  self.tasks.tokens = task.spawn(function()
+    while next(self.tokens) do
+      task.sleep(self.limits.token_ttl + 60)
+      local t = now()
+      for tok, info in pairs(self.tokens) do
+        if info.expires < t - 60 then
+          self.tokens[tok] = nil
+          self.on_token("drop", tok)
         end
       end
     end
-    local expired = false
-    for _, snap in pairs(self.st.snapshots) do
-      if not snap._deleted and snap.expiresAt and (ids.parse_iso(snap.expiresAt) or math.huge) <= t then
-        snap._deleted = true
-        self.st:save("snapshot", snap)
-        expired = true
-      end
-    end
-    if expired then self:gc_layers() end
-    for tok, info in pairs(self.tokens) do
-      if info.expires < t - 60 then
-        self.tokens[tok] = nil
-        self.on_token("drop", tok)
-      end
-    end
-  end
+    self.tasks.tokens = nil
+  end)
 end
 
 -- ---- groups ----------------------------------------------------------------------------------
@@ -548,19 +638,17 @@ function Service:find_sandbox(id)
   return s
 end
 
---- svc:list_sandboxes{statuses = set|nil, name, group_id} -> records newest first. Without
+--- svc:list_sandboxes{statuses = set|nil, name, group_id, after = seq|nil, limit} -> one page of
+-- records newest first (sequence below after, at most limit; an indexed query). Without
 -- statuses, terminated sandboxes are left out.
 function Service:list_sandboxes(q)
-  return self.st.sorted(self.st.sandboxes, function(s)
-    if q.statuses then
-      if not q.statuses[s.status] then return false end
-    elseif s.status == "terminated" then
-      return false
-    end
-    if q.name and s.name ~= q.name then return false end
-    if q.group_id and s.sandboxGroupId ~= q.group_id then return false end
-    return true
-  end)
+  local statuses = {}
+  for s in pairs(q.statuses or M.SANDBOX_STATUSES) do
+    if q.statuses or s ~= "terminated" then statuses[#statuses + 1] = s end
+  end
+  table.sort(statuses)
+  return self.st:page_sandboxes { statuses = statuses, name = q.name, group_id = q.group_id, after = q.after,
+    limit = q.limit or 100 }
 end
 
 -- ---- tokens and exec records ------------------------------------------------------------------
@@ -571,7 +659,6 @@ local function new_exec(self, rec, typ, operation, command)
     command = command and (#command > 4096 and command:sub(1, 4096) or command) or nil,
     userId = self.user, startedAt = ids.iso(now()),
   }
-  self.st.execs[e.id] = e
   self.st:save("exec", e)
   return e
 end
@@ -582,6 +669,7 @@ local function mint(self, rec, exec, scope, path)
   local info = { sandbox = rec.id, op = scope, path = path, exec = exec.id, expires = expires }
   self.tokens[token] = info
   self.on_token("put", token, info, self.limits.token_ttl)
+  sweep_tokens(self)
   return token, expires
 end
 
@@ -618,9 +706,10 @@ function Service:check_token(token, sandbox_id, scope)
   return rec, info
 end
 
---- svc:list_execs(rec) -> exec records, newest first.
-function Service:list_execs(rec)
-  return self.st.sorted(self.st.execs, function(e) return e.sandboxId == rec.id end)
+--- svc:list_execs(rec, after, limit) -> one page of the sandbox's exec records, newest first
+-- (sequence below after, at most limit; an indexed query).
+function Service:list_execs(rec, after, limit)
+  return self.st:page_children("exec", rec.id, after, limit or 100)
 end
 
 --- svc:find_exec(rec, eid) -> exec record. Raises not_found.
@@ -808,6 +897,7 @@ function Service:create_snapshot(rec, p)
   }
   self.st.snapshots[snap.id] = snap
   self.st:save("snapshot", snap)
+  self:expire_later(snap)
   self:activity(rec.id, 1)
   local r = self:rt(rec.id)
   r.capture_lock = r.capture_lock or task.semaphore(1)
@@ -870,6 +960,9 @@ function Service:delete_snapshot(snap)
   if not snap._deleted then
     snap._deleted = true
     self.st:save("snapshot", snap)
+    local timer = self.snap_timers[snap.id]
+    self.snap_timers[snap.id] = nil
+    if timer then task.cancel(timer) end
     self:gc_layers()
   end
 end

@@ -81,8 +81,10 @@ function M.parse_cursor(kind, s)
 end
 
 --- wire.page(req, kind, wrapper, records, shape) -> JSON array page. records are newest
--- first; the cursor query parameter continues after the record it names; limit is 1..100
--- (default 20). Raises invalid invalid_cursor / invalid_limit.
+-- first, either all of them (an array) or a function(after_seq|nil, limit) -> that page's
+-- records (a keyset query: newest first, sequence below after_seq, at most limit); the cursor
+-- query parameter continues after the record it names; limit is 1..100 (default 20). Raises
+-- invalid invalid_cursor / invalid_limit.
 function M.page(req, kind, wrapper, records, shape)
   local limit = 20
   local lim = req:query_param("limit")
@@ -94,9 +96,11 @@ function M.page(req, kind, wrapper, records, shape)
   end
   local start = 1
   local cur = req:query_param("cursor")
-  if cur ~= nil then
-    local seq = M.parse_cursor(kind, cur)
-    if not seq then fail("invalid", "invalid cursor", "invalid_cursor") end
+  local seq = cur ~= nil and M.parse_cursor(kind, cur)
+  if cur ~= nil and not seq then fail("invalid", "invalid cursor", "invalid_cursor") end
+  if type(records) == "function" then
+    records = records(seq or nil, limit)
+  elseif seq then
     start = #records + 1
     for i, rec in ipairs(records) do
       if rec._seq < seq then

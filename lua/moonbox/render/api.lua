@@ -1,6 +1,9 @@
 --- moonbox.render.api — one Render API request: how it is sent, retried, typed when it fails,
 -- and traced. Every request of the client goes through here, control plane and data plane.
 --
+-- Requests go through moonbox.http, or through conn.transport when the connection has one (a
+-- dry run's simulated backend, moonbox.render.dryrun, which answers the same shapes in memory).
+--
 -- Control-plane calls (api.call) go to the API with the API key. Data-plane requests (api.data:
 -- exec streams, sync runs, file transfers) first mint a connect token on the API, then go to
 -- the token's URI with only that token. Both share one retry loop and one mapping from HTTP
@@ -22,7 +25,7 @@ local trace = require "moonbox.trace"
 
 local M = {}
 
--- Answers that say "try again later" (render-api.md §1.6); 500 too, for repeatable requests:
+-- Answers that say "try again later" (docs/wire.md, "Errors"); 500 too, for repeatable requests:
 -- repeating a request that is safe to repeat costs little, and Render's 500s are mostly
 -- transient.
 local REPEAT_STATUS = { [429] = true, [500] = true, [502] = true, [503] = true, [504] = true }
@@ -161,6 +164,7 @@ local function with_retries(op, opts, info, send)
     if r[1] then return table.unpack(r, 2, r.n) end
     local err = r[2]
     if err.status == 429 then
+      M.throttled = M.throttled + 1
       -- Tell the adaptive windows (task.map, render.restore) to back off.
       task.congested(err.retry_after)
       trace.instant("throttled", "api", { op = op, retry_after = err.retry_after, attempt = attempt })
@@ -175,6 +179,21 @@ local function with_retries(op, opts, info, send)
     trace.instant("retry", "api", { op = op, attempt = attempt, wait_s = wait, code = err.code })
     task.sleep(wait)
   end
+end
+
+-- A 502 or 504 that is not the API's own JSON comes from a proxy or edge in front of it that lost
+-- the API's answer, or never got one: for a request that must not run twice its outcome is as
+-- unknown as that of a connection that broke after sending.
+local GATEWAY_LOST = { [502] = true, [504] = true }
+
+local function lost_at_gateway(op, r, ctx)
+  return api_error {
+    op = op, code = "unknown_outcome", retryable = false, cause = "http_" .. r.status, status = r.status,
+    message = "the request may or may not have been carried out: a proxy in front of the API answered " ..
+      r.status .. " instead of the API. Check before repeating it",
+    request_id = r.headers["render-request-id"], sandbox_id = ctx.sandbox_id,
+    snapshot_id = ctx.snapshot_id, group_id = ctx.group_id,
+  }
 end
 
 -- Whether a failed attempt may be followed by another: a repeatable request after a transient
@@ -202,8 +221,9 @@ local function call(conn, op, method, path, opts, info)
   end
   local ctx = { sandbox_id = opts.sandbox_id, snapshot_id = opts.snapshot_id, group_id = opts.group_id }
   return with_retries(op, opts, info, function(attempt)
-    local ok, r = pcall(http.request, { method = method, url = url, headers = headers, body = body,
-      timeout = opts.timeout or 60, connect_timeout = 10, fresh_connect = not repeatable })
+    local via = conn.transport or http -- a dry run's simulated backend (moonbox.render.dryrun)
+    local ok, r = pcall(via.request, { method = method, url = url, headers = headers, body = body,
+      timeout = opts.timeout or 60, connect_timeout = 10, no_resend = not repeatable })
     if not ok then
       if is_interruption(r) or type(r) ~= "table" then error(r, 0) end
       local err = transport_error(op, r, ctx, repeatable)
@@ -225,7 +245,11 @@ local function call(conn, op, method, path, opts, info)
       return true, v, r.status, r.headers
     end
     local err = status_error(op, r, ctx)
-    err.again = may_repeat(err, repeatable)
+    local ctype = r.headers["content-type"] or ""
+    if not repeatable and GATEWAY_LOST[r.status] and not ctype:find("json", 1, true) then
+      err = lost_at_gateway(op, r, ctx)
+    end
+    err.again = err.code ~= "unknown_outcome" and may_repeat(err, repeatable)
     return false, err
   end)
 end
@@ -233,6 +257,24 @@ end
 --- api.calls_made: how many API calls (control and data plane) this process made; retries of
 -- one call are not counted again.
 M.calls_made = 0
+
+--- api.outcomes: {outcome = count} of finished API calls of this process ("ok", a failed
+-- call's error code, "cancelled"); api.throttled: 429 answers seen (each attempt). Read by
+-- `moonbox schedule --listen`'s /metrics.
+M.outcomes = {}
+M.throttled = 0
+
+local function counted(ok, ...)
+  local k = "ok"
+  if not ok then
+    local e = ...
+    k = is_interruption(e) and "cancelled" or (type(e) == "table" and type(e.code) == "string" and e.code)
+      or "error"
+  end
+  M.outcomes[k] = (M.outcomes[k] or 0) + 1
+  if ok then return ... end
+  error((...), 0)
+end
 
 --- api.call(conn, op, method, path, opts) -> decoded body (or true for an empty 2xx), status,
 -- headers. opts: query, body (table → JSON), idempotent (may it be sent again? default: GET and
@@ -243,9 +285,9 @@ function M.call(conn, op, method, path, opts)
   opts = opts or {}
   M.calls_made = M.calls_made + 1
   local info = {}
-  if not trace.on then return call(conn, op, method, path, opts, info) end
+  if not trace.on then return counted(pcall(call, conn, op, method, path, opts, info)) end
   local _span <close> = M.span(op, method, path, opts, info)
-  return call(conn, op, method, path, opts, info)
+  return counted(pcall(call, conn, op, method, path, opts, info))
 end
 
 --- api.data(conn, op, mint, req, opts) -> response, token, span. A data-plane request: mints
@@ -285,14 +327,16 @@ function M.data(conn, op, mint, req, opts)
     r_opts.url = t.uri
     r_opts.connect_timeout = r_opts.connect_timeout or 10
     -- Kept-alive connections are reused even for a command's start: one of its own per exec
-    -- would cost a TLS handshake per command on Render. libcurl's silent re-send (http.md) needs
-    -- a reused connection that the server had closed without answering a byte, i.e. a request it
-    -- never processed; a connection that breaks later surfaces as unknown_outcome.
+    -- would cost a TLS handshake per command on Render. libcurl's silent re-send (http.md) is
+    -- kept off it all the same (no_resend = "reuse": a start whose body went out is never sent
+    -- again by libcurl, over HTTP/2 or HTTP/1.1); its lost answer surfaces as unknown_outcome.
+    if not opts.repeatable and r_opts.body then r_opts.no_resend = "reuse" end
     local headers = { ["User-Agent"] = "moonbox/" .. core.version }
     for k, v in pairs(req.headers or {}) do headers[k] = v end
     headers.Authorization = "Bearer " .. t.token
     r_opts.headers = headers
-    local sent, r = pcall(req.stream and http.stream or http.request, r_opts)
+    local via = conn.transport or http -- a dry run's simulated backend (moonbox.render.dryrun)
+    local sent, r = pcall(req.stream and via.stream or via.request, r_opts)
     if not sent then
       if is_interruption(r) or type(r) ~= "table" then error(r, 0) end
       local err = transport_error(name, r, ctx, opts.repeatable)

@@ -29,6 +29,14 @@ local M = {}
 
 local KEY = "moonbox.budget"
 
+--- budget.clock: the time budgets count in — now() and wait(cond, seconds) (until cond is
+-- broadcast or the seconds have passed). Real time, except in a dry run, whose simulated clock
+-- moonbox.render.dryrun puts here.
+M.clock = {
+  now = core.now,
+  wait = function(cond, seconds) pcall(task.timeout, seconds, cond.wait, cond) end,
+}
+
 local Budget = {}
 Budget.__index = Budget
 
@@ -138,12 +146,12 @@ function Budget:observe(event, subject)
   if event == "created" and subject and not self.created[subject.id] then
     self.created[subject.id] = true
     self.order[#self.order + 1] = subject.id
-    self.live[subject.id] = { t0 = core.now(), plan = subject.plan or "default" }
+    self.live[subject.id] = { t0 = M.clock.now(), plan = subject.plan or "default" }
     self.cond:broadcast()
   elseif event == "terminated" and self.live[subject] then
     local l = self.live[subject]
     self.live[subject] = nil
-    self.spent[l.plan] = (self.spent[l.plan] or 0) + (core.now() - l.t0)
+    self.spent[l.plan] = (self.spent[l.plan] or 0) + (M.clock.now() - l.t0)
     self.cond:broadcast()
   end
 end
@@ -151,7 +159,7 @@ end
 --- b:usage() -> {sandboxes = creates sent, created = {ids}, live = n, sandbox_seconds = total,
 -- by_plan = {plan = seconds}} as of now. Does not yield.
 function Budget:usage()
-  local now, by_plan, total, live = core.now(), {}, 0, 0
+  local now, by_plan, total, live = M.clock.now(), {}, 0, 0
   for plan, s in pairs(self.spent) do by_plan[plan] = s end
   for _, l in pairs(self.live) do
     by_plan[l.plan] = (by_plan[l.plan] or 0) + (now - l.t0)
@@ -174,7 +182,7 @@ function Budget:watch()
       end
       local eta = u.live > 0 and (self.max_seconds - u.sandbox_seconds) / u.live or nil
       if eta then
-        pcall(task.timeout, eta, function() self.cond:wait() end)
+        M.clock.wait(self.cond, eta)
       else
         self.cond:wait()
       end

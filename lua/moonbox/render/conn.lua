@@ -1,7 +1,7 @@
 --- moonbox.render.conn — which backend a recipe talks to, with what credentials, and the
 -- process's default connection.
 --
--- Selection (DESIGN.md §7), first match wins:
+-- Selection (docs/reference/render.md, "Which backend"), first match wins:
 --   1. an explicit choice: render.connect{ backend = URL | "local" | "render", ... } (the CLI's
 --      --backend sets it);
 --   2. RENDER_LOCAL_DEV_URL, or RENDER_USE_LOCAL_DEV=true (http://localhost:8120);
@@ -60,12 +60,31 @@ local function new(kind, url, key, workspace)
   return setmetatable({ kind = kind, base = url, api_key = key, workspace = workspace, calls = {} }, Conn)
 end
 
+-- A dry run (moonbox.render.dryrun) in force: every connection is to its simulated backend.
+local simulated
+
+local function simulated_conn(opts)
+  local sim = simulated()
+  local c = new("dry-run", sim.url, require("moonbox.ids").token(), opts.workspace or sim.workspace)
+  c.transport = sim.transport
+  return c
+end
+
+--- conn.simulate(fn): while fn is set, conn.connect (hence render.connect and the default
+-- connection) makes a connection whose requests go to fn().transport (an object with request
+-- and stream, as moonbox.http has) at fn().url, whatever backend was asked for; nil ends that.
+-- For moonbox.render.dryrun. Does not yield.
+function M.simulate(fn)
+  simulated = fn
+end
+
 --- conn.connect(opts) -> Conn. opts: backend ("local", "render" or a URL), api_key, workspace,
 -- state_dir (the embedded backend's; default conn.default_state_dir()). An embedded Conn has
 -- c.state_dir set and must be closed (c:close()) when done. Raises when the choice cannot work
 -- (e.g. "render" without a key). [yields] when it joins or starts an embedded backend.
 function M.connect(opts)
   opts = opts or {}
+  if simulated then return simulated_conn(opts) end
   local backend = opts.backend
   local key = opts.api_key or os.getenv("RENDER_API_KEY")
   local workspace = opts.workspace or os.getenv("RENDER_WORKSPACE_ID")
@@ -105,7 +124,8 @@ function M.connect(opts)
   if not key then
     error("moonbox: no API key for " .. backend .. ": set RENDER_API_KEY", 0)
   end
-  local kind = (backend:match("//127%.0%.0%.1") or backend:match("//localhost")) and "local" or "url"
+  local kind = (backend:match("//127%.0%.0%.1") or backend:match("//localhost") or backend:match("//%[::1%]"))
+    and "local" or "url"
   return new(kind, backend, key, workspace)
 end
 

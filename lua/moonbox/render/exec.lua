@@ -1,5 +1,5 @@
 --- moonbox.render.exec — running commands in a sandbox: sb:exec, sb:spawn and sb:run_sync,
--- with the semantics of DESIGN.md §4 "Exec". A part of the Sandbox class
+-- with the semantics of docs/reference/render.md, "Exec". A part of the Sandbox class
 -- (lua/moonbox/render/sandbox.lua lists its methods); it sees a sandbox only through sb.id and
 -- sb:connection().
 --
@@ -281,12 +281,19 @@ local function start(sb, command, env_text, opts, line_stream)
   -- Uploads land root-owned 0600, in the in-memory /dev area.
   if env_text then files.upload(sb, MARKERS .. "/" .. id .. ".env", env_text) end
   local script = wrapper(id, command, opts.cwd, env_text ~= nil)
-  local resp, tok, span = api.data(sb:connection(), "sandbox:exec",
+  local started, resp, tok, span = pcall(api.data, sb:connection(), "sandbox:exec",
     { path = "/sandboxes/" .. sb.id .. "/runs/stream/token", body = { command = script } },
     { method = "POST", body = json.encode({ command = script }), stream = true, idle_timeout = 60,
       headers = { Accept = "text/event-stream", ["Content-Type"] = "application/json" } },
     { name = "sandbox:exec.stream", span_path = "/sandboxes/" .. sb.id .. "/runs/stream",
       sandbox_id = sb.id })
+  if not started then
+    -- Cancelled or out of time before the stream's headers came (an HTTP/2 edge may hold them
+    -- until the command's first output): the command may be running with nobody to stop it.
+    -- Kill its group, or leave the marker that keeps it from ever starting.
+    if api.is_interruption(resp) then api.shielded(send_kill, sb, id, 9) end
+    error(resp, 0)
+  end
   local p = setmetatable({ sb = sb, id = id, exec_id = tok.executionId, out = { stdout = {}, stderr = {} },
     truncated = false, cond = core.cond(), lines_buf = {}, line_stream = line_stream, command = command,
     summary = summary(command) }, Process)

@@ -2,7 +2,7 @@
 -- the Sandbox class (lua/moonbox/render/sandbox.lua lists its methods); it sees a sandbox only
 -- through sb.id and sb:connection().
 --
--- Each transfer is one data-plane request through moonbox.render.api (render-api.md §6): a file
+-- Each transfer is one data-plane request through moonbox.render.api (docs/wire.md, "Files"): a file
 -- token minted on the API, then one request to the token's URI that carries only that token.
 -- Transfers are repeatable (the same bytes to the same path, or a download again), so they are
 -- retried like any idempotent call, each attempt with a fresh token. Remote paths are cleaned

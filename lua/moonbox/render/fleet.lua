@@ -1,5 +1,5 @@
 --- moonbox.render.fleet — render.restore: many sandboxes from one snapshot, and nothing left
--- running whatever happens (DESIGN.md §4 "Safety rules").
+-- running whatever happens (docs/reference/render.md, "Fan-out restore").
 --
 --   local fleet <close> = render.restore(snap, { count = 8, concurrency = 4, network = "deny-all",
 --                                                 policy = "all_or_nothing" })

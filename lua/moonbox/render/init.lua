@@ -15,6 +15,7 @@
 --   moonbox.render.rebuild   render.snapshots.rebuild (loaded on first use)
 --   moonbox.render.events    render.observe
 --   moonbox.render.budget    render.budget: limits on what a run may create and keep
+--   moonbox.render.dryrun    render.dry_run and `moonbox run --dry-run`'s simulated backend
 -- Every function documents its arguments, results, what it raises, and whether it yields where
 -- it is defined; docs/reference/render.md is the manual.
 local conn = require "moonbox.render.conn"
@@ -62,6 +63,11 @@ M.groups = snapshots.groups
 --- render.budget{sandboxes = N, sandbox_seconds = S} -> Budget: limits what the current run may
 -- create and keep (moonbox.render.budget). Does not yield.
 M.budget = budget.set
+
+--- render.dry_run: active(), on_exec(pattern, answer), on_download(pattern, answer),
+-- durations{...}: what a dry run (moonbox run --dry-run) simulates (moonbox.render.dryrun). Does
+-- not yield.
+M.dry_run = require("moonbox.render.dryrun").hooks
 
 --- render.restore(snapshot, opts) -> Fleet (moonbox.render.fleet).
 M.restore = fleet.restore

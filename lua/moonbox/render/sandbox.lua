@@ -290,7 +290,7 @@ end
 
 local NETWORK = { ["allow-all"] = true, ["deny-all"] = true }
 
---- Builds the create body from recipe options: snake_case names and short forms (DESIGN §4).
+--- Builds the create body from recipe options: snake_case names and short forms (docs/reference/render.md).
 -- Unset options are not sent (the SDKs' rule). Raises misuse at the recipe's call.
 local function create_body(c, opts)
   local body = { ownerId = c:owner() }

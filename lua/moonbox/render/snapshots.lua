@@ -1,4 +1,4 @@
---- moonbox.render.snapshots — snapshots and sandbox groups (render-api.md §7, §8), and
+--- moonbox.render.snapshots — snapshots and sandbox groups (docs/wire.md, "Snapshots", "Groups"), and
 -- sb:snapshot, the part of the Sandbox class that captures one (lua/moonbox/render/sandbox.lua
 -- lists it as the method `snapshot`).
 --

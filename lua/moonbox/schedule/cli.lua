@@ -11,7 +11,8 @@ local clock_mod = require "moonbox.schedule.clock"
 local M = {}
 
 M.command = {
-  usage = "moonbox schedule FILE [--drain] [--backend URL|local|render]\n" ..
+  usage = "moonbox schedule FILE [--drain] [--backend URL|local|render] [--state DB]\n" ..
+    "       [--listen [HOST:]PORT] [--webhook URL]... [--trace-dir DIR] [--control-token-file FILE]\n" ..
     "       moonbox schedule FILE --list | --next NAME [N] | --trigger NAME | --pause NAME | --resume NAME",
   detail = [[Loads FILE, a recipe that registers schedules with schedule.cron / schedule.every
 (moonbox.schedule), and fires them until SIGTERM or SIGINT: each fire runs as a task with its
@@ -31,18 +32,35 @@ second signal cancels them), records their outcome and exits 0. The event log go
   --resume NAME    resume NAME and clear its failure count
   --drain          on SIGTERM/SIGINT let running runs finish instead of cancelling them
   --backend B      as for `moonbox run`
+  --state DB       where state and history live: a SQLite file, or a postgres:// URL shared
+                   by daemons on several machines (default: MOONBOX_DATABASE_URL, else
+                   $XDG_STATE_HOME/moonbox/moonbox.db); see docs/schedule.md
+
+Operating it (docs/schedule.md, "Operating a daemon"):
+  --listen [HOST:]PORT    serve /healthz, /metrics (Prometheus) and the status page at /;
+                          a bare PORT binds 127.0.0.1; another address only when written
+                          out as an IP (e.g. 0.0.0.0:9464)
+  --webhook URL           POST a JSON alert on a failed run, a pause and a recovery
+                          (repeatable; added to each schedule's own `webhooks`)
+  --webhook-timeout S     seconds per webhook attempt (default 10)
+  --webhook-queue N       messages a webhook may have waiting before new ones are dropped
+                          (default 100)
+  --trace-dir DIR         write a Chrome trace (Perfetto) per run: DIR/run-ID.json
+  --control-token-file F  enable the page's pause/resume/trigger buttons with the token in F
+                          (or MOONBOX_CONTROL_TOKEN); without one the page is read-only
 
 `moonbox runs` prints the history. For tests only, MOONBOX_TEST_CLOCK=
 "start=2026-03-01T00:00:00Z,scale=600" runs schedule time from that start 600x faster
 (docs/schedule.md, "The test clock").]],
 }
 
+-- Every line passes moonbox.trace.redact: a run's error may quote the API key or an env value.
 local function line_out(s)
-  io.stdout:write(s, "\n")
+  io.stdout:write(require("moonbox.trace").redact(s), "\n")
   io.stdout:flush()
 end
 
-local function state_text(st)
+local function state_text(st, shared)
   if not st then return "new" end
   local parts = {}
   if st.paused == 1 then
@@ -51,7 +69,9 @@ local function state_text(st)
     parts[#parts + 1] = "active"
   end
   if (st.failures or 0) > 0 then parts[#parts + 1] = st.failures .. " consecutive failure(s)" end
-  if st.owner_pid and require("moonbox.ledger").alive(st.owner_pid, st.owner_pid_start) then
+  if shared then
+    parts[#parts + 1] = "shared database"
+  elseif st.owner_pid and require("moonbox.ledger").alive(st.owner_pid, st.owner_pid_start) then
     parts[#parts + 1] = "daemon pid " .. st.owner_pid
   else
     parts[#parts + 1] = "no daemon"
@@ -76,14 +96,93 @@ local function list(store, clock)
     end
     local last = store:last_run(s.name)
     line_out(string.format("%-20s %-26s %-25s %-8s %s", s.name, s.spec, nxt,
-      last and last.outcome or "-", state_text(st)))
+      last and last.outcome or "-", state_text(st, store.shared)))
   end
+end
+
+--- The ledger (and with it the schedule store). The daemon (wait) waits for a database that is
+-- not there yet, saying so once, with a backoff up to 5 s; the one-shot modes report it. [yields]
+local function open_ledger(wait)
+  local delay, told = 0.2, false
+  while true do
+    local ok, L = pcall(require("moonbox.ledger").open)
+    if ok then return L end
+    local down = require("moonbox.schedule.daemon").db_down(L)
+    if not down then error(L, 0) end
+    if not wait then
+      error(core.Error.new { op = "moonbox schedule", code = L.code, message = L.message, where = false,
+        traceback = false }, 0)
+    end
+    if not told then
+      line_out(string.format("%s %s: not starting until it answers", clock_mod.format(core.time()),
+        tostring(L.message)))
+      told = true
+    end
+    require("moonbox.task").sleep(delay)
+    delay = math.min(5, delay * 2)
+  end
+end
+
+--- M.ops_options(opts, modes) -> the options of moonbox.schedule.ops.attach (any = true when
+-- one was given), or nil and a usage message. Reads the control token file.
+function M.ops_options(opts, modes)
+  local o = { webhooks = opts.webhook or {} }
+  local given = opts.listen or opts.webhook or opts["trace-dir"] or opts["control-token-file"]
+    or opts["webhook-timeout"] or opts["webhook-queue"]
+  if given and #modes > 0 then
+    return nil, "--listen, --webhook, --trace-dir and --control-token-file apply to the daemon, not to " ..
+      table.concat(modes, " ")
+  end
+  if opts.listen then
+    local ops = require "moonbox.schedule.ops"
+    local host, port = ops.parse_listen(opts.listen)
+    if not host then return nil, "--listen: " .. port end
+    o.host, o.port = host, port
+  end
+  for i, u in ipairs(o.webhooks) do
+    local ok, why = schedule.check_webhook(u)
+    if not ok then return nil, string.format("--webhook (the %d. one): %s", i, why) end
+  end
+  if opts["webhook-timeout"] then
+    local v = tonumber(opts["webhook-timeout"])
+    if not v or v <= 0 then return nil, "--webhook-timeout: expected a number of seconds > 0" end
+    o.webhook_timeout = v
+  end
+  if opts["webhook-queue"] then
+    local v = math.tointeger(tonumber(opts["webhook-queue"]))
+    if not v or v < 1 then return nil, "--webhook-queue: expected an integer >= 1" end
+    o.webhook_queue = v
+  end
+  if opts["trace-dir"] then
+    local dir = opts["trace-dir"]
+    if dir:sub(1, 1) ~= "/" then dir = require("moonbox.sys").getcwd() .. "/" .. dir end
+    o.trace_dir = dir
+  end
+  local tok_file = opts["control-token-file"]
+  if tok_file then
+    local tok, err = require("moonbox.schedule.ops").read_token(tok_file)
+    if not tok then return nil, "--control-token-file: " .. err end
+    o.control_token = tok
+  elseif opts.listen and (os.getenv("MOONBOX_CONTROL_TOKEN") or "") ~= "" then
+    o.control_token = os.getenv("MOONBOX_CONTROL_TOKEN")
+    if #o.control_token < 16 then return nil, "MOONBOX_CONTROL_TOKEN must have at least 16 characters" end
+  end
+  if o.control_token and not o.host then return nil, "a control token needs --listen (the page's buttons)" end
+  local hf = io.open("/etc/hostname")
+  if hf then
+    o.hostname = hf:read("l")
+    hf:close()
+  end
+  o.any = given and true or false
+  return o
 end
 
 --- main(args, cli) -> exit status.
 function M.main(args, cli)
   local opts, rest = cli.parse_flags(args, { list = "flag", next = "value", trigger = "value",
-    pause = "value", resume = "value", drain = "flag", backend = "value" })
+    pause = "value", resume = "value", drain = "flag", backend = "value", listen = "value",
+    webhook = "list", ["webhook-timeout"] = "value", ["webhook-queue"] = "value", ["trace-dir"] = "value",
+    ["control-token-file"] = "value", state = "value" })
   if not opts then return cli.usage_error("schedule: %s", rest) end
   local file = rest[1]
   if not file then return cli.usage_error("schedule: missing the recipe FILE") end
@@ -106,6 +205,8 @@ function M.main(args, cli)
   end
   local bad = cli.bad_backend("schedule", opts.backend)
   if bad then return bad end
+  local ops_opts, operr = M.ops_options(opts, modes)
+  if not ops_opts then return cli.usage_error("schedule: %s", operr) end
   local cok, clock = pcall(clock_mod.from_env)
   if not cok then return cli.usage_error("schedule: %s", tostring(clock)) end
   local chunk, lerr = loadfile(file)
@@ -114,13 +215,22 @@ function M.main(args, cli)
     return cli.EXIT_FAIL
   end
   cli.set_arg(file, {})
+  -- Never in a log line, the history, an alert or the page: the API key, and every env value a
+  -- run gives moonbox.render (kept for the life of the process, trace or not).
+  require("moonbox.trace").secret(os.getenv("RENDER_API_KEY"), true)
+  require("moonbox.trace").keep_secrets()
   schedule._set_running(true)
   local build = require "moonbox.build"
   build.ledger = true
-  local ledger = require("moonbox.ledger").open()
-  local store = require("moonbox.schedule.store").open(ledger)
+  local db_mod = require "moonbox.db"
+  if opts.state then db_mod.set_target(opts.state) end
+  local tok, terr = pcall(db_mod.target)
+  if not tok then return cli.usage_error("schedule: --state: %s", tostring(terr)) end
+  local ledger, store
   local status = cli.EXIT_OK
   local code, err = cli.run_root_opts({ quiet_signals = true }, function()
+    ledger = open_ledger(not (opts.list or opts.next or opts.trigger or opts.pause or opts.resume))
+    store = require("moonbox.schedule.store").open(ledger)
     local render = require "moonbox.render"
     require("moonbox.ledger").set_process(ledger) -- creates outside any run go to this process's own run
     if opts.backend then render.connect { backend = opts.backend } end
@@ -161,20 +271,43 @@ function M.main(args, cli)
     else
       local d = require("moonbox.schedule.daemon").new { recipe = file, schedules = all, clock = clock,
         store = store, out = line_out, drain = opts.drain, format_error = cli.format_error,
-        errout = function(text) io.stderr:write(text) end }
+        errout = function(text) io.stderr:write(require("moonbox.trace").redact(text)) end }
       if opts.trigger then
         local run = d:trigger(s)
         if run.outcome ~= "ok" then status = cli.EXIT_FAIL end
       else
-        d:run()
+        local ops
+        if ops_opts.any then
+          ops_opts.recipe, ops_opts.schedules, ops_opts.clock, ops_opts.store = file, all, clock, store
+          ops_opts.log = function(text) line_out(clock_mod.format(clock:now()) .. " " .. text) end
+          local aok, aerr = pcall(require("moonbox.schedule.ops").attach, d, ops_opts)
+          if not aok then
+            error(string.format("moonbox schedule: --listen %s: %s", tostring(opts.listen),
+              type(aerr) == "table" and tostring(aerr.message or aerr) or tostring(aerr)), 0)
+          end
+          ops = aerr
+          if ops.srv and not require("moonbox.schedule.ops").is_loopback(ops.srv.host) then
+            io.stderr:write(string.format("moonbox schedule: warning: the status page and /metrics listen " ..
+              "on %s, not a loopback address: whoever can reach it reads run errors and history%s\n",
+              ops.srv.url, ops_opts.control_token and " and may try control tokens" or ""))
+          end
+          if ops.srv then
+            line_out(string.format("%s listening on %s (/healthz, /metrics, status page at /%s)",
+              clock_mod.format(clock:now()), ops.srv.url, ops_opts.control_token and "; control enabled" or
+              "; read-only"))
+          end
+        end
+        local rok, rerr = pcall(d.run, d)
+        if ops then ops:close() end
+        if not rok then error(rerr, 0) end
       end
     end
     if ledger.run_id then ledger:end_run("ok") end
     pcall(render.close)
   end)
   local ledger_mod = require "moonbox.ledger"
-  if ledger_mod.process() == ledger then ledger_mod.set_process(nil) end
-  ledger:close()
+  if ledger and ledger_mod.process() == ledger then ledger_mod.set_process(nil) end
+  if ledger then ledger:close() end
   if err ~= nil then
     local msg = cli.format_error(err)
     if not msg:match("^moonbox schedule: ") then

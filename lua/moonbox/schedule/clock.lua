@@ -5,7 +5,9 @@
 -- MOONBOX_TEST_CLOCK="start=2026-03-01T00:00:00Z,scale=600" makes it a virtual clock that
 -- reads `start` when the process starts and then runs `scale` times faster than real time, so
 -- a spec covers hours of schedule in seconds. Code inside a run (task.sleep, HTTP timeouts)
--- keeps real time; only the schedule's own time is virtual.
+-- keeps real time; only the schedule's own time is virtual. `at=UNIX_SECONDS` anchors `start`
+-- at that real time instead of the process's start, so several daemons (one database, several
+-- processes) share one virtual timeline.
 --
 -- Waiting goes through moonbox.timer.sleep_until (an ev_periodic on the wall clock): a virtual
 -- time is mapped back to the real wall time at which the virtual clock will read it.
@@ -42,6 +44,12 @@ function M.from_env(value)
     error("MOONBOX_TEST_CLOCK: scale must be a number > 0, got '" .. tostring(opts.scale) .. "'", 0)
   end
   local real0 = core.time()
+  if opts.at then
+    real0 = tonumber(opts.at)
+    if not real0 then
+      error("MOONBOX_TEST_CLOCK: at must be seconds since the epoch, got '" .. opts.at .. "'", 0)
+    end
+  end
   return setmetatable({ scale = scale, test = true, real0 = real0, virt0 = start or real0 }, Clock)
 end
 

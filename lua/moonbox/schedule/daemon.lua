@@ -12,11 +12,21 @@
 -- a daemon killed at any point leaves history that a restart can finish: runs left queued or
 -- running become "interrupted" and what their ledger runs hold is terminated; slots missed
 -- while no daemon ran are caught up once (inside the catch-up window) or recorded skipped.
+--
+-- On a shared store (PostgreSQL; store.shared) several daemons, on several machines, fire the
+-- same schedules: each slot is claimed by the INSERT of its record, so exactly one of them runs
+-- it and the others count it handled. Every daemon renews the leases of the runs it holds
+-- (ledger:keep_alive) and sweeps (Daemon:sweep_loop): a queued or running record whose lease
+-- expired is recorded interrupted by the one daemon whose UPDATE gets it, and what its ledger
+-- run holds is terminated. While the database is away, a timer neither fires nor marks its
+-- slot handled (db_down / await_db): when it is back, the timer's next turn catches the missed
+-- slots up under the schedule's policy.
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
 local clock_mod = require "moonbox.schedule.clock"
 local ledger_mod = require "moonbox.ledger"
+local trace = require "moonbox.trace"
 
 local M = {}
 local Daemon = {}
@@ -35,8 +45,27 @@ local function one_line(err)
     local ok, v = pcall(tostring, err)
     s = ok and v or "(an error object)"
   end
+  s = trace.redact(s) -- the history must not keep the API key or an env value a message quoted
   if #s > 2000 then s = s:sub(1, 2000) .. " [...]" end
   return s
+end
+
+--- Whether err says the database is unavailable (the store raises code "db_unavailable").
+local function db_down(err)
+  return type(err) == "table" and rawget(err, "code") == "db_unavailable"
+end
+M.db_down = db_down
+
+--- shielded(fn, ...) -> fn's results: runs fn in a task of its own and waits for it, also when
+-- the caller is cancelled meanwhile (it waits again), so bookkeeping that yields (a run's
+-- outcome on PostgreSQL) is written even when a shutdown cancels the run. [yields]
+local function shielded(fn, ...)
+  local t = task.spawn(fn, ...)
+  while true do
+    local ok, a, b = pcall(task.join, t)
+    if ok then return a, b end
+    if task.result(t) ~= nil then error(a, 0) end -- it failed on its own
+  end
 end
 
 --- daemon.new{recipe, schedules, clock, store, out, errout, drain} -> Daemon. out(line) gets
@@ -44,12 +73,44 @@ end
 function M.new(o)
   local d = setmetatable({ recipe = o.recipe, schedules = o.schedules, clock = o.clock, store = o.store,
     out = o.out, errout = o.errout or o.out, drain = o.drain, format_error = o.format_error or one_line,
-    wake = core.cond(), pending = {}, names = {}, rt = {}, last = {}, timers = {} }, Daemon)
+    wake = core.cond(), pending = {}, names = {}, rt = {}, last = {}, timers = {}, subscribers = {} },
+    Daemon)
   for _, s in ipairs(d.schedules) do
     d.names[#d.names + 1] = s.name
     d.rt[s.name] = {}
   end
   return d
+end
+
+--- daemon:subscribe(fn) -> unsubscribe(): fn(event, e) is called, synchronously, for what the
+-- daemon does (moonbox.schedule.ops: metrics, alerts, traces, the status page):
+--   "loop"      e.running: the fire loop started (true) or stopped (false)
+--   "next_fire" e.schedule (name), e.at: the schedule's timer is armed for e.at
+--   "started"   e.schedule, e.run (id, slot, trigger, started_at; a subscriber may add fields,
+--               e.g. trace): a run started
+--   "finished"  e.schedule, e.id, e.outcome, e.message, e.slot, e.trigger, e.started_at,
+--               e.ended_at, e.run (nil for a record that never ran: skipped, or interrupted or
+--               cancelled while queued), e.error (code, op, sandbox_id, request_id of a failed
+--               run's error, when it had them), e.failures (consecutive, after this one),
+--               e.failures_before, e.ledger_run, e.sandboxes: a history record got its final
+--               outcome
+--   "paused"    e.schedule, e.reason, e.failures, e.run: paused after N failures
+-- Subscribers must not wait; one that raises is reported on errout and dropped.
+function Daemon:subscribe(fn)
+  local key = {}
+  self.subscribers[key] = fn
+  return function() self.subscribers[key] = nil end
+end
+
+function Daemon:emit(event, e)
+  for key, fn in pairs(self.subscribers) do
+    local ok, err = pcall(fn, event, e)
+    if not ok then
+      self.subscribers[key] = nil
+      self.errout(string.format("moonbox schedule: a %s subscriber failed and was removed: %s\n", event,
+        one_line(err)))
+    end
+  end
 end
 
 function Daemon:log(fmt_, ...)
@@ -68,7 +129,11 @@ function Daemon:record_skipped(s, slot, trigger, why, due)
     ended_at = now,
     outcome = "skipped", error = why, last_slot = true }, now)
   self:handled(s, slot)
-  if id then self:log("%s: slot %s skipped (record %d): %s", s.name, fmt(slot), id, why) end
+  if id then
+    self:log("%s: slot %s skipped (record %d): %s", s.name, fmt(slot), id, why)
+    self:emit("finished", { schedule = s.name, id = id, outcome = "skipped", message = why, slot = slot,
+      trigger = trigger, ended_at = now })
+  end
 end
 
 -- ---- runs -----------------------------------------------------------------------------------
@@ -85,7 +150,11 @@ function Daemon:start(s, q)
       fired_at = q.fired_at or now,
       started_at = now, outcome = "running", last_slot = q.trigger ~= "manual" }, now)
     if not id then
-      self:log("%s: slot %s already has a record; not running it again", s.name, fmt(q.slot))
+      if self.store.shared then
+        self:log("%s: slot %s was claimed by another daemon", s.name, fmt(q.slot))
+      else
+        self:log("%s: slot %s already has a record; not running it again", s.name, fmt(q.slot))
+      end
       if q.trigger ~= "manual" then self:handled(s, q.slot) end -- or the timer finds it again
       return nil
     end
@@ -94,6 +163,7 @@ function Daemon:start(s, q)
   local run = { id = id, slot = q.slot, trigger = q.trigger, started_at = now }
   self.rt[s.name].active = run
   self:log("%s: run %d started (slot %s, %s)", s.name, id, fmt(q.slot), q.trigger)
+  self:emit("started", { schedule = s.name, run = run })
   run.task = task.spawn(self.run_body, self, s, run)
   return run
 end
@@ -140,10 +210,25 @@ function Daemon:run_body(s, run)
     outcome, message = "cancelled", "the run's task was cancelled"
   else
     outcome, message = "failed", one_line(err)
+    if type(err) == "table" then
+      run.error = { code = err.code, op = err.op, sandbox_id = err.sandbox_id, request_id = err.request_id,
+        snapshot_id = err.snapshot_id, exec_id = err.exec_id }
+    end
     self.errout(string.format("moonbox schedule: %s: run %d failed: %s\n", s.name, run.id,
         self.format_error(err)))
   end
-  local fok, ferr = pcall(self.finish, self, s, run, outcome, message)
+  ledger_mod.detach(me)
+  local function record()
+    local fok, ferr = pcall(self.finish, self, s, run, outcome, message)
+    while not fok and db_down(ferr) do
+      -- Its outcome is kept until the database is back (its lease may run out meanwhile).
+      local wok, werr = pcall(self.await_db, self, ferr)
+      if not wok then return false, werr end
+      fok, ferr = pcall(self.finish, self, s, run, outcome, message)
+    end
+    return fok, ferr
+  end
+  local fok, ferr = shielded(record)
   if not fok then
     -- Recording failed (the database): still let the schedule fire again.
     local rt = self.rt[s.name]
@@ -155,12 +240,16 @@ end
 
 function Daemon:finish(s, run, outcome, message)
   local now = self.clock:now()
-  ledger_mod.detach(task.current())
   if run.ledger_run then self.store.ledger:end_run(outcome, run.ledger_run) end
   self.store:finish(run.id, outcome, message, now)
   run.outcome, run.message = outcome, message
+  local before = next(self.subscribers) and self.store:state(s.name)
   local failures = self.store:count_outcome(s.name, outcome)
   local sandboxes = run.ledger_run and self.store.ledger:sandboxes(run.ledger_run) or {}
+  self:emit("finished", { schedule = s.name, id = run.id, outcome = outcome, message = message,
+    slot = run.slot, trigger = run.trigger, started_at = run.started_at, ended_at = now, run = run,
+    error = run.error, failures = failures, failures_before = before and before.failures or 0,
+    ledger_run = run.ledger_run, sandboxes = sandboxes })
   self:log("%s: run %d %s%s%s", s.name, run.id, outcome,
     #sandboxes > 0 and (" (sandboxes " .. table.concat(sandboxes, ", ") .. ")") or "",
     message and (": " .. message) or "")
@@ -173,6 +262,7 @@ function Daemon:finish(s, run, outcome, message)
         outcome)
       self.store:set_paused(s.name, true, reason, now)
       self:log("%s: %s; `moonbox schedule %s --resume %s` resumes it", s.name, reason, self.recipe, s.name)
+      self:emit("paused", { schedule = s.name, reason = reason, failures = failures, run = run })
     end
   end
   local rt = self.rt[s.name]
@@ -198,6 +288,14 @@ function Daemon:fire(s, slot, trigger, due)
   end
   local rt = self.rt[s.name]
   local active = rt.active
+  if not active and s.overlap == "skip" then
+    local other = self.store:running_elsewhere(s.name)
+    if other then
+      return self:record_skipped(s, slot, trigger, string.format(
+        "run %d (slot %s) was still running on %s (overlap = skip)", other.id, fmt(other.slot),
+        tostring(other.owner)), due)
+    end
+  end
   if active then
     if s.overlap == "skip" then
       return self:record_skipped(s, slot, trigger,
@@ -297,52 +395,144 @@ function Daemon:catch_up(s, after, why, trigger)
   end
 end
 
+-- One turn of a schedule's timer: handles what is due (catch-up when late), else sets the next
+-- fire and waits for it. Returns "done" when the expression matches no later time. [yields]
+function Daemon:timer_step(s)
+  local last = self.last[s.name]
+  local slot = schedule.next_after(s, last)
+  if not slot then
+    self:log("%s: the expression matches no later time; this schedule is done", s.name)
+    return "done"
+  end
+  if slot <= self.clock:now() then
+    local why = self.db_was_down and "the database was unavailable"
+      or "the daemon was late (stalled, stopped or the machine slept)"
+    self:catch_up(s, last, why, "cron")
+    self.db_was_down = nil
+  else
+    local at = slot
+    if s.jitter > 0 then at = slot + math.random() * s.jitter end
+    self.store:set_next_fire(s.name, at)
+    self:emit("next_fire", { schedule = s.name, at = at })
+    self.clock:sleep_until(at)
+    self:fire(s, slot, "cron", at)
+  end
+end
+
+--- Waits until the database answers again after err (db_down); logs the outage and the return.
+-- [yields]
+function Daemon:await_db(err, what)
+  self.db_was_down = true
+  if not self.db_outage then
+    self.db_outage = true
+    self:log("the database is unavailable (%s): not firing until it is back", one_line(err.message or err))
+  end
+  self.store:wait_available()
+  if self.db_outage then
+    self.db_outage = nil
+    self.db_ok_since = core.time()
+    self:log("the database is back%s", what and ("; " .. what) or "")
+  end
+end
+
 function Daemon:timer_loop(s)
   while not self.stopping do
-    local last = self.last[s.name]
-    local slot = schedule.next_after(s, last)
-    if not slot then
-      self:log("%s: the expression matches no later time; this schedule is done", s.name)
-      return
-    end
-    if slot <= self.clock:now() then
-      self:catch_up(s, last, "the daemon was late (stalled, stopped or the machine slept)", "cron")
+    local ok, r = pcall(self.timer_step, self, s)
+    if ok then
+      if r == "done" then return end
+    elseif db_down(r) then
+      self:await_db(r, "catching up under each schedule's policy")
     else
-      local at = slot
-      if s.jitter > 0 then at = slot + math.random() * s.jitter end
-      self.store:set_next_fire(s.name, at)
-      self.clock:sleep_until(at)
-      self:fire(s, slot, "cron", at)
+      error(r, 0)
     end
   end
 end
 
 -- ---- start and stop -------------------------------------------------------------------------
 
---- Marks the runs of dead daemons interrupted and terminates what their ledger runs hold.
--- [yields]
+--- Marks the runs of dead daemons interrupted and terminates what their ledger runs hold. On a
+-- shared store "dead" is "lease expired", and each orphan is settled by the one daemon whose
+-- store:interrupt takes it. [yields]
 function Daemon:recover()
   local now = self.clock:now()
   local ledger = self.store.ledger
   for _, r in ipairs(self.store:orphans()) do
-    local msg = r.outcome == "queued" and "its daemon (pid %d) stopped before this queued run started"
-      or "its daemon (pid %d) stopped during the run"
-    self.store:finish(r.id, "interrupted", string.format(msg, r.pid), now)
-    self:log("%s: run %d (slot %s) recorded interrupted: " .. msg, r.schedule, r.id, fmt(r.slot), r.pid)
-    local lr = r.ledger_run and ledger:run(r.ledger_run)
-    if lr and not lr.alive then
-      local result = { terminated = 0, unattributed = 0, would = 0 }
-      local ok, err = pcall(require("moonbox.reap").reap_run, ledger, lr, {}, function(line)
-        self:log("%s: run %d: reap: %s", r.schedule, r.id, line) -- line names the ledger run
-      end, result)
-      if not ok then
-        self:log("%s: run %d (ledger run %d): could not terminate what it holds (`moonbox reap` retries): %s",
-            r.schedule, r.id, lr.id,
-          one_line(err))
+    -- A run this daemon holds is alive, whatever its lease says (a stalled renewal).
+    if ledger.leases.schedule_runs[r.id] then goto next end
+    local who = self.store.shared and string.format("%s (lease expired)", tostring(r.owner))
+      or string.format("(pid %d)", r.pid)
+    local msg = r.outcome == "queued" and "its daemon %s stopped before this queued run started"
+      or "its daemon %s stopped during the run"
+    msg = string.format(msg, who)
+    if self.store:interrupt(r.id, msg, now) then
+      self:emit("finished", { schedule = r.schedule, id = r.id, outcome = "interrupted",
+        message = msg, slot = r.slot, trigger = r.trigger, started_at = r.started_at,
+        ended_at = now, ledger_run = r.ledger_run })
+      self:log("%s: run %d (slot %s) recorded interrupted: %s", r.schedule, r.id, fmt(r.slot), msg)
+      local lr = r.ledger_run and ledger:run(r.ledger_run)
+      -- The daemon that held r held its ledger run too (one renewal covers both).
+      if lr and (not lr.alive or (self.store.shared and lr.owner == r.owner)) then
+        lr.alive = false
+        local result = { terminated = 0, unattributed = 0, would = 0 }
+        local ok, err = pcall(require("moonbox.reap").reap_run, ledger, lr, {}, function(line)
+          self:log("%s: run %d: reap: %s", r.schedule, r.id, line) -- line names the ledger run
+        end, result)
+        if not ok then
+          if db_down(err) or task.is_cancelled(err) then error(err, 0) end
+          self:log("%s: run %d (ledger run %d): could not terminate what it holds " ..
+            "(`moonbox reap` retries): %s",
+              r.schedule, r.id, lr.id,
+            one_line(err))
+        end
+        if lr.ended_at == nil then ledger:end_run("interrupted", lr.id) end
       end
-      if lr.ended_at == nil then ledger:end_run("interrupted", lr.id) end
+    end
+    ::next::
+  end
+end
+
+--- On a shared store: every half lease, recovers the runs of daemons that stopped renewing
+-- (recover). It sweeps only after the database has answered for a whole lease, so that after
+-- an outage the live daemons have renewed their leases before anyone judges them. [yields]
+function Daemon:sweep_loop()
+  while not self.stopping do
+    task.sleep(ledger_mod.LEASE / 2)
+    if core.time() - (self.db_ok_since or 0) >= ledger_mod.LEASE then
+      local ok, err = pcall(self.recover, self)
+      if not ok then
+        if task.is_cancelled(err) then error(err, 0) end
+        if db_down(err) then
+          self:await_db(err)
+        else
+          self.errout(string.format("moonbox schedule: recovering interrupted runs failed: %s\n",
+            self.format_error(err)))
+        end
+      end
     end
   end
+end
+
+--- On a shared store: the task that renews this daemon's leases, and the sweeper. Does not
+-- yield.
+function Daemon:start_shared()
+  if not self.store.shared then return end
+  self.db_ok_since = core.time()
+  self.store.ledger:keep_alive()
+  self.sweeper = task.spawn(function()
+    local ok, err = xpcall(self.sweep_loop, core.msgh, self)
+    if not ok and not task.is_cancelled(err) then
+      self.errout(string.format("moonbox schedule: the sweeper stopped: %s\n", self.format_error(err)))
+    end
+  end)
+end
+
+function Daemon:stop_shared()
+  if self.sweeper then
+    task.cancel(self.sweeper)
+    pcall(task.join, self.sweeper)
+    self.sweeper = nil
+  end
+  self.store.ledger:stop_keeping()
 end
 
 --- daemon:run(): claims the schedules, recovers, catches up, fires until cancelled, then stops.
@@ -355,7 +545,9 @@ function Daemon:run()
     error(string.format("moonbox schedule: schedule '%s' is already run by another moonbox schedule " ..
       "(pid %d, recipe %s); stop it first", owned.name, owned.owner_pid, tostring(owned.recipe)), 0)
   end
-  self:log("started: %d schedule(s) from %s (%s)", #self.schedules, self.recipe, self.clock:describe())
+  self:log("started: %d schedule(s) from %s (%s)%s", #self.schedules, self.recipe, self.clock:describe(),
+    self.store.shared and (", shared state in " .. self.store:describe()) or "")
+  self:start_shared()
   self:recover()
   for _, s in ipairs(self.schedules) do
     local st = self.store:state(s.name)
@@ -377,15 +569,25 @@ function Daemon:run()
       end
     end)
   end
+  self:emit("loop", { running = true })
   local lok, lerr = pcall(function()
     while true do
       while #self.pending > 0 do
-        local p = table.remove(self.pending, 1)
-        self:start(p.s, p.q)
+        local p = self.pending[1]
+        local sok, serr = pcall(self.start, self, p.s, p.q)
+        if sok then
+          table.remove(self.pending, 1)
+        elseif db_down(serr) then
+          self:await_db(serr)
+        else
+          table.remove(self.pending, 1)
+          error(serr, 0)
+        end
       end
       self.wake:wait()
     end
   end)
+  self:emit("loop", { running = false })
   self:shutdown()
   if self.fatal then error(self.fatal, 0) end
   if not lok and not task.is_cancelled(lerr) then error(lerr, 0) end
@@ -411,15 +613,18 @@ function Daemon:shutdown()
   for _, t in ipairs(self.timers) do pcall(task.join, t) end
   local sig = core.signal_received()
   local why = sig and ("SIG" .. sig) or "the daemon stopped"
-  for _, p in ipairs(self.pending) do self.rt[p.s.name].queued = p.q end
+  for _, p in ipairs(self.pending) do
+    if p.q.id then self.rt[p.s.name].queued = p.q end -- a manual request not yet started is dropped
+  end
   self.pending = {}
   local actives = {}
   for _, s in ipairs(self.schedules) do
     local rt = self.rt[s.name]
     if rt.queued then
-      self.store:finish(rt.queued.id, "cancelled",
-          "the daemon stopped (" .. why .. ") before this queued run started",
-        now)
+      local qmsg = "the daemon stopped (" .. why .. ") before this queued run started"
+      self.store:finish(rt.queued.id, "cancelled", qmsg, now)
+      self:emit("finished", { schedule = s.name, id = rt.queued.id, outcome = "cancelled", message = qmsg,
+        slot = rt.queued.slot, trigger = rt.queued.trigger, ended_at = now })
       rt.queued = nil
     end
     if rt.active then actives[#actives + 1] = rt.active end
@@ -442,8 +647,23 @@ function Daemon:shutdown()
   end
   if #left > 0 then self:log("stopping (%s): cancelling %d run(s)", why, #left) end
   wait_all(left)
+  self:stop_shared()
   self.store:release(self.names)
   self:log("stopped")
+end
+
+--- daemon:request_trigger(name) -> true, or nil and a message: the fire loop starts a manual
+-- run of that schedule as soon as it next looks (the status page's trigger button). Manual runs
+-- ignore overlap, as --trigger does. Does not yield.
+function Daemon:request_trigger(name)
+  local s
+  for _, x in ipairs(self.schedules) do if x.name == name then s = x end end
+  if not s then return nil, "no schedule named '" .. tostring(name) .. "'" end
+  if self.stopping then return nil, "the daemon is stopping" end
+  local now = self.clock:now()
+  self.pending[#self.pending + 1] = { s = s, q = { slot = now, trigger = "manual", fired_at = now } }
+  self.wake:signal()
+  return true
 end
 
 --- daemon:trigger(s) -> the finished run (run.outcome, run.message): runs s once now, recorded
@@ -451,6 +671,7 @@ end
 function Daemon:trigger(s)
   local now = self.clock:now()
   self.store:ensure(s, self.recipe, now)
+  self.store.ledger:keep_alive()
   local run = self:start(s, { slot = now, trigger = "manual", fired_at = now })
   local ok = pcall(task.join, run.task)
   if not ok then
@@ -461,6 +682,7 @@ function Daemon:trigger(s)
     task.cancel(run.task)
     wait_all({ run })
   end
+  self:stop_shared()
   return run
 end
 

@@ -6,7 +6,7 @@ local clock_mod = require "moonbox.schedule.clock"
 local M = {}
 
 M.command = {
-  usage = "moonbox runs [NAME] [--json] [--limit N]",
+  usage = "moonbox runs [NAME] [--json] [--limit N] [--state DB]",
   detail = [[Prints the history `moonbox schedule` recorded in $XDG_STATE_HOME/moonbox/moonbox.db,
 newest first: every run and every skipped slot, of schedule NAME or of all schedules. Columns:
 record id, schedule, slot (the time the fire was due), trigger (cron, catchup or manual), start,
@@ -17,7 +17,11 @@ sandboxes the run created, and the error or the reason it was skipped.
 objects with the same facts; times are RFC 3339 text (slot, fired_at, started_at, ended_at) and
 numbers of seconds since the epoch (slot_unix, due_unix — the slot plus its jitter —,
 fired_unix, started_unix, ended_unix). Times are
-the schedule clock's (the test clock's, when a spec set MOONBOX_TEST_CLOCK).]],
+the schedule clock's (the test clock's, when a spec set MOONBOX_TEST_CLOCK).
+
+--state DB reads another database: a SQLite file or a postgres:// URL (default:
+MOONBOX_DATABASE_URL, else the state dir's moonbox.db). On a PostgreSQL database shared by
+several machines it lists every machine's runs.]],
 }
 
 local function duration(r)
@@ -27,7 +31,7 @@ end
 
 --- main(args, cli) -> exit status.
 function M.main(args, cli)
-  local opts, rest = cli.parse_flags(args, { json = "flag", limit = "value" })
+  local opts, rest = cli.parse_flags(args, { json = "flag", limit = "value", state = "value" })
   if not opts then return cli.usage_error("runs: %s", rest) end
   if #rest > 1 then return cli.usage_error("runs: unexpected argument '%s'", rest[2]) end
   local limit = tonumber(opts.limit or "20")
@@ -35,7 +39,27 @@ function M.main(args, cli)
     return cli.usage_error("runs: --limit must be an integer >= 0, got '%s'", tostring(opts.limit))
   end
   if limit == 0 then limit = -1 end
+  local db_mod = require "moonbox.db"
+  if opts.state then db_mod.set_target(opts.state) end
+  local tok, terr = pcall(db_mod.target)
+  if not tok then return cli.usage_error("runs: --state: %s", tostring(terr)) end
+  local code, err = cli.run_root(function() M.print(rest[1], limit, opts.json) end)
+  if err ~= nil then cli.eprintf("moonbox runs: %s\n", cli.format_error(err)) end
+  return code
+end
+
+--- runs.print(name, limit, as_json): prints the history (see the command). [yields] on
+-- PostgreSQL.
+function M.print(name, limit, as_json)
   local store = require("moonbox.schedule.store").open()
+  local ok, err = pcall(M.print_rows, store, name, limit, as_json)
+  store.ledger:close()
+  if not ok then error(err, 0) end
+end
+
+-- The rows of store's history, printed as the command does.
+function M.print_rows(store, name, limit, as_json)
+  local rest, opts = { name }, { json = as_json }
   local rows = store:history { schedule = rest[1], limit = math.tointeger(limit) }
   if opts.json then
     local out = {}
@@ -51,6 +75,7 @@ function M.main(args, cli)
         ended_at = r.ended_at and clock_mod.format(r.ended_at) or json.null,
             ended_unix = r.ended_at or json.null,
         sandboxes = json.array(r.sandboxes), ledger_run = r.ledger_run or json.null, pid = r.pid,
+        owner = r.owner or json.null,
       }
     end
     io.stdout:write(json.encode(json.array(out)), "\n")
@@ -71,8 +96,6 @@ function M.main(args, cli)
       end
     end
   end
-  store.ledger:close()
-  return cli.EXIT_OK
 end
 
 return M

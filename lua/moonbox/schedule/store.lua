@@ -1,7 +1,7 @@
---- moonbox.schedule.store — schedule state and run history in the state dir's moonbox.db.
+--- moonbox.schedule.store — schedule state and run history, in the ledger's database
+-- (moonbox.db: the state dir's SQLite file, or a PostgreSQL database several daemons share).
 --
--- Two tables, created by the ledger's migrations (lua/moonbox/ledger.lua) because they share
--- its file and schema version:
+-- Two tables, created by moonbox.db.schema (migration 2) next to the ledger's:
 --   schedules      one row per schedule name: last_slot (the latest slot handled: run, queued
 --                  or recorded skipped), next_fire, consecutive failures, paused (+ reason), and
 --                  the daemon that owns it (pid + process start time).
@@ -11,8 +11,16 @@
 --                  failed, timeout, cancelled, skipped, interrupted), error, and the ledger run
 --                  that holds the sandboxes it created.
 -- A unique index on (schedule, slot) for non-manual rows makes "never twice for the same slot"
--- a property of the database, not of the daemon's care. Times are the schedule clock's
--- (moonbox.schedule.clock), seconds since the epoch. No call yields.
+-- a property of the database, not of the daemon's care: a slot is claimed by the INSERT of its
+-- record (ON CONFLICT DO NOTHING), so of several daemons sharing a PostgreSQL database exactly
+-- one gets it. Times are the schedule clock's (moonbox.schedule.clock), seconds since the epoch.
+--
+-- The two stores differ in who owns what (store.shared): on SQLite one daemon owns a schedule
+-- (claim) and a queued or running record is orphaned when its process is gone; on PostgreSQL
+-- every daemon fires every schedule, each record it writes carries a lease its daemon renews
+-- (moonbox.ledger keep_alive), and a record is orphaned when its lease has expired. No call
+-- yields on SQLite; on PostgreSQL every call may (and raises code "db_unavailable" while the
+-- server is away).
 local ledger_mod = require "moonbox.ledger"
 
 local M = {}
@@ -22,7 +30,18 @@ Store.__index = Store
 --- store.open(ledger) -> Store over the ledger's database (ledger.open() when nil).
 function M.open(ledger)
   ledger = ledger or ledger_mod.open()
-  return setmetatable({ ledger = ledger, db = ledger.db }, Store)
+  return setmetatable({ ledger = ledger, db = ledger.db, shared = ledger.shared }, Store)
+end
+
+--- store:describe() -> where the state lives (a path, or a URL without its password).
+function Store:describe()
+  return self.db:describe()
+end
+
+--- store:wait_available(on_wait): returns once the database answers (at once on SQLite).
+-- [yields] on PostgreSQL.
+function Store:wait_available(on_wait)
+  return self.db:wait_available(on_wait)
 end
 
 --- store:state(name) -> the schedule's row, or nil.
@@ -43,6 +62,7 @@ local alive = ledger_mod.alive
 --- store:claim(names) -> true, or nil and the row of a schedule a live daemon already owns.
 -- Ownership is all or nothing (one transaction).
 function Store:claim(names, now)
+  if self.shared then return true end -- every daemon fires; each slot is claimed by its record
   local pid, start = ledger_mod.self_pid(), ledger_mod.self_start()
   local ok, err = pcall(self.db.tx, self.db, function()
     for _, name in ipairs(names) do
@@ -63,6 +83,7 @@ end
 
 --- store:release(names): this process no longer owns them.
 function Store:release(names)
+  if self.shared then return end
   local pid = ledger_mod.self_pid()
   for _, name in ipairs(names) do
     self.db:run("UPDATE schedules SET owner_pid = NULL, owner_pid_start = NULL, next_fire = NULL " ..
@@ -70,9 +91,10 @@ function Store:release(names)
   end
 end
 
---- store:set_last_slot(name, slot): the slot has been handled.
+--- store:set_last_slot(name, slot): the slot has been handled (last_slot never moves back).
 function Store:set_last_slot(name, slot, now)
-  self.db:run("UPDATE schedules SET last_slot = ?, updated_at = ? WHERE name = ?", slot, now, name)
+  self.db:run("UPDATE schedules SET last_slot = ?, updated_at = ? WHERE name = ? " ..
+    "AND (last_slot IS NULL OR last_slot < ?)", slot, now, name, slot)
 end
 
 --- store:set_next_fire(name, t)
@@ -102,29 +124,30 @@ function Store:count_outcome(name, outcome)
   return self.db:value("SELECT failures FROM schedules WHERE name = ?", name) or 0
 end
 
---- store:record(r) -> history id, or nil when that slot already has a record (never twice).
--- r: schedule, slot, trigger, due_at (slot + jitter), fired_at, started_at, ended_at, outcome, error. When
--- r.last_slot is true the schedule's last_slot moves to r.slot in the same transaction.
+--- store:record(r) -> history id, or nil when that slot already has a record (never twice: the
+-- INSERT is the claim). r: schedule, slot, trigger, due_at (slot + jitter), fired_at, started_at,
+-- ended_at, outcome, error. When r.last_slot is true the schedule's last_slot moves to r.slot in
+-- the same transaction. A queued or running record gets this daemon's lease.
 function Store:record(r, now)
   local pid = ledger_mod.self_pid()
-  return self.db:tx(function()
-    if r.trigger ~= "manual" and self.db:value(
-      "SELECT id FROM schedule_runs WHERE schedule = ? AND slot = ? AND trigger <> 'manual'", r.schedule,
-          r.slot) then
-      return nil
-    end
-    local _, id = self.db:run([[INSERT INTO schedule_runs (schedule, slot, trigger, due_at, fired_at,
-      started_at,
-      ended_at, outcome, error, pid, pid_start) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)]],
+  local open = r.outcome == "queued" or r.outcome == "running"
+  local lease = (self.shared and open) and (self.ledger:now() + ledger_mod.LEASE) or nil
+  local id = self.db:tx(function()
+    local n, id = self.db:run([[INSERT INTO schedule_runs (schedule, slot, trigger, due_at, fired_at,
+      started_at, ended_at, outcome, error, pid, pid_start, owner, lease_until)
+      VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+      ON CONFLICT (schedule, slot) WHERE trigger <> 'manual' DO NOTHING]],
       r.schedule, r.slot, r.trigger, r.due_at, r.fired_at, r.started_at, r.ended_at, r.outcome, r.error, pid,
-      ledger_mod.self_start())
+      ledger_mod.self_start(), ledger_mod.owner(), lease)
+    if n == 0 then return nil end
     if r.last_slot then
-      self.db:run([[UPDATE schedules SET last_slot = max(coalesce(last_slot, ?), ?), updated_at = ?
-        WHERE name = ?]],
-        r.slot, r.slot, now, r.schedule)
+      self.db:run([[UPDATE schedules SET last_slot = ?, updated_at = ?
+        WHERE name = ? AND (last_slot IS NULL OR last_slot < ?)]], r.slot, now, r.schedule, r.slot)
     end
     return id
   end)
+  if id and self.shared and open then self.ledger.leases.schedule_runs[id] = true end
+  return id
 end
 
 --- store:started(id, t): a queued run started.
@@ -136,6 +159,15 @@ end
 function Store:finish(id, outcome, message, t)
   self.db:run("UPDATE schedule_runs SET ended_at = ?, outcome = ?, error = ? WHERE id = ?", t, outcome,
       message, id)
+  self.ledger.leases.schedule_runs[id] = nil
+end
+
+--- store:interrupt(id, message, t) -> whether this call recorded the orphaned record id
+-- interrupted (false: it had already ended, or another daemon got there first).
+function Store:interrupt(id, message, t)
+  local n = self.db:run([[UPDATE schedule_runs SET ended_at = ?, outcome = 'interrupted', error = ?
+    WHERE id = ? AND outcome IN ('queued', 'running')]], t, message, id)
+  return n == 1
 end
 
 --- store:set_ledger_run(id, run_id): the run's first create began ledger run run_id.
@@ -145,6 +177,10 @@ end
 
 --- store:orphans() -> rows left queued or running by a daemon that is gone.
 function Store:orphans()
+  if self.shared then
+    return self.db:rows([[SELECT * FROM schedule_runs WHERE outcome IN ('queued', 'running')
+      AND (lease_until IS NULL OR lease_until < ?) ORDER BY id]], self.ledger:now())
+  end
   local out = {}
   for _, r in ipairs(self.db:rows(
     "SELECT * FROM schedule_runs WHERE outcome IN ('queued', 'running') ORDER BY id")) do
@@ -156,11 +192,16 @@ end
 --- store:history{schedule, limit} -> rows, newest first, each with `sandboxes` (ids).
 function Store:history(opts)
   local rows
-  if opts.schedule then
+  local limit = opts.limit or -1
+  if opts.schedule and limit >= 0 then
     rows = self.db:rows("SELECT * FROM schedule_runs WHERE schedule = ? ORDER BY id DESC LIMIT ?",
-      opts.schedule, opts.limit or -1)
+      opts.schedule, limit)
+  elseif opts.schedule then
+    rows = self.db:rows("SELECT * FROM schedule_runs WHERE schedule = ? ORDER BY id DESC", opts.schedule)
+  elseif limit >= 0 then
+    rows = self.db:rows("SELECT * FROM schedule_runs ORDER BY id DESC LIMIT ?", limit)
   else
-    rows = self.db:rows("SELECT * FROM schedule_runs ORDER BY id DESC LIMIT ?", opts.limit or -1)
+    rows = self.db:rows("SELECT * FROM schedule_runs ORDER BY id DESC")
   end
   for _, r in ipairs(rows) do
     r.sandboxes = r.ledger_run and self.ledger:sandboxes(r.ledger_run) or {}
@@ -168,9 +209,54 @@ function Store:history(opts)
   return rows
 end
 
+--- store:running_elsewhere(name) -> the newest running record of schedule name that another
+-- daemon holds a live lease on, or nil (always nil on SQLite, where one daemon owns a
+-- schedule).
+function Store:running_elsewhere(name)
+  if not self.shared then return nil end
+  return self.db:row([[SELECT * FROM schedule_runs WHERE schedule = ? AND outcome = 'running'
+    AND lease_until >= ? AND owner <> ? ORDER BY id DESC LIMIT 1]], name, self.ledger:now(),
+    ledger_mod.owner())
+end
+
 --- store:last_run(name) -> the newest history row of the schedule, or nil.
 function Store:last_run(name)
   return self.db:row("SELECT * FROM schedule_runs WHERE schedule = ? ORDER BY id DESC LIMIT 1", name)
+end
+
+--- store:ping(timeout_ms) -> true, or nil and a message: a real, cheap query of the state
+-- (the schedules table), on a connection of its own opened for it with a busy timeout of
+-- timeout_ms (default 250), so a locked database answers within that instead of the daemon's
+-- own 5 s; a database file that vanished (deleted, moved, its disk gone) is reported as such
+-- and never re-created. On PostgreSQL (store.shared) the query runs on the daemon's own
+-- connection under a timeout of timeout_ms. For `moonbox schedule --listen`'s /healthz.
+-- SQLite: does not yield (blocks at most timeout_ms); PostgreSQL: [yields]
+function Store:ping(timeout_ms)
+  local path = self.ledger.path
+  if self.shared then
+    -- PostgreSQL: the daemon's own connection (it reconnects by itself), bounded by the timeout
+    -- so a server that accepts and never answers makes the probe fail instead of hang.
+    local ok, err = pcall(require("moonbox.task").timeout, (timeout_ms or 250) / 1000, function()
+      return self.db:value("SELECT count(*) FROM schedules")
+    end)
+    if ok then return true end
+    return nil, type(err) == "table" and tostring(err.message or err.code) or tostring(err)
+  end
+  if not path or path == ":memory:" then
+    local ok, err = pcall(self.db.value, self.db, "SELECT count(*) FROM schedules")
+    if ok then return true end
+    return nil, tostring(err)
+  end
+  local f = io.open(path, "rb")
+  if not f then return nil, "the database file " .. path .. " is missing" end
+  f:close()
+  local ok, err = pcall(function()
+    local db <close> = require("moonbox.store").open(path, { busy_timeout = timeout_ms or 250,
+      statement_cache = 0 })
+    db:value("SELECT count(*) FROM schedules")
+  end)
+  if ok then return true end
+  return nil, type(err) == "table" and tostring(err.message or err.code) or tostring(err)
 end
 
 return M

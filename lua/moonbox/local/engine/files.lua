@@ -6,10 +6,10 @@
 -- and then does the work with its own code — it runs nothing of the sandbox's (no sh, cat,
 -- find or tar of the sandbox's) and loads nothing from it. Paths are resolved by the kernel
 -- against the sandbox's root, so a symlink the sandbox planted means the sandbox's file.
--- Directory transfers cross as "records" (see runtime/tarball.c): a client's tar is checked and
--- turned into records here (moonbox.archive.to_records), the helper creates what they say; the
--- helper packs a tree into records and moonbox.archive.from_records makes the tar. Temporary
--- files live in <state_dir>/tmp (0600) and are removed when the operation ends.
+-- Directory transfers cross as "records" (see runtime/archive_records.c): a client's tar is
+-- checked and turned into records here (moonbox.archive.to_records), the helper creates what
+-- they say; the helper packs a tree into records and moonbox.archive.from_records makes the
+-- tar. Temporary files live in <state_dir>/tmp (0600) and are removed when the operation ends.
 -- Paths are absolute (the service checks them as Render does); NULs and newlines are refused.
 -- Owned by an Engine (eng.files); only the engine and the service call it.
 local task = require "moonbox.task"

@@ -7,6 +7,7 @@ local ids = require "moonbox.ids"
 local json = require "moonbox.json"
 local route = require "moonbox.local.http.route"
 local wire = require "moonbox.local.wire"
+local public = require "moonbox.local.http.public"
 
 local M = {}
 local fail = route.fail
@@ -17,29 +18,36 @@ function M.token(b, req)
   local op = req.captures.op
   if op ~= "upload" and op ~= "download" then fail("invalid", "operation must be upload or download, got "
     .. tostring(op)) end
+  local base = public.base(b, req)
   local rec = b.svc:find_sandbox(req.captures.id)
   local path = req:query_param("path")
   local abs = wire.sandbox_path(path)
   local e, token, expires = b.svc:mint_file(rec, op, abs, path)
   return 201, {
     executionId = e.id, token = token, method = op == "upload" and "PUT" or "GET",
-    expiresAt = ids.iso(expires), uri = string.format("%s/proxy/%s/files/%s", b.url, rec.id, op),
+    expiresAt = ids.iso(expires), uri = string.format("%s/proxy/%s/files/%s", base, rec.id, op),
   }
 end
 
 -- Decompresses a gzip'd plain upload into a new temporary file, after a first pass that only
--- counts the inflated bytes: a small body that inflates past limit (a decompression bomb) is
--- refused with 413 before a byte of it is written to the host's disk. Two passes cost twice the
--- decompression CPU; trusting gzip's own length field would not do (it is the length modulo
--- 4 GiB, of the last member only).
+-- counts the inflated bytes, and stops counting one byte past limit: a small body that
+-- inflates past limit (a decompression bomb) is refused with 413 before a byte of it is
+-- written to the host's disk, and costs no more than limit bytes of decompression. Two passes
+-- cost twice the decompression CPU; trusting gzip's own length field would not do (it is the
+-- length modulo 4 GiB, of the last member only).
 local function gunzip(b, src, limit)
   local proc = require "moonbox.proc"
-  local count = proc.run { "bash", "-c", 'set -o pipefail; gzip -dc < "$1" | wc -c', "moonbox-gunzip", src }
-  if count.code ~= 0 then fail("invalid", "the upload says Content-Encoding: gzip but is not gzip data") end
-  local n = tonumber(count.stdout:match("%d+"))
-  if not n or n > limit then
-    fail("too_large", string.format("the upload inflates to %s bytes, more than the limit of %d",
-      n and tostring(n) or "too many", limit))
+  -- "BYTES GZIP_STATUS": gzip dies of SIGPIPE (141) when head has had enough.
+  local count = proc.run { "bash", "-c",
+    'n=$(gzip -dc < "$1" | head -c "$2" | wc -c; echo " ${PIPESTATUS[0]}"); echo $n', "moonbox-gunzip", src,
+    tostring(limit + 1) }
+  local n, st = count.stdout:match("(%d+)%s+(%d+)")
+  n, st = tonumber(n), tonumber(st)
+  if n and n > limit then
+    fail("too_large", string.format("the upload inflates to more than the limit of %d bytes", limit))
+  end
+  if count.code ~= 0 or st ~= 0 then
+    fail("invalid", "the upload says Content-Encoding: gzip but is not gzip data")
   end
   local out = b.state_dir .. "/tmp/gunzip." .. ids.token():sub(1, 16)
   local r = proc.run { "gzip", "-dc", stdin = { file = src }, stdout = { file = out } }

@@ -18,8 +18,10 @@ local M = {}
 -- workspace, state_dir.
 function M.install(b)
   local srv = b.srv
+  local api_routes = {} -- {method, pattern} of every /v1 route, for route.unrouted
   local function r(method, pattern, fn)
     srv:route(method, pattern, route.wrap(b, fn), { auth = "key" })
+    api_routes[#api_routes + 1] = { method, pattern }
   end
   local function control(method, pattern, fn)
     srv:route(method, pattern, route.wrap(b, fn, { control = true }), { auth = "key" })
@@ -36,6 +38,8 @@ function M.install(b)
   require("moonbox.local.http.groups").install(r)
   require("moonbox.local.http.logs").install(r)
   require("moonbox.local.http.control").install(control)
+  -- Last: what no /v1 route takes is still answered by the application (RateLimit-* included).
+  srv:route("*", "/v1/*", route.wrap(b, route.unrouted(api_routes)), { auth = "key" })
 end
 
 return M

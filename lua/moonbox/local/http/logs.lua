@@ -20,8 +20,8 @@ function M.logs(b, req, ctx, res)
   if since and not since_t then fail("invalid", "since must be an RFC 3339 timestamp") end
   local follow = req:query_param("follow") ~= "false"
   local exec_id = req:query_param("execId")
-  local w = res:stream(200, { ["Content-Type"] = "text/event-stream; charset=utf-8",
-    ["Cache-Control"] = "no-cache", ["render-request-id"] = ctx.rid })
+  local w = res:stream(200, route.stream_headers(ctx, { ["Content-Type"] = "text/event-stream; charset=utf-8",
+    ["Cache-Control"] = "no-cache", ["render-request-id"] = ctx.rid }))
   -- Answered: the journal says so now, not when the follower ends (which, for a client that
   -- went away, is only at the next event or keep-alive). A follower is not work in progress.
   ctx.entry.status = 200
@@ -29,7 +29,7 @@ function M.logs(b, req, ctx, res)
   local seen = 0 -- events carry increasing numbers; the oldest may have been dropped meanwhile
   local ok = pcall(function()
     while true do
-      local list = b.svc.logs[rec.id] or {}
+      local list = b.svc:log_events(rec)
       local finished = false
       local first = 1
       while first <= #list and list[first].n <= seen do first = first + 1 end

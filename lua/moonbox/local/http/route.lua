@@ -4,10 +4,10 @@
 -- an httpd handler that: records the request in the journal (only authenticated requests get
 -- this far: the server's pre-body gate answers the others), applies injected faults (never to
 -- the control endpoint), turns ServiceErrors into Render's JSON errors {message, code}, and adds
--- render-request-id and the ratelimit-* headers. Unexpected errors answer 500 with the request
--- id only; their details (which name our source files) go to the backend's log, never to the
--- client. Also here: strict decoding of JSON bodies and typed field access, so that every bad
--- input is a 400 saying which field and why.
+-- render-request-id and the ratelimit-* headers of the rate limit it enforces (route.meter).
+-- Unexpected errors answer 500 with the request id only; their details (which name our source
+-- files) go to the backend's log, never to the client. Also here: strict decoding of JSON
+-- bodies and typed field access, so that every bad input is a 400 saying which field and why.
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local json = require "moonbox.json"
@@ -138,11 +138,46 @@ function M.respond(res, status, body, headers)
   return res:send(status, text, headers)
 end
 
--- Render's rate-limit headers, on every answer that reaches the application.
-local function ratelimit(h, retry_after)
-  h["RateLimit-Limit"] = h["RateLimit-Limit"] or "400"
-  h["RateLimit-Remaining"] = h["RateLimit-Remaining"] or (retry_after and "0" or "399")
-  h["RateLimit-Reset"] = h["RateLimit-Reset"] or tostring(retry_after or 60)
+-- ---- the rate limit ------------------------------------------------------------------------
+-- Requests under /v1 are counted in fixed windows of RATE_WINDOW seconds, one count for the
+-- backend (it has one API key): at most b.rate_limit per window (moonbox local --rate-limit,
+-- default DEFAULT_RATE_LIMIT), and the one beyond is answered 429 with Retry-After (the seconds
+-- left in the window). Every /v1 answer says where the count is: RateLimit-Limit, -Remaining
+-- (after this request), -Reset (seconds until the window ends). Data-plane (/proxy) and control
+-- requests are neither counted nor answered with them, as on Render.
+local RATE_WINDOW = 60
+M.DEFAULT_RATE_LIMIT = 100000
+
+--- route.meter(b) -> allowed, headers: counts one /v1 request in b's current window.
+-- headers: the RateLimit-* (and, when refused, Retry-After) values to answer with.
+function M.meter(b)
+  local now = core.now()
+  local m = b.rate
+  if not m or now >= m.start + RATE_WINDOW then
+    m = { start = now, count = 0, limit = b.rate_limit or M.DEFAULT_RATE_LIMIT }
+    b.rate = m
+  end
+  local reset = math.max(1, math.ceil(m.start + RATE_WINDOW - now))
+  local allowed = m.count < m.limit
+  if allowed then m.count = m.count + 1 end
+  local h = { ["RateLimit-Limit"] = tostring(m.limit), ["RateLimit-Remaining"] = tostring(m.limit - m.count),
+    ["RateLimit-Reset"] = tostring(reset) }
+  if not allowed then h["Retry-After"] = tostring(reset) end
+  return allowed, h
+end
+
+-- Copies the RateLimit-* headers of the request's count into h (kept where h has its own).
+local function ratelimit(h, rl)
+  for k, v in pairs(rl or {}) do
+    if k ~= "Retry-After" and h[k] == nil then h[k] = v end
+  end
+  return h
+end
+
+--- route.stream_headers(ctx, h) -> h with the request's RateLimit-* headers added: for
+-- handlers that answer with a stream of their own (the logs SSE).
+function M.stream_headers(ctx, h)
+  return ratelimit(h, ctx.ratelimit)
 end
 
 --- route.wrap(b, fn, o) -> an httpd handler (see the file header). o.control = true for the
@@ -155,12 +190,28 @@ function M.wrap(b, fn, o)
     local entry = b.journal:record(req, req._json)
     local rid = "req-" .. ids.token():sub(1, 20)
     local latency, fault = 0, nil
+    local rl -- this request's RateLimit-* headers (/v1 only)
+    if not o.control and req.path:sub(1, 4) == "/v1/" then
+      local allowed
+      allowed, rl = M.meter(b)
+      if not allowed then
+        local h = { ["render-request-id"] = rid, ["Retry-After"] = rl["Retry-After"] }
+        entry.status = 429
+        return M.respond(res, 429, { message = string.format("rate limit exceeded: at most %s requests " ..
+          "every %d seconds (moonbox local --rate-limit); retry after %s s", rl["RateLimit-Limit"],
+          RATE_WINDOW, rl["Retry-After"]) }, ratelimit(h, rl))
+      end
+    end
     if not o.control then latency, fault = b.faults:decide(req.method, req.path) end
     if latency > 0 then task.sleep(latency / 1000) end
     if fault and fault.fault == "status" then
       local h = { ["render-request-id"] = rid }
-      if fault.retry_after then h["Retry-After"] = tostring(fault.retry_after) end
-      ratelimit(h, fault.retry_after)
+      if fault.retry_after then
+        -- An injected 429 says the window is spent, as a real one would.
+        h["Retry-After"] = tostring(fault.retry_after)
+        h["RateLimit-Remaining"], h["RateLimit-Reset"] = "0", tostring(fault.retry_after)
+      end
+      if rl then ratelimit(h, rl) end
       entry.status, entry.fault = fault.status, "status"
       return M.respond(res, fault.status, { message = fault.status == 429 and "rate limit exceeded"
         or "injected fault" }, h)
@@ -171,7 +222,7 @@ function M.wrap(b, fn, o)
       return res:send(403, "<!DOCTYPE html><html><head><title>Attention Required! | Cloudflare</title>" ..
         "</head><body>Sorry, you have been blocked</body></html>", { ["Content-Type"] = "text/html" })
     end
-    local ctx = { rid = rid, entry = entry, fault = fault }
+    local ctx = { rid = rid, entry = entry, fault = fault, ratelimit = rl }
     local ok, status, body, headers = xpcall(fn, core.msgh, b, req, ctx, res)
     if not ok then
       local err = status
@@ -198,8 +249,35 @@ function M.wrap(b, fn, o)
     end
     headers = headers or {}
     headers["render-request-id"] = rid
-    if not o.control then ratelimit(headers, headers["Retry-After"] and tonumber(headers["Retry-After"])) end
+    if rl then ratelimit(headers, rl) end
     return M.respond(res, status, body, headers)
+  end
+end
+
+--- route.unrouted(routes) -> a handler for the /v1 requests no route took: 404 "no route for
+-- METHOD PATH", or 405 with Allow when a route has the path under another method — the answers
+-- the server itself would give, but through route.wrap, so they are counted and carry the
+-- RateLimit-* headers like every /v1 answer. routes: {method, pattern} as given to srv:route.
+function M.unrouted(routes)
+  local compiled = {}
+  for _, rt in ipairs(routes) do
+    local lp = rt[2]:gsub("[^%w/:]", "%%%0"):gsub(":[%w_]+", "[^/]+")
+    compiled[#compiled + 1] = { method = rt[1], pattern = "^" .. lp .. "$" }
+  end
+  return function(_, req)
+    local allow, seen = {}, {}
+    for _, c in ipairs(compiled) do
+      if req.path:find(c.pattern) and not seen[c.method] then
+        seen[c.method] = true
+        allow[#allow + 1] = c.method
+        if c.method == "GET" then allow[#allow + 1] = "HEAD" end
+      end
+    end
+    if #allow > 0 then
+      return 405, { message = string.format("method %s is not allowed for %s", req.method, req.path) },
+        { Allow = table.concat(allow, ", ") }
+    end
+    return 404, { message = string.format("no route for %s %s", req.method, req.path) }
   end
 end
 

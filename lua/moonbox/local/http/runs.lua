@@ -20,13 +20,14 @@ function M.token(b, req)
   local op = req.captures.op
   if op ~= "stream" and op ~= "sync" then fail("invalid", "operation must be stream or sync, got "
     .. tostring(op)) end
+  local base = require("moonbox.local.http.public").base(b, req)
   local rec = b.svc:find_sandbox(req.captures.id)
   local body = route.body_json(req, false) or {}
   local command = field(body, "command", "string", "run token")
   local e, token, expires = b.svc:mint_run(rec, op, command)
   return 201, {
     executionId = e.id, token = token, method = "POST", expiresAt = require("moonbox.ids").iso(expires),
-    uri = string.format("%s/proxy/%s/runs/%s", b.url, rec.id, op),
+    uri = string.format("%s/proxy/%s/runs/%s", base, rec.id, op),
   }
 end
 
@@ -34,7 +35,9 @@ end
 function M.list(b, req)
   route.owner_optional(b, req)
   local rec = b.svc:find_sandbox(req.captures.id)
-  return 200, wire.page(req, "exe", "execution", b.svc:list_execs(rec), wire.exec)
+  return 200, wire.page(req, "exe", "execution", function(after, limit)
+    return b.svc:list_execs(rec, after, limit)
+  end, wire.exec)
 end
 
 --- GET /v1/sandboxes/:id/execs/:eid -> 200 execution.
@@ -83,6 +86,9 @@ function M.stream(b, req, ctx, res)
   local _, cut = b.faults:decide(req.method, req.path, { cut = true })
   local w = res:stream(200, { ["Content-Type"] = "text/event-stream", ["Cache-Control"] = "no-cache",
     ["render-request-id"] = ctx.rid })
+  -- An SSE comment at once: an HTTP/2 proxy in front (nginx) holds a streamed answer's headers
+  -- until its first body byte, which for a silent command could be minutes away.
+  w:write(": started\n\n")
   -- queue[head .. tail] waits to be sent; qbytes counts its output bytes
   local queue, head, tail, qbytes, cond, done_streams = {}, 1, 0, 0, core.cond(), 0
   local code, exited
@@ -134,7 +140,7 @@ function M.stream(b, req, ctx, res)
       else
         qbytes = qbytes - #item.data
         cond:broadcast()
-        w:sse("output", json.encode({ stream = item.stream, data = item.data }))
+        w:sse_output(item.stream, item.data) -- w:sse("output", json.encode{stream, data}), in one C pass
       end
     end
   end

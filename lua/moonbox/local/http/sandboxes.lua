@@ -100,9 +100,12 @@ function M.list(b, req)
   for _, o in ipairs(req:query_all("ownerId")) do
     if o ~= b.workspace then fail("not_found", "workspace not found") end
   end
-  local recs = b.svc:list_sandboxes { statuses = route.statuses(req, service.SANDBOX_STATUSES),
-    name = req:query_param("name"), group_id = req:query_param("sandboxGroupId") }
-  return 200, wire.page(req, "sbx", "sandbox", recs, wire.sandbox)
+  local q = { statuses = route.statuses(req, service.SANDBOX_STATUSES), name = req:query_param("name"),
+    group_id = req:query_param("sandboxGroupId") }
+  return 200, wire.page(req, "sbx", "sandbox", function(after, limit)
+    q.after, q.limit = after, limit
+    return b.svc:list_sandboxes(q)
+  end, wire.sandbox)
 end
 
 --- GET /v1/sandboxes/:id -> 200 sandbox.
