@@ -35,7 +35,7 @@ static la_ssize_t in_error(struct archive *a, in_stream *s, int e, const char *m
     if (e)
         archive_set_error(a, e, "reading the archive failed: %s", strerror(e));
     else
-        archive_set_error(a, EILSEQ, "damaged gzip stream: %s", msg);
+        archive_set_error(a, EILSEQ, "damaged gzip stream: %s", msg ? msg : "unknown damage");
     return -1;
 }
 
