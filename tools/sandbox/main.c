@@ -13,7 +13,7 @@
  *   moonbox-sandbox capture --src=UPPER --dst=LAYER --uid-base=N
  *
  * Options are --key=value words so that a value may hold anything but a NUL; the engine
- * (lua/moonbox/local/engine.lua) builds them and nothing else is expected to. Secrets never
+ * (lua/moonbox/local/engine/init.lua) builds them and nothing else is expected to. Secrets never
  * travel in arguments (host users can read them in ps): a sandbox's environment comes as
  * MBENV_-prefixed variables of this process, which only root and the sandbox itself can see,
  * and which the prefix keeps from meaning anything to this program's own libc.
