@@ -82,6 +82,24 @@ M.fail = fail
 --- service.is_error(v) -> whether v is a ServiceError.
 function M.is_error(v) return getmetatable(v) == ServiceError end
 
+--- M.check_allowed(domains) -> true | false, why. Whether domains (an array of host names) can
+-- be a sandbox's allow-list: at most the engine's limit, each a name the engine accepts
+-- (moonbox.local.engine: MAX_ALLOWED, check_domain). why is ": at most N names (got M)" or
+-- "[i]: reason" for the first bad entry (i counts from 0), to follow the field's name. The wire
+-- asks this before create_sandbox so that it never needs the engine itself. Raises nothing and
+-- does not yield.
+function M.check_allowed(domains)
+  local engine = require "moonbox.local.engine"
+  if #domains > engine.MAX_ALLOWED then
+    return false, string.format(": at most %d names (got %d)", engine.MAX_ALLOWED, #domains)
+  end
+  for i, d in ipairs(domains) do
+    local ok, why = engine.check_domain(d)
+    if not ok then return false, string.format("[%d]: %s", i - 1, why) end
+  end
+  return true
+end
+
 local function now() return core.time() end
 
 local function message_of(err)

@@ -36,15 +36,8 @@ local function network(body)
   if type(domains) ~= "table" or (next(domains) ~= nil and domains[1] == nil) then
     fail("invalid", "networkPolicy.allowedDomains must be an array of host names")
   end
-  local engine = require "moonbox.local.engine"
-  if #domains > engine.MAX_ALLOWED then
-    fail("invalid", string.format("networkPolicy.allowedDomains: at most %d names (got %d)",
-      engine.MAX_ALLOWED, #domains))
-  end
-  for i, d in ipairs(domains) do
-    local ok, why = engine.check_domain(d)
-    if not ok then fail("invalid", string.format("networkPolicy.allowedDomains[%d]: %s", i - 1, why)) end
-  end
+  local ok, why = service.check_allowed(domains)
+  if not ok then fail("invalid", "networkPolicy.allowedDomains" .. why) end
   return default, domains
 end
 

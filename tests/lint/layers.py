@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""layers.py — each folder imports only what its layer may (docs/architecture.md, "Folders").
+
+Run as `python3 tests/lint/layers.py [ROOT]` (ctest: lint_layers). It exits 1, listing each
+violation as FILE:LINE: what, when
+
+  - a C file of runtime/ or tools/sandbox/ includes a Lua header (lua.h, lualib.h, lauxlib.h,
+    luaconf.h, lua.hpp) or bindings/mb.h: runtime/ is C without Lua, and the sandbox helper
+    links no Lua at all;
+  - a module under lua/moonbox/render/ requires moonbox.local.* or moonbox.schedule*: the Render
+    client is used by both, and must not depend on the backend it talks to or on the scheduler;
+  - a module under lua/moonbox/local/http/ (the wire) requires moonbox.local.engine* or
+    moonbox.local.state: handlers decode a request, call the service, and encode its answer;
+    records and the engine belong to the service;
+  - lua/moonbox/local/service.lua requires moonbox.local.http* or moonbox.local.wire: the
+    service knows nothing of HTTP;
+  - a module under lua/moonbox/local/engine/ requires a moonbox.local.* module outside the
+    engine: the engine is below the service and knows no records, service or wire.
+
+A Lua require is any `require "name"`, `require 'name'` or `require("name")` (also inside
+pcall(require, "name")) outside a comment. Only the standard library is used, so the lint
+needs nothing but python3; ctest fails it loudly when python3 is missing (CMakeLists.txt).
+"""
+
+import os
+import re
+import sys
+
+LUA_HEADERS = {"lua.h", "lualib.h", "lauxlib.h", "luaconf.h", "lua.hpp", "mb.h"}
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]')
+REQUIRE = re.compile(r'''require\s*\(?\s*["']([\w.]+)["']''')
+PCALL_REQUIRE = re.compile(r'''pcall\s*\(\s*require\s*,\s*["']([\w.]+)["']''')
+
+# (folder, file suffixes, kind, predicate on the imported name, why)
+RULES = [
+    ("runtime", (".c", ".h"), "include",
+     lambda name: os.path.basename(name) in LUA_HEADERS,
+     "runtime/ is C without Lua: its callbacks report to the binding that owns the operation"),
+    ("tools/sandbox", (".c", ".h"), "include",
+     lambda name: os.path.basename(name) in LUA_HEADERS,
+     "the sandbox helper is a separate program with no Lua"),
+    ("lua/moonbox/render", (".lua",), "require",
+     lambda name: name.startswith("moonbox.local.") or name == "moonbox.local"
+     or name.startswith("moonbox.schedule"),
+     "the Render client may not depend on the local backend or on the scheduler"),
+    ("lua/moonbox/local/http", (".lua",), "require",
+     lambda name: name == "moonbox.local.engine" or name.startswith("moonbox.local.engine.")
+     or name == "moonbox.local.state",
+     "the wire calls the service, never the engine or the records directly"),
+    ("lua/moonbox/local/service.lua", (".lua",), "require",
+     lambda name: name.startswith("moonbox.local.http") or name == "moonbox.local.wire",
+     "the service knows nothing of HTTP: the wire encodes its answers and errors"),
+    ("lua/moonbox/local/engine", (".lua",), "require",
+     lambda name: name.startswith("moonbox.local.") and not name.startswith("moonbox.local.engine"),
+     "the engine is below the service: it knows no records, no service and no wire"),
+]
+
+
+def strip_lua_comment(line):
+    """The line without a trailing -- comment (strings holding -- are rare enough here)."""
+    out, quote, i = [], None, 0
+    while i < len(line):
+        c = line[i]
+        if quote:
+            if c == "\\":
+                out.append(line[i:i + 2])
+                i += 2
+                continue
+            if c == quote:
+                quote = None
+        elif c in "\"'":
+            quote = c
+        elif line.startswith("--", i):
+            break
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def imports(path, kind):
+    """(line number, imported name) for each include or require in the file."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if kind == "require":
+        # Long comments --[[ ... ]] and --[==[ ... ]==] count as comments too.
+        text = re.sub(r"--\[(=*)\[.*?\]\1\]", lambda m: "\n" * m.group(0).count("\n"), text,
+                      flags=re.S)
+    for n, line in enumerate(text.split("\n"), 1):
+        if kind == "include":
+            m = INCLUDE.match(line)
+            if m:
+                yield n, m.group(1)
+        else:
+            code = strip_lua_comment(line)
+            for rx in (REQUIRE, PCALL_REQUIRE):
+                for m in rx.finditer(code):
+                    yield n, m.group(1)
+
+
+def main():
+    root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else ".")
+    problems, checked = [], 0
+    for folder, suffixes, kind, bad, why in RULES:
+        base = os.path.join(root, folder)
+        if os.path.isfile(base):
+            walk = [(os.path.dirname(base), None, [os.path.basename(base)])]
+        elif os.path.isdir(base):
+            walk = os.walk(base)
+        else:
+            problems.append(f"{folder}: missing (the rule for it cannot be checked)")
+            continue
+        for dirpath, _, files in walk:
+            for name in sorted(files):
+                if not name.endswith(suffixes):
+                    continue
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, root)
+                checked += 1
+                seen = set()
+                for n, imported in imports(path, kind):
+                    if bad(imported) and (n, imported) not in seen:
+                        seen.add((n, imported))
+                        problems.append(f"{rel}:{n}: {kind}s {imported}: {why}")
+    if checked == 0:
+        problems.append("no file checked: wrong ROOT?")
+    for p in problems:
+        print(p, file=sys.stderr)
+    if problems:
+        print(f"layers: {len(problems)} violation(s) of the import rules in docs/architecture.md",
+              file=sys.stderr)
+        return 1
+    print(f"layers: {checked} files follow the import rules")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
