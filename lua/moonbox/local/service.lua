@@ -146,7 +146,7 @@ function Service:close()
   self.closing = true
   for _, t in pairs(self.tasks) do task.cancel(t) end
   for _, t in pairs(self.snap_timers) do task.cancel(t) end
-  for _, r in pairs(self.runtime) do if r.watch then task.cancel(r.watch) end end
+  for _, runtime in pairs(self.runtime) do if runtime.watch then task.cancel(runtime.watch) end end
   for id, rec in pairs(self.st.sandboxes) do
     if M.LIVE[rec.status] then pcall(self.engine.terminate, self.engine, id) end
   end
@@ -222,18 +222,21 @@ local function set_status(self, rec, status, extra)
   for k, v in pairs(extra or {}) do rec[k] = v end
   self.st:save("sandbox", rec)
   if status ~= "suspending" then self:emit(rec.id, "lifecycle", { type = status }) end
-  local r = self.runtime[rec.id]
-  if r and r.wake then r.wake:broadcast() end
+  local runtime = self.runtime[rec.id]
+  if runtime and runtime.wake then runtime.wake:broadcast() end
 end
 
--- The runtime (unpersisted) state of a sandbox: boot task, activity, execs.
-function Service:rt(id)
-  local r = self.runtime[id]
-  if not r then
-    r = { active = 0, last_activity = now(), ready = core.cond() }
-    self.runtime[id] = r
+--- svc:runtime_of(id) -> the runtime (unpersisted) state of a sandbox, made on first use: its
+-- boot task, its start time, the `ready` condition, the deadline watcher and its `wake`, the
+-- count of operations in flight (`active`) and the last activity, the capture lock. Does not
+-- yield.
+function Service:runtime_of(id)
+  local runtime = self.runtime[id]
+  if not runtime then
+    runtime = { active = 0, last_activity = now(), ready = core.cond() }
+    self.runtime[id] = runtime
   end
-  return r
+  return runtime
 end
 
 --- service.plan(name) -> the plan's limits, or raises invalid naming the plans.
@@ -247,19 +250,19 @@ end
 
 -- Boots a sandbox's namespaces and filesystem in its own task: creating → running or errored.
 function Service:boot(rec, env)
-  local r = self:rt(rec.id)
-  r.boot = task.spawn(function()
+  local runtime = self:runtime_of(rec.id)
+  runtime.boot = task.spawn(function()
     local snap = rec._snapshot and self.st.snapshots[rec._snapshot]
     local ok, err = pcall(self.engine.create, self.engine, rec.id, {
       lowers = rec._lowers or {}, network = rec.networkPolicy.default, env = env,
       allowed = rec.networkPolicy.allowedDomains,
       dev_records = snap and snap._dev_records, limits = M.PLANS[rec.plan],
     })
-    r.boot = nil
+    runtime.boot = nil
     if rec.status ~= "creating" then return end -- terminated meanwhile
     if ok then
-      r.started = now()
-      r.last_activity = now()
+      runtime.started = now()
+      runtime.last_activity = now()
       set_status(self, rec, "running")
       self:watch(rec)
     else
@@ -269,7 +272,7 @@ function Service:boot(rec, env)
         err) .. "\n" })
       set_status(self, rec, "errored")
     end
-    r.ready:broadcast()
+    runtime.ready:broadcast()
   end)
 end
 
@@ -278,11 +281,11 @@ end
 -- terminated sandbox, conflict sandbox_not_running for an errored one, unavailable when a boot
 -- takes over two minutes. [yields]
 function Service:ensure_running(rec)
-  local r = self:rt(rec.id)
+  local runtime = self:runtime_of(rec.id)
   local deadline = now() + 120
   while true do
     local s = rec.status
-    if s == "running" then return r end
+    if s == "running" then return runtime end
     if s == "terminated" then fail("not_found", "sandbox " .. rec.id .. " is terminated") end
     if s == "errored" then fail("conflict", "sandbox " .. rec.id .. " is errored", "sandbox_not_running") end
     if s == "suspended" or s == "suspending" then
@@ -293,34 +296,34 @@ function Service:ensure_running(rec)
         set_status(self, rec, "errored")
         fail("internal", "could not wake sandbox " .. rec.id)
       end
-      r.last_activity = now()
+      runtime.last_activity = now()
       set_status(self, rec, "running")
-      return r
+      return runtime
     end
     if now() > deadline then fail("unavailable", "sandbox " .. rec.id .. " is not ready yet", nil, 1) end
-    r.ready:wait()
+    runtime.ready:wait()
   end
 end
 
 --- svc:activity(id, delta): marks the start (+1) and end (-1) of an operation that keeps a
 -- sandbox awake.
 function Service:activity(id, delta)
-  local r = self:rt(id)
-  r.active = r.active + delta
-  r.last_activity = now()
-  if r.active == 0 and r.wake then r.wake:broadcast() end
+  local runtime = self:runtime_of(id)
+  runtime.active = runtime.active + delta
+  runtime.last_activity = now()
+  if runtime.active == 0 and runtime.wake then runtime.wake:broadcast() end
 end
 
 --- svc:terminate(rec): terminates a sandbox (idempotent): stops its processes, frees its disk
 -- and the layers nothing needs any more, records the time. [yields]
 function Service:terminate(rec)
   if rec.status == "terminated" then return end
-  local r = self:rt(rec.id)
-  if r.boot then task.cancel(r.boot) end
+  local runtime = self:runtime_of(rec.id)
+  if runtime.boot then task.cancel(runtime.boot) end
   rec.terminatedAt = ids.iso(now())
-  r.watch = nil -- its deadlines are over; close() must not cancel a watcher terminating it
+  runtime.watch = nil -- its deadlines are over; close() must not cancel a watcher terminating it
   set_status(self, rec, "terminated")
-  r.ready:broadcast()
+  runtime.ready:broadcast()
   local ok, err = pcall(self.engine.terminate, self.engine, rec.id)
   if not ok then self.log("terminating " .. rec.id .. ": " .. message_of(err)) end
   self.runtime[rec.id] = nil
@@ -431,16 +434,17 @@ end
 -- nearer deadline, or until r.wake (a status change, the end of the last activity) says the
 -- deadlines moved; it ends with the sandbox. Idempotent.
 function Service:watch(rec)
-  local r = self:rt(rec.id)
-  if r.watch then return end
-  r.wake = r.wake or core.cond()
-  r.watch = task.spawn(function()
+  local runtime = self:runtime_of(rec.id)
+  if runtime.watch then return end
+  runtime.wake = runtime.wake or core.cond()
+  runtime.watch = task.spawn(function()
     while M.LIVE[rec.status] do
       local t = now()
-      local lifetime = rec.timeoutSeconds and rec.timeoutSeconds > 0 and r.started
-        and r.started + rec.timeoutSeconds or math.huge
+      local lifetime = rec.timeoutSeconds and rec.timeoutSeconds > 0 and runtime.started
+        and runtime.started + rec.timeoutSeconds or math.huge
       local idle = (rec.idleTimeoutSeconds or self.limits.idle_timeout_seconds) * self.limits.idle_scale
-      local idle_due = (rec.status == "running" and idle > 0 and r.active == 0) and r.last_activity + idle
+      local idle_due = (rec.status == "running" and idle > 0 and runtime.active == 0)
+        and runtime.last_activity + idle
         or math.huge
       if t >= lifetime and (rec.status == "running" or rec.status == "suspended") then
         self:emit(rec.id, "log", { stream = "stderr", data = "sandbox reached its timeoutSeconds\n" })
@@ -448,10 +452,10 @@ function Service:watch(rec)
       elseif t >= idle_due then
         idle_suspend(self, rec)
       else
-        wait_for(r.wake, math.min(lifetime, idle_due) - t)
+        wait_for(runtime.wake, math.min(lifetime, idle_due) - t)
       end
     end
-    r.watch = nil
+    runtime.watch = nil
   end)
 end
 
@@ -548,8 +552,8 @@ function Service:delete_group(g)
     .. " is the default group, which cannot be " ..
     "deleted") end
   local live = {}
-  for _, r in pairs(self.st.sandboxes) do
-    if r.sandboxGroupId == g.id and M.LIVE[r.status] then live[#live + 1] = r.id end
+  for _, rec in pairs(self.st.sandboxes) do
+    if rec.sandboxGroupId == g.id and M.LIVE[rec.status] then live[#live + 1] = rec.id end
   end
   if #live > 0 then
     table.sort(live)
@@ -917,8 +921,8 @@ function Service:create_snapshot(rec, p)
   self.st:save("snapshot", snap)
   self:expire_later(snap)
   self:activity(rec.id, 1)
-  local r = self:rt(rec.id)
-  r.capture_lock = r.capture_lock or task.semaphore(1)
+  local runtime = self:runtime_of(rec.id)
+  runtime.capture_lock = runtime.capture_lock or task.semaphore(1)
   task.spawn(function()
     local layer = self.state_dir .. "/layers/" .. snap.id
     if p.fail_capture then
@@ -930,8 +934,8 @@ function Service:create_snapshot(rec, p)
     end
     -- Captures of one sandbox take turns: each freezes it, and a thaw by one must not land in
     -- the middle of another's copy.
-    local ok, result = pcall(r.capture_lock.with, r.capture_lock, self.engine.capture, self.engine, rec.id,
-      layer, { kind = p.kind })
+    local ok, result = pcall(runtime.capture_lock.with, runtime.capture_lock, self.engine.capture,
+      self.engine, rec.id, layer, { kind = p.kind })
     if not ok then self.log("snapshot " .. snap.id .. " of " .. rec.id .. " failed: " .. message_of(
       result)) end
     self:activity(rec.id, -1)

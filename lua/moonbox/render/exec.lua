@@ -210,7 +210,7 @@ end
 -- events come decoded from C (resp:read_output: the bytes, no JSON value per event; output of
 -- one stream that arrived together as one chunk); every other event's data is JSON-decoded
 -- here, and so is an output event of an unusual shape.
-local function pump(p, resp, opts)
+local function relay_output(p, resp, opts)
   local max = opts.max_output or DEFAULT_MAX_OUTPUT
   local kept = { stdout = 0, stderr = 0 }
   local on_output = opts.on_output
@@ -298,7 +298,7 @@ local function start(sb, command, env_text, opts, line_stream)
     truncated = false, cond = core.cond(), lines_buf = {}, line_stream = line_stream, command = command,
     summary = summary(command) }, Process)
   p.reader = task.spawn(function()
-    local ok, err = pcall(pump, p, resp, opts)
+    local ok, err = pcall(relay_output, p, resp, opts)
     resp:close()
     if not ok and not p.failure then p.failure = err end
     if span then span:close_with(p.failure) end

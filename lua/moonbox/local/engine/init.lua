@@ -684,17 +684,17 @@ local function drain(rec)
   end)
 end
 
---- h:read([stream [, max]]) -> the next chunk of "stdout" (default) or "stderr", nil at the
+--- handle:read([stream [, max]]) -> the next chunk of "stdout" (default) or "stderr", nil at the
 -- end; as moonbox.proc's p:read. [yields]
 function Exec:read(stream, max) return self._rec.process:read(stream, max) end
 
---- h:lines([stream]) -> iterator over the lines of a stream; as moonbox.proc's p:lines. [yields]
+--- handle:lines([stream]) -> iterator over the lines of a stream; as moonbox.proc's p:lines. [yields]
 function Exec:lines(stream) return self._rec.process:lines(stream) end
 
---- h:stats() -> moonbox.proc's buffer statistics of the process. Does not yield.
+--- handle:stats() -> moonbox.proc's buffer statistics of the process. Does not yield.
 function Exec:stats() return self._rec.process:stats() end
 
---- h:wait() -> code, signal. Waits until `bash -c COMMAND` ends: code is its exit status, or
+--- handle:wait() -> code, signal. Waits until `bash -c COMMAND` ends: code is its exit status, or
 -- 128 + n when signal n killed it (signal then names it, e.g. "KILL": 137 is what the kernel's
 -- OOM killer leaves). Processes it started in the background keep running. Does not read the
 -- pipes: read them (from other tasks if need be) or the command stalls once the buffers are
@@ -708,7 +708,7 @@ function Exec:wait()
   return 128 + (host.SIGNALS[sig] or tonumber(tostring(sig):match("%d+")) or 0), sig
 end
 
---- h:kill([sig]) -> boolean. Sends sig (default "TERM"; a name or number) to the command's
+--- handle:kill([sig]) -> boolean. Sends sig (default "TERM"; a name or number) to the command's
 -- process group inside the sandbox (bash leads its own session and group there). Returns false
 -- when the command has already ended. Raises a plain error for an unknown signal. Does not
 -- yield.
@@ -727,8 +727,8 @@ function Exec:kill(sig)
   return rec.process:kill(n)
 end
 
---- h:detach(): the caller stops reading; the command keeps running, its remaining output is
--- read and dropped by the engine, and it is reaped when it ends. Also what `<close>`, h:close()
+--- handle:detach(): the caller stops reading; the command keeps running, its remaining output is
+-- read and dropped by the engine, and it is reaped when it ends. Also what `<close>`, handle:close()
 -- and garbage collection do: dropping a handle never kills. Idempotent. Does not yield.
 function Exec:detach()
   local rec = self._rec
@@ -738,22 +738,22 @@ Exec.close = Exec.detach
 
 local ExecMT = {
   __index = Exec,
-  __close = function(h) h:detach() end,
-  __gc = function(h) pcall(Exec.detach, h) end,
-  __tostring = function(h)
-    local rec = h._rec
-    return string.format("Exec %d in %s (%s)", h.pid, rec and rec.sb.id or "?",
+  __close = function(handle) handle:detach() end,
+  __gc = function(handle) pcall(Exec.detach, handle) end,
+  __tostring = function(handle)
+    local rec = handle._rec
+    return string.format("Exec %d in %s (%s)", handle.pid, rec and rec.sb.id or "?",
       rec and rec.done and "ended" or "running")
   end,
 }
 
---- eng:exec(id, command[, opts]) -> h, a handle of the running command. Runs `bash -c command`
+--- eng:exec(id, command[, opts]) -> handle, a handle of the running command. Runs `bash -c command`
 -- as root (of the sandbox's user namespace) in /root, inside all the sandbox's namespaces, its
 -- cgroup and its confinement, as the leader of a new session and process group, with the
 -- create env (plus PATH and HOME) and stdin from /dev/null. Waits first for the network of an
 -- allow-all sandbox to be up (milliseconds after create). opts.buffer: bytes buffered per stream
--- (moonbox.proc's default 64 KiB); opts.cwd: working directory inside. h.pid is the host pid of
--- the helper that waits for the command. The command outlives a dropped handle (h:detach).
+-- (moonbox.proc's default 64 KiB); opts.cwd: working directory inside. handle.pid is the host pid of
+-- the helper that waits for the command. The command outlives a dropped handle (handle:detach).
 -- Raises structured errors (op "local.engine.exec"): not_found, not_running, frozen (thaw
 -- first), network_failed, spawn_failed. [yields]
 function Engine:exec(id, command, opts)
@@ -792,11 +792,11 @@ end
 function Engine:run(id, command, opts)
   opts = opts or {}
   local cap = opts.max_output or 16 * 1024 * 1024
-  local h = self:exec(id, command, opts)
+  local handle = self:exec(id, command, opts)
   local out, err = { n = 0 }, { n = 0 }
   local function reader(stream, into)
     return task.spawn(function()
-      for chunk in function() return h:read(stream) end do
+      for chunk in function() return handle:read(stream) end do
         if into.n < cap then
           into[#into + 1] = chunk:sub(1, cap - into.n)
           into.n = into.n + #chunk
@@ -805,7 +805,7 @@ function Engine:run(id, command, opts)
     end)
   end
   local readers = { reader("stdout", out), reader("stderr", err) }
-  local ok, code, sig = pcall(h.wait, h)
+  local ok, code, sig = pcall(handle.wait, handle)
   if ok then
     pcall(task.timeout, 0.2, function() for _, t in ipairs(readers) do task.join(t) end end)
   end
@@ -813,7 +813,7 @@ function Engine:run(id, command, opts)
     if task.result(t) == nil then task.cancel(t) end
   end
   for _, t in ipairs(readers) do pcall(task.join, t) end
-  h:detach()
+  handle:detach()
   if not ok then error(code, 0) end
   return { code = code, signal = sig, stdout = table.concat(out), stderr = table.concat(err) }
 end

@@ -13,16 +13,16 @@ local M = {}
 local fail = route.fail
 
 --- POST /v1/sandboxes/:id/files/:op/token?path=P -> 201 {executionId, token, uri, method, expiresAt}.
-function M.token(b, req)
-  route.owner_optional(b, req)
+function M.token(backend, req)
+  route.owner_optional(backend, req)
   local op = req.captures.op
   if op ~= "upload" and op ~= "download" then fail("invalid", "operation must be upload or download, got "
     .. tostring(op)) end
-  local base = public.base(b, req)
-  local rec = b.svc:find_sandbox(req.captures.id)
+  local base = public.base(backend, req)
+  local rec = backend.svc:find_sandbox(req.captures.id)
   local path = req:query_param("path")
   local abs = wire.sandbox_path(path)
-  local e, token, expires = b.svc:mint_file(rec, op, abs, path)
+  local e, token, expires = backend.svc:mint_file(rec, op, abs, path)
   return 201, {
     executionId = e.id, token = token, method = op == "upload" and "PUT" or "GET",
     expiresAt = ids.iso(expires), uri = string.format("%s/proxy/%s/files/%s", base, rec.id, op),
@@ -35,7 +35,7 @@ end
 -- written to the host's disk, and costs no more than limit bytes of decompression. Two passes
 -- cost twice the decompression CPU; trusting gzip's own length field would not do (it is the
 -- length modulo 4 GiB, of the last member only).
-local function gunzip(b, src, limit)
+local function gunzip(backend, src, limit)
   local proc = require "moonbox.proc"
   -- "BYTES GZIP_STATUS": gzip dies of SIGPIPE (141) when head has had enough.
   local count = proc.run { "bash", "-c",
@@ -49,11 +49,11 @@ local function gunzip(b, src, limit)
   if count.code ~= 0 or st ~= 0 then
     fail("invalid", "the upload says Content-Encoding: gzip but is not gzip data")
   end
-  local out = b.state_dir .. "/tmp/gunzip." .. ids.token():sub(1, 16)
-  local r = proc.run { "gzip", "-dc", stdin = { file = src }, stdout = { file = out } }
-  if r.code ~= 0 then
+  local out = backend.state_dir .. "/tmp/gunzip." .. ids.token():sub(1, 16)
+  local gunzip_run = proc.run { "gzip", "-dc", stdin = { file = src }, stdout = { file = out } }
+  if gunzip_run.code ~= 0 then
     os.remove(out)
-    if r.stderr:find("No space left", 1, true) then
+    if gunzip_run.stderr:find("No space left", 1, true) then
       fail("insufficient_storage", "the backend's disk is full; the upload was not written")
     end
     fail("invalid", "the upload says Content-Encoding: gzip but is not gzip data")
@@ -62,8 +62,8 @@ local function gunzip(b, src, limit)
 end
 
 --- PUT /proxy/:id/files/upload -> 204.
-function M.upload(b, req)
-  local rec, info = b.svc:check_token(route.bearer(req), req.captures.id, "files/upload")
+function M.upload(backend, req)
+  local rec, info = backend.svc:check_token(route.bearer(req), req.captures.id, "files/upload")
   local ctype = (req.headers["content-type"] or ""):match("^%s*([^;%s]+)") or ""
   local enc = (req.headers["content-encoding"] or "identity"):lower()
   local is_archive = ctype == "application/x-tar" or ctype == "application/gzip"
@@ -73,24 +73,24 @@ function M.upload(b, req)
   local body = req.body_file
   local plain
   if not is_archive and enc == "gzip" then
-    plain = gunzip(b, body, b.svc.limits.max_upload)
+    plain = gunzip(backend, body, backend.svc.limits.max_upload)
     body = plain
   end
-  local ok, err = pcall(b.svc.upload, b.svc, rec, info, body, is_archive and "archive" or "file")
+  local ok, err = pcall(backend.svc.upload, backend.svc, rec, info, body, is_archive and "archive" or "file")
   if plain then os.remove(plain) end
   if not ok then error(err, 0) end
   return 204
 end
 
 --- GET /proxy/:id/files/download -> 200 octet-stream (a file) or gzip'd x-tar (a directory).
-function M.download(b, req, ctx, res)
-  local rec, info = b.svc:check_token(route.bearer(req), req.captures.id, "files/download")
-  local d = b.svc:download(rec, info)
+function M.download(backend, req, ctx, res)
+  local rec, info = backend.svc:check_token(route.bearer(req), req.captures.id, "files/download")
+  local d = backend.svc:download(rec, info)
   if d.kind == "directory" then
     local ok = pcall(res.send_file, res, 200, d.file, { ["Content-Type"] = "application/x-tar",
       ["Content-Encoding"] = "gzip", ["render-request-id"] = ctx.rid })
     os.remove(d.file)
-    b.svc:end_run(rec)
+    backend.svc:end_run(rec)
     ctx.entry.status = ok and 200 or 499
     return nil
   end
@@ -102,27 +102,27 @@ function M.download(b, req, ctx, res)
   end)
   if not ok then p:kill("KILL") end
   p:wait()
-  b.svc:end_run(rec)
+  backend.svc:end_run(rec)
   w:close()
   return nil
 end
 
 --- GET /v1/sandboxes/:id/files/list?path=P&depth=N -> 200 {path, entries}.
-function M.list(b, req)
-  local rec = b.svc:find_sandbox(req.captures.id)
+function M.list(backend, req)
+  local rec = backend.svc:find_sandbox(req.captures.id)
   local abs = wire.sandbox_path(req:query_param("path"))
   local depth = route.query_int(req, "depth", 1, 0, 16)
   local out = json.array()
-  for _, e in ipairs(b.svc:list_files(rec, abs, depth)) do
+  for _, e in ipairs(backend.svc:list_files(rec, abs, depth)) do
     out[#out + 1] = { name = json.utf8_clean(e.name), type = e.type, size = e.size or 0,
       modifiedAt = ids.iso(e.modifiedAt or 0), target = e.target and json.utf8_clean(e.target) }
   end
   return 200, { path = abs, entries = out }
 end
 
-function M.install(r, data, max_upload)
-  r("POST", "/v1/sandboxes/:id/files/:op/token", M.token)
-  r("GET", "/v1/sandboxes/:id/files/list", M.list)
+function M.install(api, data, max_upload)
+  api("POST", "/v1/sandboxes/:id/files/:op/token", M.token)
+  api("GET", "/v1/sandboxes/:id/files/list", M.list)
   data("PUT", "/proxy/:id/files/upload", M.upload, "files/upload", { body = "file", max_body = max_upload })
   data("GET", "/proxy/:id/files/download", M.download, "files/download")
 end

@@ -14,32 +14,32 @@ local route = require "moonbox.local.http.route"
 
 local M = {}
 
---- http.install(b): adds every route to b.srv. b carries svc, journal, faults, log, url,
--- workspace, state_dir.
-function M.install(b)
-  local srv = b.srv
+--- http.install(backend): adds every route to backend.srv. The backend (moonbox.local's
+-- Backend) carries svc, journal, faults, log, url, workspace, state_dir.
+function M.install(backend)
+  local srv = backend.srv
   local api_routes = {} -- {method, pattern} of every /v1 route, for route.unrouted
-  local function r(method, pattern, fn)
-    srv:route(method, pattern, route.wrap(b, fn), { auth = "key" })
+  local function api(method, pattern, fn)
+    srv:route(method, pattern, route.wrap(backend, fn), { auth = "key" })
     api_routes[#api_routes + 1] = { method, pattern }
   end
   local function control(method, pattern, fn)
-    srv:route(method, pattern, route.wrap(b, fn, { control = true }), { auth = "key" })
+    srv:route(method, pattern, route.wrap(backend, fn, { control = true }), { auth = "key" })
   end
   local function data(method, pattern, fn, scope, opts)
     local o = { auth = "token", scope = scope }
     for k, v in pairs(opts or {}) do o[k] = v end
-    srv:route(method, pattern, route.wrap(b, fn), o)
+    srv:route(method, pattern, route.wrap(backend, fn), o)
   end
-  require("moonbox.local.http.sandboxes").install(r)
-  require("moonbox.local.http.runs").install(r, data)
-  require("moonbox.local.http.files").install(r, data, b.svc.limits.max_upload)
-  require("moonbox.local.http.snapshots").install(r)
-  require("moonbox.local.http.groups").install(r)
-  require("moonbox.local.http.logs").install(r)
+  require("moonbox.local.http.sandboxes").install(api)
+  require("moonbox.local.http.runs").install(api, data)
+  require("moonbox.local.http.files").install(api, data, backend.svc.limits.max_upload)
+  require("moonbox.local.http.snapshots").install(api)
+  require("moonbox.local.http.groups").install(api)
+  require("moonbox.local.http.logs").install(api)
   require("moonbox.local.http.control").install(control)
   -- Last: what no /v1 route takes is still answered by the application (RateLimit-* included).
-  srv:route("*", "/v1/*", route.wrap(b, route.unrouted(api_routes)), { auth = "key" })
+  srv:route("*", "/v1/*", route.wrap(backend, route.unrouted(api_routes)), { auth = "key" })
 end
 
 return M

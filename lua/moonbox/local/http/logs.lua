@@ -13,8 +13,8 @@ local M = {}
 local fail = route.fail
 local KEEPALIVE = 15
 
-function M.logs(b, req, ctx, res)
-  local rec = b.svc:find_sandbox(req.captures.id)
+function M.logs(backend, req, ctx, res)
+  local rec = backend.svc:find_sandbox(req.captures.id)
   local since = req:query_param("since")
   local since_t = since and ids.parse_iso(since)
   if since and not since_t then fail("invalid", "since must be an RFC 3339 timestamp") end
@@ -25,11 +25,11 @@ function M.logs(b, req, ctx, res)
   -- Answered: the journal says so now, not when the follower ends (which, for a client that
   -- went away, is only at the next event or keep-alive). A follower is not work in progress.
   ctx.entry.status = 200
-  local cond = b.svc:log_cond(rec.id)
+  local cond = backend.svc:log_cond(rec.id)
   local seen = 0 -- events carry increasing numbers; the oldest may have been dropped meanwhile
   local ok = pcall(function()
     while true do
-      local list = b.svc:log_events(rec)
+      local list = backend.svc:log_events(rec)
       local finished = false
       local first = 1
       while first <= #list and list[first].n <= seen do first = first + 1 end
@@ -55,8 +55,8 @@ function M.logs(b, req, ctx, res)
   return nil
 end
 
-function M.install(r)
-  r("GET", "/v1/sandboxes/:id/logs", M.logs)
+function M.install(api)
+  api("GET", "/v1/sandboxes/:id/logs", M.logs)
 end
 
 return M

@@ -60,10 +60,10 @@ local function first(v)
   return (v:match("^%s*([^,]-)%s*,") or v:match("^%s*(.-)%s*$"))
 end
 
---- public.base(b, req) -> the base URL (no trailing slash) for connect URIs answered to req.
+--- public.base(backend, req) -> the base URL (no trailing slash) for connect URIs answered to req.
 -- Raises the service's invalid error (400) on a malformed Host or X-Forwarded-* header.
-function M.base(b, req)
-  if b.public_url then return b.public_url end
+function M.base(backend, req)
+  if backend.public_url then return backend.public_url end
   local h = req.headers or {}
   local fail = require("moonbox.local.service").fail
   local fhost = h["x-forwarded-host"]
@@ -81,7 +81,7 @@ function M.base(b, req)
     if not M.valid_authority(host) then fail("invalid", "the Host header is not host[:port]") end
     return "http://" .. host
   end
-  return b.url
+  return backend.url
 end
 
 return M

@@ -1,10 +1,11 @@
 --- moonbox.local.http.route — what every route of `moonbox local` shares.
 --
--- route.wrap(b, fn, o) turns a handler function(b, req, ctx, res) -> status, body, headers into
--- an httpd handler that: records the request in the journal (only authenticated requests get
--- this far: the server's pre-body gate answers the others), applies injected faults (never to
--- the control endpoint), turns ServiceErrors into Render's JSON errors {message, code}, and adds
--- render-request-id and the ratelimit-* headers of the rate limit it enforces (route.meter).
+-- route.wrap(backend, fn, o) turns a handler function(backend, req, ctx, res) -> status, body,
+-- headers into an httpd handler that: records the request in the journal (only authenticated
+-- requests get this far: the server's pre-body gate answers the others), applies injected
+-- faults (never to the control endpoint), turns ServiceErrors into Render's JSON errors
+-- {message, code}, and adds render-request-id and the ratelimit-* headers of the rate limit it
+-- enforces (route.meter).
 -- Unexpected errors answer 500 with the request id only; their details (which name our source
 -- files) go to the backend's log, never to the client. Also here: strict decoding of JSON
 -- bodies and typed field access, so that every bad input is a 400 saying which field and why.
@@ -140,7 +141,7 @@ end
 
 -- ---- the rate limit ------------------------------------------------------------------------
 -- Requests under /v1 are counted in fixed windows of RATE_WINDOW seconds, one count for the
--- backend (it has one API key): at most b.rate_limit per window (moonbox local --rate-limit,
+-- backend (it has one API key): at most backend.rate_limit per window (moonbox local --rate-limit,
 -- default DEFAULT_RATE_LIMIT), and the one beyond is answered 429 with Retry-After (the seconds
 -- left in the window). Every /v1 answer says where the count is: RateLimit-Limit, -Remaining
 -- (after this request), -Reset (seconds until the window ends). Data-plane (/proxy) and control
@@ -148,52 +149,54 @@ end
 local RATE_WINDOW = 60
 M.DEFAULT_RATE_LIMIT = 100000
 
---- route.meter(b) -> allowed, headers: counts one /v1 request in b's current window.
+--- route.meter(backend) -> allowed, headers: counts one /v1 request in the backend's current window.
 -- headers: the RateLimit-* (and, when refused, Retry-After) values to answer with.
-function M.meter(b)
+function M.meter(backend)
   local now = core.now()
-  local m = b.rate
+  local m = backend.rate
   if not m or now >= m.start + RATE_WINDOW then
-    m = { start = now, count = 0, limit = b.rate_limit or M.DEFAULT_RATE_LIMIT }
-    b.rate = m
+    m = { start = now, count = 0, limit = backend.rate_limit or M.DEFAULT_RATE_LIMIT }
+    backend.rate = m
   end
   local reset = math.max(1, math.ceil(m.start + RATE_WINDOW - now))
   local allowed = m.count < m.limit
   if allowed then m.count = m.count + 1 end
-  local h = { ["RateLimit-Limit"] = tostring(m.limit), ["RateLimit-Remaining"] = tostring(m.limit - m.count),
+  local headers = { ["RateLimit-Limit"] = tostring(m.limit),
+    ["RateLimit-Remaining"] = tostring(m.limit - m.count),
     ["RateLimit-Reset"] = tostring(reset) }
-  if not allowed then h["Retry-After"] = tostring(reset) end
-  return allowed, h
+  if not allowed then headers["Retry-After"] = tostring(reset) end
+  return allowed, headers
 end
 
--- Copies the RateLimit-* headers of the request's count into h (kept where h has its own).
-local function ratelimit(h, rl)
+-- Copies the RateLimit-* headers of the request's count into headers (kept where headers has its own).
+local function ratelimit(headers, rl)
   for k, v in pairs(rl or {}) do
-    if k ~= "Retry-After" and h[k] == nil then h[k] = v end
+    if k ~= "Retry-After" and headers[k] == nil then headers[k] = v end
   end
-  return h
+  return headers
 end
 
---- route.stream_headers(ctx, h) -> h with the request's RateLimit-* headers added: for
+--- route.stream_headers(ctx, headers) -> headers with the request's RateLimit-* headers added: for
 -- handlers that answer with a stream of their own (the logs SSE).
-function M.stream_headers(ctx, h)
-  return ratelimit(h, ctx.ratelimit)
+function M.stream_headers(ctx, headers)
+  return ratelimit(headers, ctx.ratelimit)
 end
 
---- route.wrap(b, fn, o) -> an httpd handler (see the file header). o.control = true for the
--- control endpoint (no faults). b is the backend: b.svc, b.journal, b.faults, b.log.
-function M.wrap(b, fn, o)
+--- route.wrap(backend, fn, o) -> an httpd handler (see the file header). o.control = true for the
+-- control endpoint (no faults). backend is the moonbox.local Backend: its svc, journal,
+-- faults and log.
+function M.wrap(backend, fn, o)
   o = o or {}
   return function(req, res)
     -- Decode first so the journal can show the body; a bad body is still journaled as text.
     pcall(M.body_json, req, false)
-    local entry = b.journal:record(req, req._json)
+    local entry = backend.journal:record(req, req._json)
     local rid = "req-" .. ids.token():sub(1, 20)
     local latency, fault = 0, nil
     local rl -- this request's RateLimit-* headers (/v1 only)
     if not o.control and req.path:sub(1, 4) == "/v1/" then
       local allowed
-      allowed, rl = M.meter(b)
+      allowed, rl = M.meter(backend)
       if not allowed then
         local h = { ["render-request-id"] = rid, ["Retry-After"] = rl["Retry-After"] }
         entry.status = 429
@@ -202,7 +205,7 @@ function M.wrap(b, fn, o)
           RATE_WINDOW, rl["Retry-After"]) }, ratelimit(h, rl))
       end
     end
-    if not o.control then latency, fault = b.faults:decide(req.method, req.path) end
+    if not o.control then latency, fault = backend.faults:decide(req.method, req.path) end
     if latency > 0 then task.sleep(latency / 1000) end
     if fault and fault.fault == "status" then
       local h = { ["render-request-id"] = rid }
@@ -223,7 +226,7 @@ function M.wrap(b, fn, o)
         "</head><body>Sorry, you have been blocked</body></html>", { ["Content-Type"] = "text/html" })
     end
     local ctx = { rid = rid, entry = entry, fault = fault, ratelimit = rl }
-    local ok, status, body, headers = xpcall(fn, core.msgh, b, req, ctx, res)
+    local ok, status, body, headers = xpcall(fn, core.msgh, backend, req, ctx, res)
     if not ok then
       local err = status
       if task.is_cancelled(err) then error(err, 0) end
@@ -231,7 +234,7 @@ function M.wrap(b, fn, o)
         status, body = M.STATUS[err.kind] or 500, { message = err.message, code = err.code }
         headers = err.retry_after and { ["Retry-After"] = tostring(err.retry_after) } or nil
       else
-        b.log(string.format("%s %s (%s) failed: %s\n%s", req.method, req.path, rid, tostring(err),
+        backend.log(string.format("%s %s (%s) failed: %s\n%s", req.method, req.path, rid, tostring(err),
           core.traceback_of(err) or ""))
         status, body = 500, { message = "internal error in moonbox local (request " .. rid ..
           "); the backend's log has the details" }
@@ -281,21 +284,21 @@ function M.unrouted(routes)
   end
 end
 
---- route.owner_optional(b, req): ownerId as an optional query parameter: at most one value,
+--- route.owner_optional(backend, req): ownerId as an optional query parameter: at most one value,
 -- and it must be the workspace.
-function M.owner_optional(b, req)
+function M.owner_optional(backend, req)
   local all = req:query_all("ownerId")
   if #all > 1 then fail("invalid", "ownerId accepts at most one value", "invalid_owner_id") end
-  if all[1] and all[1] ~= b.workspace then fail("not_found", "workspace not found") end
+  if all[1] and all[1] ~= backend.workspace then fail("not_found", "workspace not found") end
 end
 
---- route.owner_exactly_one(b, req): ownerId required with exactly one value (group and
+--- route.owner_exactly_one(backend, req): ownerId required with exactly one value (group and
 -- snapshot lists).
-function M.owner_exactly_one(b, req)
+function M.owner_exactly_one(backend, req)
   local all = req:query_all("ownerId")
   if #all == 0 then fail("invalid", "ownerId is required", "invalid_owner_id") end
   if #all > 1 then fail("invalid", "ownerId accepts at most one value", "invalid_owner_id") end
-  if all[1] ~= b.workspace then fail("not_found", "workspace not found") end
+  if all[1] ~= backend.workspace then fail("not_found", "workspace not found") end
 end
 
 --- route.statuses(req, allowed) -> a set of the status query values (repeated or

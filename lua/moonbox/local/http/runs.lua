@@ -15,16 +15,16 @@ local fail, field = route.fail, route.field
 local QUEUE_MAX = 256 * 1024
 
 --- POST /v1/sandboxes/:id/runs/:op/token -> 201 {executionId, token, uri, method, expiresAt}.
-function M.token(b, req)
-  route.owner_optional(b, req)
+function M.token(backend, req)
+  route.owner_optional(backend, req)
   local op = req.captures.op
   if op ~= "stream" and op ~= "sync" then fail("invalid", "operation must be stream or sync, got "
     .. tostring(op)) end
-  local base = require("moonbox.local.http.public").base(b, req)
-  local rec = b.svc:find_sandbox(req.captures.id)
+  local base = require("moonbox.local.http.public").base(backend, req)
+  local rec = backend.svc:find_sandbox(req.captures.id)
   local body = route.body_json(req, false) or {}
   local command = field(body, "command", "string", "run token")
-  local e, token, expires = b.svc:mint_run(rec, op, command)
+  local e, token, expires = backend.svc:mint_run(rec, op, command)
   return 201, {
     executionId = e.id, token = token, method = "POST", expiresAt = require("moonbox.ids").iso(expires),
     uri = string.format("%s/proxy/%s/runs/%s", base, rec.id, op),
@@ -32,28 +32,28 @@ function M.token(b, req)
 end
 
 --- GET /v1/sandboxes/:id/execs -> 200 page.
-function M.list(b, req)
-  route.owner_optional(b, req)
-  local rec = b.svc:find_sandbox(req.captures.id)
+function M.list(backend, req)
+  route.owner_optional(backend, req)
+  local rec = backend.svc:find_sandbox(req.captures.id)
   return 200, wire.page(req, "exe", "execution", function(after, limit)
-    return b.svc:list_execs(rec, after, limit)
+    return backend.svc:list_execs(rec, after, limit)
   end, wire.exec)
 end
 
 --- GET /v1/sandboxes/:id/execs/:eid -> 200 execution.
-function M.get(b, req)
-  route.owner_optional(b, req)
-  return 200, wire.exec(b.svc:find_exec(b.svc:find_sandbox(req.captures.id), req.captures.eid))
+function M.get(backend, req)
+  route.owner_optional(backend, req)
+  return 200, wire.exec(backend.svc:find_exec(backend.svc:find_sandbox(req.captures.id), req.captures.eid))
 end
 
 --- POST /v1/sandboxes/:id/execs/:eid/status -> 200 (records a client-reported exit code).
-function M.status(b, req)
-  route.owner_optional(b, req)
-  local e = b.svc:find_exec(b.svc:find_sandbox(req.captures.id), req.captures.eid)
+function M.status(backend, req)
+  route.owner_optional(backend, req)
+  local e = backend.svc:find_exec(backend.svc:find_sandbox(req.captures.id), req.captures.eid)
   local body = route.body_json(req, true)
   local code = field(body, "exitCode", "integer", "exec status", -2147483648, 2147483647)
   if code == nil then fail("invalid", "exitCode is required") end
-  b.svc:finish_exec(e, code)
+  backend.svc:finish_exec(e, code)
   local out = wire.exec(e)
   out.execId, out.id, out.userId = e.id, nil, nil
   return 200, out
@@ -78,12 +78,12 @@ end
 
 --- POST /proxy/:id/runs/stream -> 200 text/event-stream: output events, then exit (or error).
 -- The command belongs to the sandbox: a client that goes away leaves it running.
-function M.stream(b, req, ctx, res)
-  local rec, info = b.svc:check_token(route.bearer(req), req.captures.id, "runs/stream")
+function M.stream(backend, req, ctx, res)
+  local rec, info = backend.svc:check_token(route.bearer(req), req.captures.id, "runs/stream")
   local body = route.body_json(req, false) or {}
   local command = field(body, "command", "string", "run") or ""
-  local h = b.svc:start_run(rec, command)
-  local _, cut = b.faults:decide(req.method, req.path, { cut = true })
+  local handle = backend.svc:start_run(rec, command)
+  local _, cut = backend.faults:decide(req.method, req.path, { cut = true })
   local w = res:stream(200, { ["Content-Type"] = "text/event-stream", ["Cache-Control"] = "no-cache",
     ["render-request-id"] = ctx.rid })
   -- An SSE comment at once: an HTTP/2 proxy in front (nginx) holds a streamed answer's headers
@@ -98,7 +98,7 @@ function M.stream(b, req, ctx, res)
     cond:broadcast()
   end
   local function push(stream, data)
-    b.svc:emit(rec.id, "log", { stream = stream, data = data, execId = info.exec })
+    backend.svc:emit(rec.id, "log", { stream = stream, data = data, execId = info.exec })
     qbytes = qbytes + #data
     enqueue({ stream = stream, data = data })
   end
@@ -108,7 +108,7 @@ function M.stream(b, req, ctx, res)
       local carry = ""
       while true do
         while qbytes > QUEUE_MAX do cond:wait() end
-        local chunk = h:read(s)
+        local chunk = handle:read(s)
         if not chunk then break end
         local whole
         whole, carry = utf8_split(carry .. chunk)
@@ -120,13 +120,13 @@ function M.stream(b, req, ctx, res)
     end)
   end
   helpers[#helpers + 1] = task.spawn(function()
-    code = h:wait()
+    code = handle:wait()
     exited = true
     cond:broadcast()
   end)
   helpers[#helpers + 1] = task.spawn(function()
     while true do
-      task.sleep(b.svc.limits.keepalive)
+      task.sleep(backend.svc.limits.keepalive)
       enqueue({ keepalive = true })
     end
   end)
@@ -163,8 +163,8 @@ function M.stream(b, req, ctx, res)
     while not exited do cond:wait() end
   end)
   for _, t in ipairs(helpers) do task.cancel(t) end
-  if not exited or done_streams < 2 then h:detach() end
-  b.svc:end_run(rec)
+  if not exited or done_streams < 2 then handle:detach() end
+  backend.svc:end_run(rec)
   if not wok then
     if task.is_cancelled(werr) then error(werr, 0) end
     return nil -- the client went away; the command goes on under the engine
@@ -181,22 +181,22 @@ end
 
 --- POST /proxy/:id/runs/sync -> 200 {stdout, stderr, exit_code[, truncated]}. At most
 -- limits.sync_output_max bytes per stream (1 MiB); truncated = true says more was dropped.
-function M.sync(b, req)
-  local rec, info = b.svc:check_token(route.bearer(req), req.captures.id, "runs/sync")
+function M.sync(backend, req)
+  local rec, info = backend.svc:check_token(route.bearer(req), req.captures.id, "runs/sync")
   local body = route.body_json(req, false) or {}
   local command = field(body, "command", "string", "run") or ""
-  local r = b.svc:run_sync(rec, info, command)
-  local out = { stdout = json.utf8_clean(r.stdout), stderr = json.utf8_clean(r.stderr),
-    exit_code = r.exit_code }
-  if r.truncated then out.truncated = true end
+  local result = backend.svc:run_sync(rec, info, command)
+  local out = { stdout = json.utf8_clean(result.stdout), stderr = json.utf8_clean(result.stderr),
+    exit_code = result.exit_code }
+  if result.truncated then out.truncated = true end
   return 200, out
 end
 
-function M.install(r, data)
-  r("POST", "/v1/sandboxes/:id/runs/:op/token", M.token)
-  r("GET", "/v1/sandboxes/:id/execs", M.list)
-  r("GET", "/v1/sandboxes/:id/execs/:eid", M.get)
-  r("POST", "/v1/sandboxes/:id/execs/:eid/status", M.status)
+function M.install(api, data)
+  api("POST", "/v1/sandboxes/:id/runs/:op/token", M.token)
+  api("GET", "/v1/sandboxes/:id/execs", M.list)
+  api("GET", "/v1/sandboxes/:id/execs/:eid", M.get)
+  api("POST", "/v1/sandboxes/:id/execs/:eid/status", M.status)
   data("POST", "/proxy/:id/runs/stream", M.stream, "runs/stream")
   data("POST", "/proxy/:id/runs/sync", M.sync, "runs/sync")
 end

@@ -60,22 +60,22 @@ local function env(body)
 end
 
 --- POST /v1/sandboxes -> 201 sandbox.
-function M.create(b, req)
+function M.create(backend, req)
   local body = route.body_json(req, true)
   local owner = body.ownerId
   if owner == nil then fail("invalid", "ownerId is required", "invalid_owner_id") end
   if type(owner) ~= "string" then fail("invalid", "ownerId must be a string", "invalid_owner_id") end
-  if owner ~= b.workspace then fail("not_found", "workspace not found") end
+  if owner ~= backend.workspace then fail("not_found", "workspace not found") end
   local where = "POST /sandboxes"
   local idle = field(body, "idleTimeoutSeconds", "integer", where, 0, 86400)
   if idle and idle ~= 0 and idle < 300 then fail("invalid",
     "idleTimeoutSeconds must be 0 (off) or between 300 and 86400") end
   local region = field(body, "region", "string", where)
-  if region and region ~= b.svc.limits.region then
-    fail("invalid", "unknown region " .. json.encode(region) .. " (only " .. b.svc.limits.region .. ")")
+  if region and region ~= backend.svc.limits.region then
+    fail("invalid", "unknown region " .. json.encode(region) .. " (only " .. backend.svc.limits.region .. ")")
   end
   local net, domains = network(body)
-  local rec = b.svc:create_sandbox {
+  local rec = backend.svc:create_sandbox {
     network = net, allowed_domains = domains,
     plan = field(body, "plan", "string", where),
     timeout = field(body, "timeoutSeconds", "integer", where, 0, TIMEOUT_MAX),
@@ -89,43 +89,43 @@ function M.create(b, req)
 end
 
 --- GET /v1/sandboxes -> 200 page.
-function M.list(b, req)
+function M.list(backend, req)
   for _, o in ipairs(req:query_all("ownerId")) do
-    if o ~= b.workspace then fail("not_found", "workspace not found") end
+    if o ~= backend.workspace then fail("not_found", "workspace not found") end
   end
   local q = { statuses = route.statuses(req, service.SANDBOX_STATUSES), name = req:query_param("name"),
     group_id = req:query_param("sandboxGroupId") }
   return 200, wire.page(req, "sbx", "sandbox", function(after, limit)
     q.after, q.limit = after, limit
-    return b.svc:list_sandboxes(q)
+    return backend.svc:list_sandboxes(q)
   end, wire.sandbox)
 end
 
 --- GET /v1/sandboxes/:id -> 200 sandbox.
-function M.get(b, req)
-  route.owner_optional(b, req)
-  return 200, wire.sandbox(b.svc:find_sandbox(req.captures.id))
+function M.get(backend, req)
+  route.owner_optional(backend, req)
+  return 200, wire.sandbox(backend.svc:find_sandbox(req.captures.id))
 end
 
 --- POST /v1/sandboxes/:id/terminate -> 204 (idempotent).
-function M.terminate(b, req)
-  route.owner_optional(b, req)
-  b.svc:terminate(b.svc:find_sandbox(req.captures.id))
+function M.terminate(backend, req)
+  route.owner_optional(backend, req)
+  backend.svc:terminate(backend.svc:find_sandbox(req.captures.id))
   return 204
 end
 
 --- POST /v1/sandboxes/:id/suspend -> 202 sandbox.
-function M.suspend(b, req)
-  route.owner_optional(b, req)
-  return 202, wire.sandbox(b.svc:suspend(b.svc:find_sandbox(req.captures.id)))
+function M.suspend(backend, req)
+  route.owner_optional(backend, req)
+  return 202, wire.sandbox(backend.svc:suspend(backend.svc:find_sandbox(req.captures.id)))
 end
 
-function M.install(r)
-  r("POST", "/v1/sandboxes", M.create)
-  r("GET", "/v1/sandboxes", M.list)
-  r("GET", "/v1/sandboxes/:id", M.get)
-  r("POST", "/v1/sandboxes/:id/terminate", M.terminate)
-  r("POST", "/v1/sandboxes/:id/suspend", M.suspend)
+function M.install(api)
+  api("POST", "/v1/sandboxes", M.create)
+  api("GET", "/v1/sandboxes", M.list)
+  api("GET", "/v1/sandboxes/:id", M.get)
+  api("POST", "/v1/sandboxes/:id/terminate", M.terminate)
+  api("POST", "/v1/sandboxes/:id/suspend", M.suspend)
 end
 
 return M

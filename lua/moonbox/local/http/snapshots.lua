@@ -10,9 +10,9 @@ local M = {}
 local fail, field = route.fail, route.field
 
 --- POST /v1/sandboxes/:id/snapshots -> 202 snapshot (creating).
-function M.create(b, req)
-  route.owner_optional(b, req)
-  local rec = b.svc:find_sandbox(req.captures.id)
+function M.create(backend, req)
+  route.owner_optional(backend, req)
+  local rec = backend.svc:find_sandbox(req.captures.id)
   local body = route.body_json(req, false) or {}
   local kind = field(body, "kind", "string", "snapshot") or "filesystem"
   if kind ~= "filesystem" and kind ~= "runtime" then fail("invalid",
@@ -29,44 +29,44 @@ function M.create(b, req)
     if not expires then fail("invalid", "expiresAt must be an RFC 3339 timestamp") end
     if expires <= core.time() then fail("invalid", "expiresAt must be in the future") end
   end
-  local _, capture_fault = b.faults:decide(req.method, req.path, { capture = true })
-  local snap = b.svc:create_snapshot(rec, { kind = kind, name = name, expires = expires,
+  local _, capture_fault = backend.faults:decide(req.method, req.path, { capture = true })
+  local snap = backend.svc:create_snapshot(rec, { kind = kind, name = name, expires = expires,
     fail_capture = capture_fault ~= nil })
   return 202, wire.snapshot(snap)
 end
 
-local function find(b, req)
-  return b.svc:find_snapshot(b.svc:find_group(req.captures.gid), req.captures.sid)
+local function find(backend, req)
+  return backend.svc:find_snapshot(backend.svc:find_group(req.captures.gid), req.captures.sid)
 end
 
 --- GET /v1/sandbox-groups/:gid/snapshots/:sid -> 200 snapshot.
-function M.get(b, req)
-  route.owner_optional(b, req)
-  local snap = find(b, req)
+function M.get(backend, req)
+  route.owner_optional(backend, req)
+  local snap = find(backend, req)
   if snap._deleted then fail("not_found", "snapshot not found", "snapshot_not_found") end
   return 200, wire.snapshot(snap)
 end
 
 --- GET /v1/sandbox-groups/:gid/snapshots -> 200 page.
-function M.list(b, req)
-  route.owner_exactly_one(b, req)
-  local g = b.svc:find_group(req.captures.gid)
-  local recs = b.svc:list_snapshots(g, route.statuses(req, service.SNAPSHOT_STATUSES))
+function M.list(backend, req)
+  route.owner_exactly_one(backend, req)
+  local g = backend.svc:find_group(req.captures.gid)
+  local recs = backend.svc:list_snapshots(g, route.statuses(req, service.SNAPSHOT_STATUSES))
   return 200, wire.page(req, "snp", "snapshot", recs, wire.snapshot)
 end
 
 --- DELETE /v1/sandbox-groups/:gid/snapshots/:sid -> 204 (idempotent).
-function M.delete(b, req)
-  route.owner_optional(b, req)
-  b.svc:delete_snapshot(find(b, req))
+function M.delete(backend, req)
+  route.owner_optional(backend, req)
+  backend.svc:delete_snapshot(find(backend, req))
   return 204
 end
 
-function M.install(r)
-  r("POST", "/v1/sandboxes/:id/snapshots", M.create)
-  r("GET", "/v1/sandbox-groups/:gid/snapshots", M.list)
-  r("GET", "/v1/sandbox-groups/:gid/snapshots/:sid", M.get)
-  r("DELETE", "/v1/sandbox-groups/:gid/snapshots/:sid", M.delete)
+function M.install(api)
+  api("POST", "/v1/sandboxes/:id/snapshots", M.create)
+  api("GET", "/v1/sandbox-groups/:gid/snapshots", M.list)
+  api("GET", "/v1/sandbox-groups/:gid/snapshots/:sid", M.get)
+  api("DELETE", "/v1/sandbox-groups/:gid/snapshots/:sid", M.delete)
 end
 
 return M
