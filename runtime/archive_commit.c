@@ -98,6 +98,13 @@ static int merge_walk(archive_job *j, int sfd, int tfd, const char *prefix, int 
     return rc;
 }
 
+/* Where an unpack into j->dst goes, decided before anything is staged: an existing dst
+ * (allowed only with j->merge, and only a directory) is resolved through realpath; a missing
+ * one needs an existing parent and a real name (not "", "." or ".."); "/" is refused. On
+ * ARCHIVE_JOB_OK ti holds the canonical parent, the base name, whether it exists and an open
+ * parentfd (the caller frees and closes them, also after a failure: whatever was set). Other
+ * returns are the failure status with its sentence on j (archive_job_fail*): TARGET_EXISTS,
+ * NOT_FOUND for a missing parent, IO_ERROR. Blocks (lstat, realpath): worker thread only. */
 int archive_resolve_target(archive_job *j, target_info *ti)
 {
     struct stat st;

@@ -194,6 +194,12 @@ static void *job_main(void *arg)
     return NULL;
 }
 
+/* tarball.h has the caller's contract. Here: the job holds two references, the caller's (until
+ * archive_job_release) and the worker's (until job_main returns); src and dst are copied; the
+ * ev_async done_watcher is started before the thread so that the worker's wake-up cannot be
+ * lost, and it keeps the loop alive until the result is taken. The job joins the live list that
+ * the exit handler waits on. On failure (ARCHIVE_JOB_IO_ERROR, a sentence in err, at most
+ * errlen bytes) nothing is left: no thread, no watcher, no memory. Does not block. */
 int archive_job_start(struct ev_loop *loop, const archive_job_opts *o, archive_job **out, char *err,
                       size_t errlen)
 {

@@ -191,6 +191,15 @@ static int pack_dir(pack_state *ps, int dirfd, const char *prefix, int depth)
     return rc;
 }
 
+/* The pack job, on the worker thread: the directory tree j->src as a tar (gzip'd when j->gzip)
+ * at j->dst. Checks first that dst names a file in an existing directory and src is a
+ * directory; writes a 0600 ".NAME.partial-XXXXXX" beside dst (pax-restricted headers, hard
+ * links kept as links), walks src without following symlinks (pack_dir, skipping the output
+ * file itself), fsyncs, and renames it onto dst only when complete and not cancelled.
+ * Returns ARCHIVE_JOB_OK, or the failure status with its sentence recorded on j
+ * (archive_job_fail*: the path and the system's reason; cancellation is ARCHIVE_JOB_CANCELLED);
+ * on any failure the partial file is removed and dst is untouched. Blocks (file I/O): never on
+ * the loop thread. */
 int archive_pack_run(archive_job *j)
 {
     char *dir = NULL, *base = NULL, *tmp = NULL;

@@ -110,6 +110,15 @@ static void names_free(name_list *l)
     free(l->v);
 }
 
+/* The to-records job, on the worker thread: reads the client's archive j->src member by member
+ * and writes the records the file helper unpacks (format at the top of this file) to j->dst
+ * through a 0600 partial file renamed into place when complete. Every member is checked as an
+ * unpack checks it: names normalised (archive_normalize_name), hard links only to a file met
+ * earlier, symlinks checked (archive_symlink_problem), no devices, fifos or sockets, at most
+ * max_entries members and max_bytes of data; a member shorter than its size is zero-padded.
+ * Returns ARCHIVE_JOB_OK, or UNSAFE / TOO_LARGE / CORRUPT / IO_ERROR / CANCELLED with the
+ * sentence and the member on j (archive_job_fail*); on failure the partial file is removed.
+ * Blocks (file I/O): never on the loop thread. */
 int archive_to_records_run(archive_job *j)
 {
     reader rd;
@@ -279,6 +288,13 @@ static int rec_read_field(FILE *f, char *out, size_t cap)
 #define ZERO_BLOCK          (1 << 20)
 static const unsigned char zero_block[ZERO_BLOCK];
 
+/* The from-records job, on the worker thread: reads the records a file helper packed inside a
+ * sandbox (j->src; untrusted: every field is read with a fixed bound, sparse maps limited to
+ * SPARSE_SEGMENTS_MAX segments and SPARSE_LOGICAL_MAX bytes) and writes them as a
+ * pax-restricted tar, gzip'd when j->gzip, to j->dst through a 0600 partial file renamed into
+ * place when complete. Returns ARCHIVE_JOB_OK, or CORRUPT (a malformed record, named) /
+ * TOO_LARGE / IO_ERROR / CANCELLED with its sentence on j; on failure the partial file is
+ * removed and dst is untouched. Blocks (file I/O): never on the loop thread. */
 int archive_from_records_run(archive_job *j)
 {
     char *tmp = NULL, *buf = NULL;

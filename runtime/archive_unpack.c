@@ -281,6 +281,13 @@ static mode_t member_mode(archive_job *j, struct archive_entry *e, int regular)
     return m & ~j->umask;
 }
 
+/* Writes the regular-file member e as `base` in dirfd (rel: its path in the archive, for
+ * messages): created O_EXCL | O_NOFOLLOW 0600 after make_room (so nothing already there, and no
+ * symlink, is written through), filled block by block at the blocks' offsets (sparse holes
+ * stay holes; data beyond the declared size is CORRUPT), sized to the declared size, then
+ * owner (with j->owner; before the mode, since chown clears setuid), mode (member_mode) and
+ * mtime. Adds the size to j->res.bytes. Returns ARCHIVE_JOB_OK or the failure status with its
+ * sentence on j; the fd is always closed. Worker thread only. */
 static int write_file(unpack_state *us, int dirfd, const char *base, const char *rel,
                       struct archive_entry *e)
 {
@@ -577,6 +584,14 @@ static int apply_fixups(unpack_state *us)
 }
 /* ---- the job -------------------------------------------------------------------------------- */
 
+/* The unpack job, on the worker thread: resolves the target (archive_resolve_target), unpacks
+ * every member of j->src into a fresh 0700 staging directory beside it (unpack_member: names
+ * normalised, symlinks checked, nothing followed; at most max_entries members), applies the
+ * directory fixups (modes and times set last), and only then moves the complete tree into
+ * place (archive_commit: a rename, or a merge with j->merge). Cancellation is honoured up to
+ * the commit, never during it: a half-merged target is worse than a complete one. Returns
+ * ARCHIVE_JOB_OK, or the failure status with its sentence (and member) on j; on any failure
+ * the staging directory is removed and the target is as it was. Blocks: never on the loop. */
 int archive_unpack_run(archive_job *j)
 {
     target_info ti = {NULL, NULL, -1, 0};

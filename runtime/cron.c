@@ -191,6 +191,13 @@ static int parse_field(parse_ctx *px, int f, const char *s, size_t n, uint64_t *
     return 0;
 }
 
+/* Parses a five-field cron expression (or an @macro, case-insensitive, expanded by a recursive
+ * call) into *out: one bit mask per field, plus which fields were "*" or "*\/n" and their step
+ * (cron_next needs both for the day-of-month/day-of-week OR rule). *out is zeroed first, so a
+ * failed parse leaves nothing half-set that could be mistaken for a schedule. Returns 0, or -1
+ * with one line in err (at most errlen bytes, NUL-terminated) naming the field, its text and
+ * the whole expression (non-printable bytes escaped), as cron.h shows. Reads nothing but text
+ * (at most CRON_TEXT_MAX bytes); allocates nothing; never blocks. */
 int cron_parse(const char *text, cron_expr *out, char *err, size_t errlen)
 {
     parse_ctx px = {text, err, errlen};

@@ -351,6 +351,11 @@ static int grow(char **buf, size_t *cap, size_t need)
     return 0;
 }
 
+/* CURLOPT_HEADERFUNCTION: one header line of request ud (without its CR LF). A status line
+ * starts a new response (after a 1xx or a redirect) and forgets the previous headers; the empty
+ * line after a final status queues HTTP_EV_HEADERS; any other line is stored lower-cased by
+ * name in r->hbuf/r->hdrs. Returns n to go on, 0 (curl aborts the transfer, reported as a
+ * write error) when memory runs out. Runs inside curl_multi_socket_action, never calls Lua. */
 static size_t header_cb(char *data, size_t size, size_t nitems, void *ud)
 {
     http_request *r = (http_request *)ud;
@@ -401,6 +406,12 @@ static size_t header_cb(char *data, size_t size, size_t nitems, void *ud)
     return n;
 }
 
+/* CURLOPT_WRITEFUNCTION: n body bytes of request ud, into one of three sinks: the output file
+ * (a short write sets HTTP_ERR_FILE), the stream buffer (backpressure: returns
+ * CURL_WRITEFUNC_PAUSE while a non-empty buffer would exceed stream_cap; queues HTTP_EV_DATA),
+ * or the whole-body buffer (above max_body sets HTTP_ERR_TOO_LARGE). The first byte also marks
+ * the headers done. Returns n, the pause value, or 0 to abort with r->result/r->message set
+ * (0 alone, on out of memory, becomes curl's write error). Never calls Lua. */
 static size_t write_cb(char *data, size_t size, size_t nmemb, void *ud)
 {
     http_request *r = (http_request *)ud;
@@ -492,6 +503,12 @@ static void pool_put(http_client *c, CURL *easy)
     }
 }
 
+/* Drains curl_multi_info_read after every socket action: for each finished transfer, records
+ * the status code, maps a curl failure to an HTTP_ERR_* result with a message (userinfo
+ * redacted; a connection lost after sending says it was not re-sent), takes the easy handle out
+ * of the multi handle back to the pool, closes the request's files (a failed close of the
+ * output is HTTP_ERR_FILE) and queues HTTP_EV_DONE | HTTP_EV_HEADERS for delivery. Never calls
+ * Lua or a notify callback itself (deliver_pending does, outside curl). */
 static void check_done(http_client *c)
 {
     CURLMsg *msg;
@@ -829,6 +846,16 @@ static void unlink_pending(http_request *r)
     r->is_pending = 0;
 }
 
+/* Starts one request on client c as spec says (the spec's strings are copied or used before
+ * this returns: the caller may free them): takes an easy handle from the pool, sets URL,
+ * timeouts, idle cut-off, encoding, the connection rule (fresh_connect, no_resend, resolve:
+ * connection_use), the body (none, a copy in memory, or streamed from body_file; an empty POST,
+ * PUT or PATCH still sends Content-Length: 0), the headers and the output file, then adds it
+ * to the multi handle. Nothing is sent before the loop runs. notify(r, ud, events) is later
+ * called from the loop (never from inside curl) with HTTP_EV_HEADERS, HTTP_EV_DATA and
+ * HTTP_EV_DONE. Returns the request, owned by the caller until http_request_free; or NULL with
+ * a one-line message in err (at most errlen bytes, NUL-terminated) and nothing left allocated
+ * or registered. Does not block. */
 http_request *http_request_start(http_client *c, const http_request_spec *spec,
                                  http_notify_fn notify, void *ud, char *err, size_t errlen)
 {

@@ -446,6 +446,12 @@ static int hs_route_parse(hs_route *rt, const char *pattern, char *err, size_t e
     return HS_OK;
 }
 
+/* http_server.h has the caller's contract. Here: checks the auth mode (a token route needs a
+ * scope), that method is "*" or an HTTP token, and the body mode before anything is
+ * allocated; parses the pattern into segments (hs_route_parse) and copies method, upload_dir
+ * and scope, so the caller's strings may go once this returns. Returns HS_OK, HS_ERR_INVALID
+ * with a sentence in err (at most errlen bytes), or HS_ERR_NOMEM; on failure the route table is
+ * as it was. Loop thread; does not block. */
 int hs_server_add_route(hs_server *s, const char *method, const char *pattern, int body_mode,
                         size_t max_body, const char *upload_dir, int auth, const char *auth_scope,
                         int handler_id, char *err, size_t errlen)
@@ -1460,6 +1466,14 @@ static int hs_daemon_start(hs_server *s, const char *host, int port, unsigned li
     return HS_OK;
 }
 
+/* http_server.h has the caller's contract. Here: validates cfg (port range, a request
+ * callback), raises the soft descriptor limit toward the hard one when the connection limit
+ * needs it, starts libmicrohttpd on host (default 127.0.0.1) and, with also_host, a second
+ * daemon on the same port (retrying up to 8 ephemeral ports when the second address has the
+ * first's port taken), then watches each daemon's epoll descriptor with an ev_io and arms the
+ * timer (hs_kick). Returns HS_OK with *out set; or HS_ERR_INVALID / HS_ERR_NOMEM /
+ * HS_ERR_SYSTEM (e.g. the address is in use: the message names host and port) with a sentence
+ * in err, *out NULL and nothing left listening. Loop thread; binds but never blocks. */
 int hs_server_start(struct ev_loop *loop, const hs_config *cfg, hs_server **out, char *err,
                     size_t errlen)
 {

@@ -166,6 +166,13 @@ static size_t scan_string(const char *s, size_t i, size_t n, char *out, size_t *
     return 0;
 }
 
+/* Recognises exactly one shape, {"stream": "stdout"|"stderr", "data": "..."} with the two keys
+ * in either order, each once, whitespace allowed between tokens, and decodes data's string
+ * (scan_string: escapes, \u surrogate pairs) into out (room for n bytes; *out_len gets the
+ * length). Anything else (another key, a key with an escape, a non-string value, trailing
+ * bytes) is OUTPUT_NOT_SHAPE, and the caller falls back to a full JSON decode: this is the hot
+ * path's shortcut, never the only judge. Returns OUTPUT_STDOUT, OUTPUT_STDERR or
+ * OUTPUT_NOT_SHAPE; one pass, no allocation, never reads outside s[0..n). */
 int output_event_decode(const char *s, size_t n, char *out, size_t *out_len)
 {
     int stream = 0, have_data = 0;

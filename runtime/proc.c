@@ -398,6 +398,15 @@ static int check_cwd(const char *cwd, const char *prog, char *err, size_t errlen
     return code_of_errno(e);
 }
 
+/* proc.h has the caller's contract. Here, in order, so that each failure has its own sentence:
+ * the working directory (check_cwd), the program (find_program: PATH of o->envp, relative to
+ * cwd; not found, not executable), the three stdio ends (open_stdio: a pipe, a file, the
+ * parent's, or /dev/null), then the child (spawn_child). The child's ends are closed here; ours
+ * get ev_io watchers (stdout/stderr reading at once, stdin only when there is something to
+ * write), and the ev_child watcher starts before the loop runs again so that no exit is
+ * missed. Returns PROC_OK with *out, or PROC_ERR_* (code_of_errno) with one sentence in err
+ * naming the program, every fd closed and nothing allocated. Does not block (but for the
+ * spawn itself). */
 int proc_spawn(struct ev_loop *loop, const proc_opts *o, proc **out, char *err, size_t errlen)
 {
     char path[PATH_MAX];

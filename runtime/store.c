@@ -150,6 +150,13 @@ static int create_private_file(const char *path, char *err, size_t errlen)
     return STORE_OK;
 }
 
+/* store.h has the caller's contract. Here: a missing file is made 0600 first
+ * (create_private_file), a "file:" path is prefixed with "./" so SQLite never reads it as a URI,
+ * the connection is opened without SQLite's mutex (one thread uses it), with extended result
+ * codes and the busy timeout, and the pragmas (WAL, foreign keys, synchronous=NORMAL) run at
+ * once: that first read is where "file is not a database" shows. Returns STORE_OK with *out, or
+ * MISUSE (empty path) / the SQLite class (classify) with SQLite's message in err (at most errlen
+ * bytes) and the connection closed. Blocks on the file (SQLite is synchronous), briefly. */
 int store_open(store **out, const char *path, const store_options *opts, char *err, size_t errlen)
 {
     store_options defaults;

@@ -386,6 +386,14 @@ static uint64_t block_size(const tzif_header *h, int tsize)
         goto fail;                                                                                 \
     } while (0)
 
+/* Parses TZif bytes data[0..len) of zone `name` into a new zone. Versions 2 and later skip the
+ * v1 block and read the 64-bit one and the POSIX-TZ footer (the rule after the last
+ * transition); version 1 has 32-bit times and no footer. Every count is checked against the
+ * bytes left before anything is read, transitions must ascend, type indices and abbreviation
+ * offsets must be in range, and offsets within +-TZ_UTOFF_MAX; leap-second files are refused.
+ * Returns 0 with *out set (the caller frees it with tz_free); or -1 with one line in err (at
+ * most errlen bytes) that names the zone and the defect, *out untouched and nothing leaked.
+ * Never reads outside data; no I/O (tz_load reads the file), so it is the fuzz target. */
 int tz_parse(const char *name, const unsigned char *data, size_t len, tz_zone **out, char *err,
              size_t errlen)
 {
@@ -525,6 +533,12 @@ static int name_ok(const char *name, char *err, size_t errlen)
     return 1;
 }
 
+/* Finds zone `name` in dir (else $TZDIR, else TZ_DEFAULT_DIR) and parses it (tz_parse). The
+ * name is checked first (name_ok: nothing that could leave the directory reaches open()); "UTC"
+ * is the built-in zone and needs no file. The file must be regular and at most TZ_FILE_MAX
+ * bytes; it is read whole with blocking read(2) (one small local file, on the loop thread).
+ * Returns 0 with *out set (tz_free it), or -1 with one line in err naming the zone and the
+ * directory or the file (and, for a bad file, the parser's reason then the path). */
 int tz_load(const char *name, const char *dir, tz_zone **out, char *err, size_t errlen)
 {
     if (!name_ok(name, err, errlen)) return -1;

@@ -146,6 +146,14 @@ static void reset_signals(void)
         if (i != SIGKILL && i != SIGSTOP) signal(i, SIG_DFL);
 }
 
+/* `moonbox-sandbox exec ... -- PROGRAM ARG...`: runs PROGRAM inside sandbox s. The command's
+ * environment is exactly our MBENV_ variables without the prefix (secrets never travel in
+ * arguments). Joins the sandbox (enter_sandbox), changes to s->cwd (default /root, else /),
+ * forks; the child resets signals, copies argv and env, wipes our argument strings, optionally
+ * starts a session, confines itself (capabilities, no_new_privs, seccomp) and execve()s, exiting
+ * 127 (not found) or 126 with a message on stderr when it cannot. The parent confines itself
+ * too and relays: forwards TERM, INT, HUP, QUIT, USR1, USR2 and returns the child's exit status
+ * (or dies by its signal). Setup failures die() with the step and errno (sandbox.h). */
 int cmd_exec(struct spec *s)
 {
     if (!s->argv || !s->argv[0]) fail_msg("arguments", "exec needs -- PROGRAM ARG...");

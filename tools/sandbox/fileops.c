@@ -540,6 +540,13 @@ static int copy_range(int fd, off_t off, long long len)
     return e;
 }
 
+/* Writes one record for the entry `name` of dirfd (rel: its path in the packed tree; st: its
+ * lstat) to the output: "H", type ('f' file, 'd', 'l' symlink with its target, 'h' a hard link
+ * to the first path seen for that inode, 's' a sparse file as a segment map then only the data
+ * of its segments), mode, uid, gid, mtime, size, name, target; a file's data follows, exactly
+ * size bytes (a file that grew is cut, one that shrank is zero-padded). Counts data against
+ * pack_max. Returns 0, an errno of the output (oput), or -EX_TOO_LARGE after fail_op reported
+ * the limit. Runs inside the sandbox, confined; reads files with O_NOFOLLOW. */
 static int pack_entry(int dirfd, const char *name, const char *rel, const struct stat *st)
 {
     char ty[2] = {type_letter(st->st_mode), 0}, target[4096] = "";
@@ -677,6 +684,14 @@ static int clean_name(const char *n)
     return 1;
 }
 
+/* `files unpack --path DIR`: reads records from stdin (archive_records.c writes them from a
+ * client's checked archive) and makes them under s->path, creating it and its parents. Every
+ * name must be clean (relative, no "..") and every parent is opened beneath the target without
+ * following symlinks (open_parent); hard links resolve only to regular files already beneath
+ * it (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS); links and symlinks are made under a
+ * temporary name and renamed into place. Returns 0 after "ok" on stderr, or the fail_op /
+ * errno_fail status (EX_INVALID, EX_NOT_DIR, ...) with its message reported. Runs inside the
+ * sandbox, confined; blocks on stdin and the file system. */
 static int op_unpack(const struct spec *s)
 {
     struct stat st;

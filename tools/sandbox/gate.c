@@ -431,6 +431,12 @@ void gate_bind(const struct str_list *allow, const char *dns)
     }
 }
 
+/* The gate's event loop, forever (sandbox.h: after gate_bind): one epoll set for the HTTP and
+ * TLS listeners, the DNS socket and its upstream, and both ends of every proxied connection.
+ * A server end still connecting is checked with SO_ERROR first (a refused connect closes the
+ * pair); then pump() moves bytes both ways. Once a second, connections still deciding (no
+ * complete Host header or SNI before their deadline) are closed. Never returns; fatal setup
+ * errors die() elsewhere, per-connection errors only close that connection. */
 void gate_serve(void)
 {
     for (;;) {

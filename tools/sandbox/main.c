@@ -86,6 +86,12 @@ static long number(const char *key, const char *v)
     return n;
 }
 
+/* Fills s from argv: argv[1] is the command; then --key=value words (each value any string
+ * but a NUL; repeatable keys such as --layer, --cgroup, --allow, --exclude accumulate), the
+ * flags --setsid and --follow, and "--" after which the rest is the program and its arguments.
+ * Numbers are checked (number()). An unknown option, a word that is not --key=value, or a bad
+ * number exits through fail_msg naming it; nothing is returned half-parsed. s points into argv,
+ * which must outlive it. */
 static void parse(struct spec *s, int argc, char **argv)
 {
     memset(s, 0, sizeof *s);

@@ -47,6 +47,11 @@ static void end_nest(struct nlmsghdr *n, struct rtattr *nest)
     nest->rta_len = (unsigned short)((char *)n + NLMSG_ALIGN(n->nlmsg_len) - (char *)nest);
 }
 
+/* Creates the veth pair name <-> peer with one RTM_NEWLINK request over rtnetlink (NLM_F_EXCL:
+ * an existing name is EEXIST), the peer created straight inside the network namespace open on
+ * fd peer_netns, and waits for the kernel's acknowledgement. Returns 0 or an errno: ENOBUFS when
+ * the request does not fit, EPROTO for an answer that is not an ack, else the kernel's error.
+ * Blocks on the netlink socket (a local round trip). */
 int net_veth(const char *name, const char *peer, int peer_netns)
 {
     struct nlreq r;

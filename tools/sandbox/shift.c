@@ -170,6 +170,13 @@ static void remember_link(const struct stat *st, const char *rel)
 
 static int g_dst_root;
 
+/* Copies the directory open on sdir into the one open on ddir (rel: its path, for messages),
+ * for a snapshot capture: only entries on the captured filesystem (g_dev; whatever is mounted
+ * below is skipped), nothing followed (O_NOFOLLOW, AT_SYMLINK_NOFOLLOW), directories recursively
+ * up to CAPTURE_DEPTH_MAX, regular files by content with hard links kept as links, symlinks as
+ * they are, overlay whiteouts and fifos recreated, sockets and devices dropped; xattrs copied and
+ * owners shifted back out of the sandbox's id range (finish). Any failure die()s naming the
+ * step and the path: a capture is all or nothing. */
 static void copy_tree(int sdir, int ddir, const char *rel, int depth)
 {
     if (depth > CAPTURE_DEPTH_MAX)

@@ -285,6 +285,15 @@ static void wipe_args(int argc, char **argv)
     strcpy(lo, "moonbox-init");
 }
 
+/* The sandbox's init (PID 1 of its namespaces), cloned by the launcher. Dies with the keeper
+ * (PR_SET_PDEATHSIG) and waits for its "go" (the keeper wrote the id maps, mounted the root and
+ * joined the cgroups); then: its own mount and cgroup namespaces, ping opened to every group,
+ * the root bound onto itself, root of the user namespace, /proc, /sys read-only, a minimal /dev,
+ * masked paths, /etc/hosts and resolv.conf bound in, pivot_root onto the root and the host's
+ * detached, hostname, loopback up, confine() (capabilities, no_new_privs, seccomp), undumpable.
+ * It reports "ok" on report_fd, closes every descriptor and reaps orphans forever with every
+ * signal blocked. Never returns; any failure before "ok" ends it through init_fail with the step
+ * and errno, which the keeper reads from the report pipe. */
 static void init_main(const struct spec *s, int go_fd, int argc, char **argv)
 {
     char c;
@@ -599,6 +608,17 @@ static void thaw(const char *freezer)
     }
 }
 
+/* `moonbox-sandbox start`: the keeper of one sandbox, for as long as it lives. Checks the
+ * arguments (--net none, slirp or allowlist, with what each needs), claims an id slot, makes a
+ * private mount namespace, and has a launcher (become the slot's host uid, so the user namespace
+ * is charged to it) clone the init into new user, PID, IPC, UTS and network namespaces as our
+ * child. Then writes the id maps, mounts the overlay root idmapped (mount_root), puts the init in
+ * the cgroups (and its oom_score_adj to -1000), lets it go, starts slirp4netns (and
+ * the allow-list gate) while the init builds its root, and prints on stdout "ready PID BASE SLOT"
+ * once the init says ok, later "net" or "net-failed WHY". Then waits: SIGTERM, SIGINT or SIGHUP
+ * (the backend's death) thaw and kill the init; the init's end kills the network helpers.
+ * Returns the init's exit status (128 + signal when killed). Setup failures exit through
+ * die()/fail_msg with the step, which the engine reports. */
 int cmd_start(struct spec *s, int argc, char **argv)
 {
     if (!s->id || !s->root || !s->upper || !s->work || !s->slots || !s->slot_count || !s->id_base)
