@@ -154,7 +154,13 @@ M.new_result = new_result
 -- entries would meet them too.
 local UNREACHABLE = { connect_failed = true, dns_failed = true, tls_failed = true }
 
---- Settles what run r holds over connection c; counts go into tally. [yields]
+--- Settles what run r holds over connection c; counts go into tally. Each held sandbox is
+-- terminated (or found gone) and settled in ledger L; one recorded only by its label is looked
+-- up by label (listing) and settled as never made when no sandbox carries it. With
+-- opts.dry_run nothing is changed and tally.would counts what would be. out(line) tells each
+-- step. A failed step is counted and told, and the rest go on; a backend that cannot be
+-- reached stops the run's settling (what is left waits for the next reap). Raises only an
+-- interruption (cancellation, deadline). [yields]
 local function settle(L, r, c, opts, out, tally)
   local l
   for n, i in ipairs(r.held) do

@@ -54,6 +54,7 @@ local function ms(x) return math.floor(x * 1000 + 0.5) / 1000 end
 
 --- s:finish{recipe, exit_code, error, duration_s, budget} -> the JSON line (without newline).
 -- budget: the run's Budget (moonbox.render.budget), whose usage gives the sandbox-seconds.
+-- Stops observing the run's events. Raises nothing; does not yield.
 function Summary:finish(info)
   if self.unobserve then self.unobserve() end
   self.unobserve = nil

@@ -431,7 +431,7 @@ end
 --- svc:watch(rec): starts the task that keeps a running sandbox's deadlines: its timeoutSeconds
 -- (counted from when it first ran; a running or suspended sandbox is terminated) and its idle
 -- timeout (a running one with no operation keeping it awake is suspended). It sleeps until the
--- nearer deadline, or until r.wake (a status change, the end of the last activity) says the
+-- nearer deadline, or until runtime.wake (a status change, the end of the last activity) says the
 -- deadlines moved; it ends with the sandbox. Idempotent.
 function Service:watch(rec)
   local runtime = self:runtime_of(rec.id)
@@ -750,7 +750,7 @@ end
 
 -- ---- runs ---------------------------------------------------------------------------------------
 
---- svc:start_run(rec, command) -> h: starts `bash -c command` (an engine exec handle:
+--- svc:start_run(rec, command) -> handle: starts `bash -c command` (an engine exec handle:
 -- read/wait/kill/detach), the sandbox kept awake until svc:end_run(rec). Raises internal when
 -- it cannot start. [yields]
 function Service:start_run(rec, command)
@@ -907,7 +907,8 @@ end
 
 --- svc:create_snapshot(rec, p) -> snap (status creating; captured in a task). p: kind, name,
 -- expires (epoch seconds), fail_capture (fault injection: the capture fails as a full disk
--- would make it). Raises conflict sandbox_not_running.
+-- would make it). Raises conflict sandbox_not_running. Does not yield: the capture (freeze,
+-- copy, thaw, under the sandbox's capture lock) runs in a task that sets the status.
 function Service:create_snapshot(rec, p)
   if rec.status ~= "running" then fail("conflict", "sandbox is " .. rec.status, "sandbox_not_running") end
   local t = now()

@@ -207,7 +207,11 @@ local function may_repeat(err, repeatable)
 end
 
 -- One control-plane call with its retries; `info` receives the last status, attempts and
--- request id (for the trace span).
+-- request id (for the trace span). GET and DELETE are repeatable unless opts.idempotent says
+-- otherwise; a request that is not is never re-sent after its answer was lost. Returns the
+-- decoded JSON answer (true for an empty 2xx body), status and headers. Raises the typed error
+-- of the last attempt (status_error, transport_error, malformed_response, unknown_outcome)
+-- and re-raises an interruption at once. [yields]
 local function call(conn, op, method, path, opts, info)
   local repeatable = opts.idempotent
   if repeatable == nil then repeatable = method == "GET" or method == "DELETE" end

@@ -249,6 +249,7 @@ local function attempt(st, build_fn, opts)
 end
 
 --- The error of a failed rebuild: one line naming the stage, the cause, and every id involved.
+-- Returns the error value (it raises nothing itself, and does not yield).
 local function rebuild_error(st, err, timed_out, seconds_limit)
   local summary = st.summary
   local what

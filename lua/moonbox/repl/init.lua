@@ -541,7 +541,12 @@ function Session:run()
   return self.failures > 0 and 1 or 0
 end
 
---- repl.main(args, cli) -> exit status: the `moonbox repl` command.
+--- repl.main(args, cli) -> exit status: the `moonbox repl` command. Parses --backend and
+-- --no-history (a usage error is status 2), opens the line editor with its history, runs the
+-- session (session:run: chunks until end of input or :quit, then the cleanup of what it made)
+-- on the event loop, puts stdout and print back and records the process's end in the ledger.
+-- Called outside any task: it runs the loop itself (core.run). The statuses are those of the
+-- file header; an error the session did not handle is printed and gives 1.
 function M.main(args, cli)
   local opts, rest = cli.parse_flags(args, { backend = "value", ["no-history"] = "flag" })
   if not opts then return cli.usage_error("repl: %s", rest) end

@@ -527,7 +527,12 @@ local function watch_keeper(sb, keeper, rest)
   end)
 end
 
--- The body of create: everything that may fail or yield. [yields]
+--- eng:start(sb, opts): the body of create, everything that may fail or yield: prepares the
+-- engine, checks the layers and the tools the network policy needs, starts the keeper
+-- (moonbox-sandbox start), waits up to 60 s for its "ready" line and hands the rest of its
+-- output to watch_keeper (the network comes up later; an exec waits for it).
+-- Raises the structured errors create lists (op "local.engine.create"); create's handler
+-- tears down whatever it had started. [yields]
 function Engine:start(sb, opts)
   local id = sb.id
   self:prepare()

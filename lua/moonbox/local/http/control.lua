@@ -7,8 +7,13 @@ local route = require "moonbox.local.http.route"
 local M = {}
 local fail = route.fail
 
+--- GET /_moonbox/faults -> 200 the fault rules in force and their seed (faults:describe).
+-- Raises nothing. Does not yield.
 function M.get_faults(backend) return 200, backend.faults:describe() end
 
+--- PUT /_moonbox/faults -> 200 the new rules (as GET answers). The body is {rules, seed} as JSON,
+-- or the rules in the --faults text form; they replace the rules in force. Raises invalid with
+-- the parser's message for rules that do not parse. Does not yield.
 function M.put_faults(backend, req)
   local raw = req.body or ""
   local spec, seed = raw, nil
@@ -21,26 +26,35 @@ function M.put_faults(backend, req)
   return 200, backend.faults:describe()
 end
 
+--- DELETE /_moonbox/faults -> 204: no rule in force any more. Does not yield.
 function M.clear_faults(backend)
   backend.faults:set({})
   return 204
 end
 
+--- GET /_moonbox/journal?since=N -> 200 the journal's entries after sequence N (default 0).
+-- Raises invalid for a since that is not a non-negative integer. Does not yield.
 function M.get_journal(backend, req)
   return 200, backend.journal:since(route.query_int(req, "since", 0, 0, math.maxinteger))
 end
 
+--- DELETE /_moonbox/journal -> 204: the journal is emptied. Does not yield.
 function M.clear_journal(backend)
   backend.journal:clear()
   return 204
 end
 
+--- GET /_moonbox/health -> 200 {ok, workspace, version, sandboxes, problems}: sandboxes is
+-- whether the start-up check found this machine able to run sandboxes, problems what it found
+-- missing. Raises nothing. Does not yield.
 function M.health(backend)
   return 200, { ok = true, workspace = backend.workspace, version = require("moonbox.core").version,
     sandboxes = backend.check and backend.check.ok or false,
     problems = json.array(backend.check and backend.check.problems or {}) }
 end
 
+--- control.install(control): registers the routes above through control(method, pattern,
+-- handler) (moonbox.local.http: API key, no injected faults).
 function M.install(control)
   control("GET", "/_moonbox/faults", M.get_faults)
   control("PUT", "/_moonbox/faults", M.put_faults)

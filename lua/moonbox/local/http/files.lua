@@ -12,7 +12,9 @@ local public = require "moonbox.local.http.public"
 local M = {}
 local fail = route.fail
 
---- POST /v1/sandboxes/:id/files/:op/token?path=P -> 201 {executionId, token, uri, method, expiresAt}.
+--- POST /v1/sandboxes/:id/files/:op/token?path=P -> 201 {executionId, token, uri, method,
+-- expiresAt}: op is upload (PUT) or download (GET) of P, a path inside the sandbox. Raises
+-- invalid (op, path), not_found, conflict (errored). [yields] (it wakes a suspended sandbox).
 function M.token(backend, req)
   route.owner_optional(backend, req)
   local op = req.captures.op
@@ -61,7 +63,11 @@ local function gunzip(backend, src, limit)
   return out
 end
 
---- PUT /proxy/:id/files/upload -> 204.
+--- PUT /proxy/:id/files/upload (bearer: an upload token) -> 204 once the body is in place: a
+-- file (octet-stream, gzip'd or not) or an archive extracted into a directory (x-tar, gzip).
+-- Raises unauthorized / forbidden / not_found (the token), unsupported_media (an encoding
+-- other than gzip), too_large (over max_upload, inflated too), invalid (not gzip, an unsafe or
+-- broken archive), conflict, insufficient_storage. [yields] while it decompresses and writes.
 function M.upload(backend, req)
   local rec, info = backend.svc:check_token(route.bearer(req), req.captures.id, "files/upload")
   local ctype = (req.headers["content-type"] or ""):match("^%s*([^;%s]+)") or ""
@@ -82,7 +88,10 @@ function M.upload(backend, req)
   return 204
 end
 
---- GET /proxy/:id/files/download -> 200 octet-stream (a file) or gzip'd x-tar (a directory).
+--- GET /proxy/:id/files/download (bearer: a download token) -> 200 octet-stream (a file, as a
+-- stream) or gzip'd x-tar (a directory), answered through res (returns nil). Raises, before
+-- the answer starts, unauthorized / forbidden / not_found (token, file_not_found), invalid
+-- not_regular_file; a client that leaves stops the read. [yields] until the body is sent.
 function M.download(backend, req, ctx, res)
   local rec, info = backend.svc:check_token(route.bearer(req), req.captures.id, "files/download")
   local d = backend.svc:download(rec, info)
@@ -107,7 +116,9 @@ function M.download(backend, req, ctx, res)
   return nil
 end
 
---- GET /v1/sandboxes/:id/files/list?path=P&depth=N -> 200 {path, entries}.
+--- GET /v1/sandboxes/:id/files/list?path=P&depth=N -> 200 {path, entries} (N from 0 to 16,
+-- default 1). Raises not_found (sandbox, file_not_found), invalid (path, depth), conflict
+-- sandbox_not_running. [yields] (a file helper reads the tree inside the sandbox).
 function M.list(backend, req)
   local rec = backend.svc:find_sandbox(req.captures.id)
   local abs = wire.sandbox_path(req:query_param("path"))

@@ -5,13 +5,16 @@ local wire = require "moonbox.local.wire"
 local M = {}
 local fail, field = route.fail, route.field
 
---- GET /v1/sandbox-groups -> 200 page.
+--- GET /v1/sandbox-groups?ownerId=W -> 200 page of groups, newest first. Raises invalid or
+-- not_found when ownerId is missing, repeated or not this workspace. Does not yield.
 function M.list(backend, req)
   route.owner_exactly_one(backend, req)
   return 200, wire.page(req, "sbg", "sandboxGroup", backend.svc:list_groups(), wire.group)
 end
 
---- POST /v1/sandbox-groups -> 201 group.
+--- POST /v1/sandbox-groups {ownerId, name, region, concurrencyLimit} -> 201 group. Raises
+-- invalid (a missing or mistyped field, an unknown region), not_found (another workspace),
+-- conflict (10 groups already). Does not yield.
 function M.create(backend, req)
   local body = route.body_json(req, true)
   local owner = body.ownerId or req:query_param("ownerId")
@@ -26,13 +29,15 @@ function M.create(backend, req)
   return 201, wire.group(backend.svc:create_group { name = name, region = region, limit = limit })
 end
 
---- DELETE /v1/sandbox-groups/:gid -> 204.
+--- DELETE /v1/sandbox-groups/:gid -> 204. Raises invalid invalid_sandbox_group_id, not_found,
+-- conflict (the default group, or one that still has live sandboxes, named). Does not yield.
 function M.delete(backend, req)
   route.owner_optional(backend, req)
   backend.svc:delete_group(backend.svc:find_group(req.captures.gid))
   return 204
 end
 
+--- groups.install(api): registers the routes above through api(method, pattern, handler).
 function M.install(api)
   api("GET", "/v1/sandbox-groups", M.list)
   api("POST", "/v1/sandbox-groups", M.create)

@@ -13,6 +13,12 @@ local M = {}
 local fail = route.fail
 local KEEPALIVE = 15
 
+--- GET /v1/sandboxes/:id/logs?since=T&follow=false&execId=E -> 200 text/event-stream, answered
+-- through res (returns nil): the sandbox's log and lifecycle events (since T, only exec E's
+-- log lines when given), then, unless follow=false, every new one until the sandbox is
+-- terminated or errored, with a keep-alive comment after KEEPALIVE quiet seconds. Raises, before
+-- the stream starts, not_found (sandbox) and invalid (a since that is not RFC 3339); a client
+-- that goes away ends it quietly. [yields] for as long as it follows.
 function M.logs(backend, req, ctx, res)
   local rec = backend.svc:find_sandbox(req.captures.id)
   local since = req:query_param("since")
@@ -55,6 +61,7 @@ function M.logs(backend, req, ctx, res)
   return nil
 end
 
+--- logs.install(api): registers the route above through api(method, pattern, handler).
 function M.install(api)
   api("GET", "/v1/sandboxes/:id/logs", M.logs)
 end

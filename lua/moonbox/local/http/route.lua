@@ -9,6 +9,17 @@
 -- Unexpected errors answer 500 with the request id only; their details (which name our source
 -- files) go to the backend's log, never to the client. Also here: strict decoding of JSON
 -- bodies and typed field access, so that every bad input is a 400 saying which field and why.
+--
+-- The handler contract, which the comment above each handler in moonbox.local.http.* refines:
+-- a handler is function(backend, req, ctx, res) -> status, body, headers. req is the httpd
+-- request (captures, query, headers, the body or body_file); ctx is {rid, entry (the journal's
+-- record), fault, ratelimit}; body is a Lua value answered as JSON (none for 204). A handler
+-- that answers by itself (a stream, a file) does so through res and returns nil. It raises a
+-- ServiceError (route.fail here, or from the service) for every refusal: its kind picks the
+-- status (route.STATUS) and its code Render's machine code. Each request runs in a task of its
+-- own, so a handler may yield; the comment says "[yields]" when it does (it waits for the
+-- service, the engine or the client) and "Does not yield" otherwise. It calls the service,
+-- never the engine or the records (tests/lint/layers.py checks the requires).
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local json = require "moonbox.json"
@@ -184,7 +195,11 @@ end
 
 --- route.wrap(backend, fn, o) -> an httpd handler (see the file header). o.control = true for the
 -- control endpoint (no faults). backend is the moonbox.local Backend: its svc, journal,
--- faults and log.
+-- faults and log. The returned handler journals the request, meters /v1 (429 when the window
+-- is spent), applies a fault (latency, a status, Render's edge page, a dropped answer), runs fn
+-- under a message handler and answers its result, a ServiceError as its status, anything else
+-- as a 500 (details to the log). It raises only a cancellation, re-raised for httpd. [yields]
+-- (injected latency, and whatever fn waits for).
 function M.wrap(backend, fn, o)
   o = o or {}
   return function(req, res)

@@ -14,7 +14,11 @@ local fail, field = route.fail, route.field
 -- command waits for the client, and the backend holds at most this much for it.
 local QUEUE_MAX = 256 * 1024
 
---- POST /v1/sandboxes/:id/runs/:op/token -> 201 {executionId, token, uri, method, expiresAt}.
+--- POST /v1/sandboxes/:id/runs/:op/token {command} -> 201 {executionId, token, uri, method,
+-- expiresAt}: op is stream or sync; the exec record exists from now on and the token opens
+-- /proxy/:id/runs/:op once. Raises invalid (op, command), not_found (sandbox, terminated),
+-- conflict (errored), unavailable (a boot that does not finish). [yields] (it wakes a
+-- suspended sandbox and waits out a boot).
 function M.token(backend, req)
   route.owner_optional(backend, req)
   local op = req.captures.op
@@ -31,7 +35,8 @@ function M.token(backend, req)
   }
 end
 
---- GET /v1/sandboxes/:id/execs -> 200 page.
+--- GET /v1/sandboxes/:id/execs?cursor&limit -> 200 page of exec records, newest first. Raises
+-- not_found, invalid (cursor). Does not yield.
 function M.list(backend, req)
   route.owner_optional(backend, req)
   local rec = backend.svc:find_sandbox(req.captures.id)
@@ -40,13 +45,15 @@ function M.list(backend, req)
   end, wire.exec)
 end
 
---- GET /v1/sandboxes/:id/execs/:eid -> 200 execution.
+--- GET /v1/sandboxes/:id/execs/:eid -> 200 execution. Raises not_found. Does not yield.
 function M.get(backend, req)
   route.owner_optional(backend, req)
   return 200, wire.exec(backend.svc:find_exec(backend.svc:find_sandbox(req.captures.id), req.captures.eid))
 end
 
---- POST /v1/sandboxes/:id/execs/:eid/status -> 200 (records a client-reported exit code).
+--- POST /v1/sandboxes/:id/execs/:eid/status {exitCode} -> 200 the exec record: records a
+-- client-reported exit code. Raises not_found, invalid (exitCode missing or not a 32-bit
+-- integer). Does not yield.
 function M.status(backend, req)
   route.owner_optional(backend, req)
   local e = backend.svc:find_exec(backend.svc:find_sandbox(req.captures.id), req.captures.eid)
@@ -76,8 +83,13 @@ local function utf8_split(s)
   return s, ""
 end
 
---- POST /proxy/:id/runs/stream -> 200 text/event-stream: output events, then exit (or error).
--- The command belongs to the sandbox: a client that goes away leaves it running.
+--- POST /proxy/:id/runs/stream {command} (bearer: a stream run token) -> 200 text/event-stream,
+-- answered through res (returns nil): output events {stream, data} (UTF-8 never cut inside a
+-- character), keep-alive comments, then exit {exit_code}. The command belongs to the sandbox:
+-- a client that goes away leaves it running; a slow one makes it wait (QUEUE_MAX). Raises,
+-- before the stream starts, unauthorized / forbidden / not_found (the token) and internal when
+-- the command cannot start; an injected cut ends the stream without exit. [yields] until the
+-- command ends or the client leaves.
 function M.stream(backend, req, ctx, res)
   local rec, info = backend.svc:check_token(route.bearer(req), req.captures.id, "runs/stream")
   local body = route.body_json(req, false) or {}
@@ -179,8 +191,10 @@ function M.stream(backend, req, ctx, res)
   return nil
 end
 
---- POST /proxy/:id/runs/sync -> 200 {stdout, stderr, exit_code[, truncated]}. At most
--- limits.sync_output_max bytes per stream (1 MiB); truncated = true says more was dropped.
+--- POST /proxy/:id/runs/sync {command} (bearer: a sync run token) -> 200 {stdout, stderr,
+-- exit_code[, truncated]} once the command ended. At most limits.sync_output_max bytes per
+-- stream (1 MiB); truncated = true says more was dropped. Raises unauthorized / forbidden /
+-- not_found (the token), internal when the command cannot start. [yields] until it ends.
 function M.sync(backend, req)
   local rec, info = backend.svc:check_token(route.bearer(req), req.captures.id, "runs/sync")
   local body = route.body_json(req, false) or {}
@@ -192,6 +206,8 @@ function M.sync(backend, req)
   return 200, out
 end
 
+--- runs.install(api, data): registers the control-plane routes through api and the data-plane
+-- ones (token-authenticated, with their scope) through data(method, pattern, handler, scope).
 function M.install(api, data)
   api("POST", "/v1/sandboxes/:id/runs/:op/token", M.token)
   api("GET", "/v1/sandboxes/:id/execs", M.list)

@@ -59,7 +59,12 @@ local function env(body)
   return e
 end
 
---- POST /v1/sandboxes -> 201 sandbox.
+--- POST /v1/sandboxes {ownerId, plan, region, timeoutSeconds, idleTimeoutSeconds, networkPolicy,
+-- env, name, snapshotId | snapshotName, sandboxGroupId} -> 201 sandbox (status creating; it
+-- boots in a task of the service's). Raises invalid (a missing or mistyped field, region,
+-- network policy, env, plan), not_found (workspace, group, snapshot), conflict (a snapshot that
+-- cannot be restored), rate_limited (the group at its concurrency limit; Retry-After). Does not
+-- yield.
 function M.create(backend, req)
   local body = route.body_json(req, true)
   local owner = body.ownerId
@@ -88,7 +93,9 @@ function M.create(backend, req)
   return 201, wire.sandbox(rec)
 end
 
---- GET /v1/sandboxes -> 200 page.
+--- GET /v1/sandboxes?ownerId&status&name&sandboxGroupId&cursor&limit -> 200 page, newest first
+-- (terminated ones only when a status asks for them). Raises invalid (a status or cursor),
+-- not_found (another workspace). Does not yield.
 function M.list(backend, req)
   for _, o in ipairs(req:query_all("ownerId")) do
     if o ~= backend.workspace then fail("not_found", "workspace not found") end
@@ -101,25 +108,29 @@ function M.list(backend, req)
   end, wire.sandbox)
 end
 
---- GET /v1/sandboxes/:id -> 200 sandbox.
+--- GET /v1/sandboxes/:id -> 200 sandbox. Raises not_found. Does not yield.
 function M.get(backend, req)
   route.owner_optional(backend, req)
   return 200, wire.sandbox(backend.svc:find_sandbox(req.captures.id))
 end
 
---- POST /v1/sandboxes/:id/terminate -> 204 (idempotent).
+--- POST /v1/sandboxes/:id/terminate -> 204 (idempotent): its processes stopped, its disk freed.
+-- Raises not_found. [yields] until the sandbox is gone.
 function M.terminate(backend, req)
   route.owner_optional(backend, req)
   backend.svc:terminate(backend.svc:find_sandbox(req.captures.id))
   return 204
 end
 
---- POST /v1/sandboxes/:id/suspend -> 202 sandbox.
+--- POST /v1/sandboxes/:id/suspend -> 202 sandbox (suspending; it finishes in a task).
+-- Idempotent for a suspended one. Raises not_found, conflict sandbox_not_running. Does not
+-- yield.
 function M.suspend(backend, req)
   route.owner_optional(backend, req)
   return 202, wire.sandbox(backend.svc:suspend(backend.svc:find_sandbox(req.captures.id)))
 end
 
+--- sandboxes.install(api): registers the routes above through api(method, pattern, handler).
 function M.install(api)
   api("POST", "/v1/sandboxes", M.create)
   api("GET", "/v1/sandboxes", M.list)

@@ -9,7 +9,9 @@ local service = require "moonbox.local.service"
 local M = {}
 local fail, field = route.fail, route.field
 
---- POST /v1/sandboxes/:id/snapshots -> 202 snapshot (creating).
+--- POST /v1/sandboxes/:id/snapshots {kind, name, expiresAt} -> 202 snapshot (creating; the
+-- capture runs in a task, and an injected capture fault makes it fail). Raises not_found,
+-- invalid (kind, name, expiresAt), conflict sandbox_not_running. Does not yield.
 function M.create(backend, req)
   route.owner_optional(backend, req)
   local rec = backend.svc:find_sandbox(req.captures.id)
@@ -39,7 +41,8 @@ local function find(backend, req)
   return backend.svc:find_snapshot(backend.svc:find_group(req.captures.gid), req.captures.sid)
 end
 
---- GET /v1/sandbox-groups/:gid/snapshots/:sid -> 200 snapshot.
+--- GET /v1/sandbox-groups/:gid/snapshots/:sid -> 200 snapshot. Raises invalid (ids),
+-- not_found (group, snapshot; a deleted one too). Does not yield.
 function M.get(backend, req)
   route.owner_optional(backend, req)
   local snap = find(backend, req)
@@ -47,7 +50,8 @@ function M.get(backend, req)
   return 200, wire.snapshot(snap)
 end
 
---- GET /v1/sandbox-groups/:gid/snapshots -> 200 page.
+--- GET /v1/sandbox-groups/:gid/snapshots?ownerId&status -> 200 page, newest first. Raises
+-- invalid or not_found (ownerId, group, status). Does not yield.
 function M.list(backend, req)
   route.owner_exactly_one(backend, req)
   local g = backend.svc:find_group(req.captures.gid)
@@ -55,13 +59,15 @@ function M.list(backend, req)
   return 200, wire.page(req, "snp", "snapshot", recs, wire.snapshot)
 end
 
---- DELETE /v1/sandbox-groups/:gid/snapshots/:sid -> 204 (idempotent).
+--- DELETE /v1/sandbox-groups/:gid/snapshots/:sid -> 204 (idempotent). Raises invalid,
+-- not_found, conflict snapshot_creating. [yields] (its layers are removed).
 function M.delete(backend, req)
   route.owner_optional(backend, req)
   backend.svc:delete_snapshot(find(backend, req))
   return 204
 end
 
+--- snapshots.install(api): registers the routes above through api(method, pattern, handler).
 function M.install(api)
   api("POST", "/v1/sandboxes/:id/snapshots", M.create)
   api("GET", "/v1/sandbox-groups/:gid/snapshots", M.list)

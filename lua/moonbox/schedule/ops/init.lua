@@ -175,6 +175,13 @@ local function with(h, extra)
   return out
 end
 
+--- ops:routes(): registers the listener's routes on self.srv: GET /healthz (200, or 503 with
+-- what is wrong), GET /metrics (the exposition, after pinging the store), GET / (the status
+-- page) and its two static files, GET /api/status (the page's data as JSON, times as RFC 3339),
+-- GET /runs/:id/trace (a run's Chrome trace file, or 404) and POST /api/schedules/:name/:action
+-- (ops:control: pause, resume, trigger, with the control token). The handlers answer every
+-- refusal themselves as a JSON {message}; they run in httpd's request tasks and may yield on
+-- the store. Registering does not yield.
 function Ops:routes()
   local srv = self.srv
   srv:route("GET", "/healthz", function()

@@ -131,6 +131,7 @@ local function num(v)
 end
 
 --- metrics:text() -> the exposition (text/plain; version=0.0.4). Call refresh() first.
+-- Formats what refresh() read; raises nothing and does not yield.
 function Metrics:text()
   local out = {}
   local function family(name, kind, help, samples)
