@@ -779,7 +779,7 @@ function Service:end_run(rec) self:activity(rec.id, -1) end
 -- rest is read and dropped, truncated says so): a command printing a gigabyte costs the
 -- backend a megabyte. Both streams go to the sandbox's log, tagged with the exec id. [yields]
 function Service:run_sync(rec, info, command)
-  local h = self:start_run(rec, command)
+  local handle = self:start_run(rec, command)
   local cap = self.limits.sync_output_max
   local got = { stdout = { n = 0 }, stderr = { n = 0 } }
   local cut = false
@@ -787,7 +787,7 @@ function Service:run_sync(rec, info, command)
   for _, stream in ipairs({ "stdout", "stderr" }) do
     readers[#readers + 1] = task.spawn(function()
       local into = got[stream]
-      for chunk in function() return h:read(stream) end do
+      for chunk in function() return handle:read(stream) end do
         if into.n < cap then
           local part = chunk:sub(1, cap - into.n)
           into[#into + 1] = part
@@ -798,13 +798,13 @@ function Service:run_sync(rec, info, command)
       end
     end)
   end
-  local ok, code = pcall(h.wait, h)
+  local ok, code = pcall(handle.wait, handle)
   if ok then pcall(task.timeout, 0.2, function() for _, t in ipairs(readers) do task.join(t) end end) end
   for _, t in ipairs(readers) do
     if task.result(t) == nil then task.cancel(t) end
     pcall(task.join, t)
   end
-  h:detach()
+  handle:detach()
   self:end_run(rec)
   if not ok then fail("internal", "the command failed to run: " .. message_of(code)) end
   return { stdout = table.concat(got.stdout), stderr = table.concat(got.stderr), exit_code = code,

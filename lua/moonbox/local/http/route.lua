@@ -213,26 +213,26 @@ function M.wrap(backend, fn, o)
       local allowed
       allowed, rl = M.meter(backend)
       if not allowed then
-        local h = { ["render-request-id"] = rid, ["Retry-After"] = rl["Retry-After"] }
+        local headers = { ["render-request-id"] = rid, ["Retry-After"] = rl["Retry-After"] }
         entry.status = 429
         return M.respond(res, 429, { message = string.format("rate limit exceeded: at most %s requests " ..
           "every %d seconds (moonbox local --rate-limit); retry after %s s", rl["RateLimit-Limit"],
-          RATE_WINDOW, rl["Retry-After"]) }, ratelimit(h, rl))
+          RATE_WINDOW, rl["Retry-After"]) }, ratelimit(headers, rl))
       end
     end
     if not o.control then latency, fault = backend.faults:decide(req.method, req.path) end
     if latency > 0 then task.sleep(latency / 1000) end
     if fault and fault.fault == "status" then
-      local h = { ["render-request-id"] = rid }
+      local headers = { ["render-request-id"] = rid }
       if fault.retry_after then
         -- An injected 429 says the window is spent, as a real one would.
-        h["Retry-After"] = tostring(fault.retry_after)
-        h["RateLimit-Remaining"], h["RateLimit-Reset"] = "0", tostring(fault.retry_after)
+        headers["Retry-After"] = tostring(fault.retry_after)
+        headers["RateLimit-Remaining"], headers["RateLimit-Reset"] = "0", tostring(fault.retry_after)
       end
-      if rl then ratelimit(h, rl) end
+      if rl then ratelimit(headers, rl) end
       entry.status, entry.fault = fault.status, "status"
       return M.respond(res, fault.status, { message = fault.status == 429 and "rate limit exceeded"
-        or "injected fault" }, h)
+        or "injected fault" }, headers)
     end
     if fault and fault.fault == "edge" then
       -- Render's edge firewall: an HTML page, none of Render's own headers.
