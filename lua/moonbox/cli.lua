@@ -171,6 +171,13 @@ render.dry_run hooks say otherwise. Then it prints what the run would do: each s
 simulated time, creates by plan, snapshots, restores, execs, peak live sandboxes and
 sandbox-seconds (with --json: one JSON object instead). Budgets apply. See
 docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
+  -- The command: parses the flags above (a bad one is a usage error, status 2), loads the
+  -- recipe (a load error is status 1), then runs its chunk as the root task (run_root: the
+  -- loop runs here, outside any task) under the run's budget, with the dry-run simulation,
+  -- the progress line and the trace when asked. Afterwards it closes the ledger's record of
+  -- this process, the budget and the trace, and prints the dry-run report or the --json
+  -- summary. Returns the exit status run_root gives (e.g. 0, 1, 130/143 after a signal); the
+  -- recipe's error is printed (M.format_error), never raised.
   function(args)
     local backend, trace_file, want_json, want_progress, dry_run
     local limits = {}
@@ -380,6 +387,12 @@ X-Forwarded-Proto (docs/local.md: "Behind a TLS proxy").
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
 Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
 backend (docs/reference/render.md): it also stops when no moonbox process uses it any more.]],
+  -- The command: checks every flag before anything starts (usage errors, status 2: a port out
+  -- of range, a host that is not loopback, a bad --public-url, --dns or --rate-limit, an
+  -- unreadable @faults file), then in the root task starts the backend (moonbox.local.start),
+  -- prints its RENDER_* variables on stdout and serves until SIGINT/SIGTERM (or, --embedded,
+  -- until no moonbox process uses it), closing it on the way out. Returns 0 after a signal,
+  -- 1 (the error printed) when it cannot start.
   function(args)
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",

@@ -426,6 +426,13 @@ end
 local ROUTES = {}
 local function route(method, pattern, fn) ROUTES[#ROUTES + 1] = { method, "^" .. pattern .. "$", fn } end
 
+-- The simulated routes: each is fn(sim, query, body, capture...) -> an answer (answer(status,
+-- value), or fail(status, message, code) for Render's error shape).
+-- Simulated POST /v1/sandboxes: checks the plan, finds the group and the snapshot to restore
+-- (by id, or the newest available one of that name: 404 snapshot_not_found, 409
+-- snapshot_not_available), makes a sandbox that becomes running after the simulated create or
+-- restore duration, copies the snapshot's files, and counts the create in the report. Does
+-- not yield.
 route("POST", "/v1/sandboxes", function(self, _, body)
   local plan = body.plan or "1c-2g"
   if not PLANS[plan] then
