@@ -60,6 +60,12 @@ static const unsigned char klass[256] = {
     [0x1C] = 'u',  [0x1D] = 'u', [0x1E] = 'u', [0x1F] = 'u', [0x80 ... 0xFF] = 1,
 };
 
+/* Writes s[0..n) to out as one JSON string literal, quotes included, and returns its length
+ * (at most JSONQ_BOUND(n): out must have that room; nothing is NUL-terminated). Clean words of
+ * eight bytes are copied whole; '"', '\\' and \b \t \n \f \r get their two-byte escapes, the
+ * other control characters \u00XX; valid UTF-8 sequences are copied, and each byte of an
+ * invalid one becomes U+FFFD, so the result is always valid JSON and valid UTF-8. Cannot fail;
+ * no allocation; reads nothing outside s[0..n). */
 size_t jsonq_quote(char *out, const unsigned char *s, size_t n)
 {
     static const char hex[] = "0123456789abcdef";
