@@ -21,6 +21,12 @@
 -- run holds is terminated. While the database is away, a timer neither fires nor marks its
 -- slot handled (db_down / await_db): when it is back, the timer's next turn catches the missed
 -- slots up under the schedule's policy.
+--
+-- Requests from other machines ride on the lease keeper's wake (every third of the lease;
+-- Daemon:on_renew): a `moonbox schedule FILE --stop [--drain]` row in table daemons makes the
+-- daemon acknowledge and shut down as on SIGTERM (cancelling, or draining, its runs); a
+-- cancel_request another daemon's cancel_other left on a run this daemon holds cancels that
+-- run here, and the other daemon waits for its end before it starts the newer slot.
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
@@ -296,6 +302,13 @@ function Daemon:fire(s, slot, trigger, due)
         tostring(other.owner)), due)
     end
   end
+  if not active and s.overlap == "cancel_other" then
+    local other = self.store:running_elsewhere(s.name)
+    if other then
+      self:cancel_elsewhere(s, other, slot)
+      if self.stopping then return end
+    end
+  end
   if active then
     if s.overlap == "skip" then
       return self:record_skipped(s, slot, trigger,
@@ -327,6 +340,59 @@ function Daemon:fire(s, slot, trigger, due)
     if self.stopping then return end
   end
   self:start(s, { slot = slot, trigger = trigger, fired_at = now, due_at = due })
+end
+
+--- cancel_other against a run another daemon holds (record other): leaves it a cancel request
+-- naming slot, which that daemon reads at its next renewal (on_renew) and records the run
+-- cancelled itself; then waits until the record has ended or its lease has run out (its
+-- daemon is gone: the sweep records it interrupted). [yields]
+function Daemon:cancel_elsewhere(s, other, slot)
+  local msg = string.format("cancelled by the fire of slot %s on %s (overlap = cancel_other)", fmt(slot),
+    ledger_mod.owner())
+  self.store:request_cancel(other.id, msg)
+  self:log("%s: slot %s: asked %s to cancel run %d (slot %s; overlap = cancel_other)", s.name, fmt(slot),
+    tostring(other.owner), other.id, fmt(other.slot))
+  local step = math.min(0.5, ledger_mod.LEASE / 3)
+  while not self.stopping do
+    local r = self.store:run_row(other.id)
+    if not r or (r.outcome ~= "running" and r.outcome ~= "queued") then
+      self:log("%s: run %d ended (%s); starting slot %s", s.name, other.id, r and r.outcome or "gone",
+        fmt(slot))
+      return
+    end
+    if (r.lease_until or 0) < self.store.ledger:now() then
+      self:log("%s: run %d's lease expired; not waiting for it any more", s.name, other.id)
+      return
+    end
+    task.sleep(step)
+  end
+end
+
+--- The lease keeper's hook (ledger.renew_hooks): cancels the runs another daemon asked this one
+-- to cancel (cancel_other), and on a registered daemon renews its rows in table daemons and
+-- takes up a --stop request addressed to it: wakes the fire loop, which shuts down (draining
+-- when the request says so) and acknowledges it once no timer fires any more. [yields]
+function Daemon:on_renew()
+  if next(self.store.ledger.leases.schedule_runs) then
+    for _, r in ipairs(self.store:cancel_requests()) do
+      for name, rt in pairs(self.rt) do
+        local run = rt.active
+        if run and run.id == r.id and not run.stop_reason and not run.finished then
+          run.stop_reason = "cancel_other"
+          run.stop_message = r.cancel_request
+          self:log("%s: run %d: another daemon asked to cancel it: %s", name, run.id, r.cancel_request)
+          task.cancel(run.task)
+        end
+      end
+    end
+  end
+  if self.registered and not self.stop_request then
+    local c = self.store:renew_daemon()
+    if c and not self.stopping then
+      self.stop_request = c -- shutdown acknowledges it, once the timers have stopped
+      self.wake:signal()
+    end
+  end
 end
 
 --- Slots of s strictly after `after` and not after `now`: the latest MAX_LISTED (ascending),
@@ -517,6 +583,9 @@ end
 function Daemon:start_shared()
   if not self.store.shared then return end
   self.db_ok_since = core.time()
+  self.store:register_daemon(self.names, self.recipe)
+  self.registered = true
+  self:add_hook()
   self.store.ledger:keep_alive()
   self.sweeper = task.spawn(function()
     local ok, err = xpcall(self.sweep_loop, core.msgh, self)
@@ -526,7 +595,19 @@ function Daemon:start_shared()
   end)
 end
 
+--- Puts on_renew on the ledger's renew_hooks (once). Does not yield.
+function Daemon:add_hook()
+  if self.hook then return end
+  self.hook = function() return self:on_renew() end
+  table.insert(self.store.ledger.renew_hooks, self.hook)
+end
+
 function Daemon:stop_shared()
+  local hooks = self.store.ledger.renew_hooks
+  for i = #hooks, 1, -1 do
+    if hooks[i] == self.hook then table.remove(hooks, i) end
+  end
+  self.hook = nil
   if self.sweeper then
     task.cancel(self.sweeper)
     pcall(task.join, self.sweeper)
@@ -584,6 +665,7 @@ function Daemon:run()
           error(serr, 0)
         end
       end
+      if self.stop_request then return end
       self.wake:wait()
     end
   end)
@@ -611,8 +693,21 @@ function Daemon:shutdown()
   local now = self.clock:now()
   for _, t in ipairs(self.timers) do task.cancel(t) end
   for _, t in ipairs(self.timers) do pcall(task.join, t) end
+  local req = self.stop_request
+  if req then
+    local ok, err = pcall(self.store.ack_command, self.store)
+    if not ok and not db_down(err) then error(err, 0) end
+    self:log("a --stop%s request from %s: acknowledged; %s", req.command == "drain" and " --drain" or "",
+      (tostring(req.command_by):gsub("@[%d.]+$", "")), req.command == "drain"
+      and "firing no more, exiting when the runs in progress have finished" or "stopping now")
+  end
   local sig = core.signal_received()
   local why = sig and ("SIG" .. sig) or "the daemon stopped"
+  if req then
+    why = string.format("a --stop%s request from %s", req.command == "drain" and " --drain" or "",
+      (tostring(req.command_by):gsub("@[%d.]+$", "")))
+    self.drain = req.command == "drain"
+  end
   for _, p in ipairs(self.pending) do
     if p.q.id then self.rt[p.s.name].queued = p.q end -- a manual request not yet started is dropped
   end
@@ -630,8 +725,8 @@ function Daemon:shutdown()
     if rt.active then actives[#actives + 1] = rt.active end
   end
   if #actives > 0 and self.drain then
-    self:log("stopping (%s): waiting for %d run(s) to finish (--drain; a second signal cancels them)", why,
-        #actives)
+    self:log("stopping (%s): waiting for %d run(s) to finish (%s)", why, #actives,
+      req and "a signal cancels them" or "--drain; a second signal cancels them")
     for _, run in ipairs(actives) do
       if not pcall(task.join, run.task) then break end
     end
@@ -647,6 +742,10 @@ function Daemon:shutdown()
   end
   if #left > 0 then self:log("stopping (%s): cancelling %d run(s)", why, #left) end
   wait_all(left)
+  if self.registered then
+    local ok, err = pcall(self.store.daemon_stopped, self.store)
+    if not ok and not db_down(err) then error(err, 0) end
+  end
   self:stop_shared()
   self.store:release(self.names)
   self:log("stopped")
@@ -671,6 +770,7 @@ end
 function Daemon:trigger(s)
   local now = self.clock:now()
   self.store:ensure(s, self.recipe, now)
+  if self.store.shared then self:add_hook() end -- another daemon's cancel_other reaches this run
   self.store.ledger:keep_alive()
   local run = self:start(s, { slot = now, trigger = "manual", fired_at = now })
   local ok = pcall(task.join, run.task)

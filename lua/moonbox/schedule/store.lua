@@ -219,6 +219,111 @@ function Store:running_elsewhere(name)
     ledger_mod.owner())
 end
 
+-- ---- the fleet: daemons, and the requests other machines leave them (shared store) -------
+--
+-- Table daemons (migration 5) has a row per (daemon, schedule it fires): the daemon's owner id
+-- (moonbox.ledger owner()), when it started, and a lease it renews with its other leases. A
+-- one-shot `--stop` sets command ('stop' or 'drain') and command_by (a token naming the
+-- request) on the rows of the daemons alive at that moment only, so a daemon started after the
+-- request never sees it; each daemon acknowledges (acked_at) and, once stopped, sets
+-- stopped_at. Schedule runs carry cancel_request: the message of another daemon's
+-- cancel_other, which the run's own daemon reads at its next renewal.
+
+--- store:register_daemon(names, recipe): this daemon fires the schedules names (shared only).
+-- Rows of daemons whose lease ran out an hour ago are dropped on the way. [yields]
+function Store:register_daemon(names, recipe)
+  if not self.shared then return end
+  local now = self.ledger:now()
+  local me = ledger_mod.owner()
+  self.db:run("DELETE FROM daemons WHERE lease_until < ?", now - 3600)
+  for _, name in ipairs(names) do
+    self.db:run([[INSERT INTO daemons (owner, schedule, recipe, started_at, lease_until)
+      VALUES (?, ?, ?, ?, ?) ON CONFLICT (owner, schedule) DO NOTHING]], me, name, recipe, now,
+      now + ledger_mod.LEASE)
+  end
+end
+
+--- store:renew_daemon() -> the pending stop request addressed to this daemon ({command,
+-- command_by, command_at}), or nil; renews this daemon's rows first. [yields]
+function Store:renew_daemon()
+  local now = self.ledger:now()
+  local me = ledger_mod.owner()
+  self.db:run("UPDATE daemons SET lease_until = ? WHERE owner = ? AND stopped_at IS NULL",
+    now + ledger_mod.LEASE, me)
+  return self.db:row([[SELECT command, command_by, command_at FROM daemons WHERE owner = ?
+    AND command IS NOT NULL AND acked_at IS NULL ORDER BY command_at LIMIT 1]], me)
+end
+
+--- store:ack_command(): this daemon has seen its stop request. [yields]
+function Store:ack_command()
+  self.db:run("UPDATE daemons SET acked_at = ? WHERE owner = ? AND command IS NOT NULL",
+    self.ledger:now(), ledger_mod.owner())
+end
+
+--- store:daemon_stopped(): this daemon has stopped (its runs recorded). [yields]
+function Store:daemon_stopped()
+  if not self.shared then return end
+  self.db:run("UPDATE daemons SET stopped_at = ? WHERE owner = ? AND stopped_at IS NULL",
+    self.ledger:now(), ledger_mod.owner())
+end
+
+--- store:request_stop(names, command) -> token, owners: asks every daemon alive now (a live
+-- lease, not stopped) that fires one of the schedules names to stop ('stop': cancel its runs;
+-- 'drain': let them finish); owners (sorted) are the daemons asked. [yields]
+function Store:request_stop(names, command)
+  local now = self.ledger:now()
+  local token = string.format("%s@%.6f", ledger_mod.owner(), now)
+  local owners, seen = {}, {}
+  self.db:tx(function()
+    for _, name in ipairs(names) do
+      for _, r in ipairs(self.db:rows([[SELECT DISTINCT owner FROM daemons WHERE schedule = ?
+        AND lease_until >= ? AND stopped_at IS NULL]], name, now)) do
+        if not seen[r.owner] then
+          seen[r.owner] = true
+          owners[#owners + 1] = r.owner
+        end
+      end
+    end
+    for _, o in ipairs(owners) do
+      self.db:run([[UPDATE daemons SET command = ?, command_by = ?, command_at = ?, acked_at = NULL
+        WHERE owner = ? AND stopped_at IS NULL]], command, token, now, o)
+    end
+  end)
+  table.sort(owners)
+  return token, owners
+end
+
+--- store:stop_status(token) -> owner -> {acked, stopped, alive}: how the daemons asked by
+-- request token are doing (alive: their lease still runs). [yields]
+function Store:stop_status(token)
+  local now = self.ledger:now()
+  local out = {}
+  for _, r in ipairs(self.db:rows([[SELECT owner, max(acked_at) AS acked, max(stopped_at) AS stopped,
+    max(lease_until) AS lease FROM daemons WHERE command_by = ? GROUP BY owner]], token)) do
+    out[r.owner] = { acked = r.acked, stopped = r.stopped, alive = r.lease ~= nil and r.lease >= now }
+  end
+  return out
+end
+
+--- store:request_cancel(id, message): asks the daemon running record id to cancel it (it reads
+-- the request at its next renewal: cancel_requests). [yields]
+function Store:request_cancel(id, message)
+  self.db:run([[UPDATE schedule_runs SET cancel_request = ? WHERE id = ? AND outcome = 'running'
+    AND cancel_request IS NULL]], message, id)
+end
+
+--- store:cancel_requests() -> rows {id, cancel_request} of the running records this daemon
+-- holds that another daemon asked it to cancel. [yields]
+function Store:cancel_requests()
+  return self.db:rows([[SELECT id, cancel_request FROM schedule_runs WHERE owner = ?
+    AND outcome = 'running' AND cancel_request IS NOT NULL]], ledger_mod.owner())
+end
+
+--- store:run_row(id) -> the history record id, or nil.
+function Store:run_row(id)
+  return self.db:row("SELECT * FROM schedule_runs WHERE id = ?", id)
+end
+
 --- store:last_run(name) -> the newest history row of the schedule, or nil.
 function Store:last_run(name)
   return self.db:row("SELECT * FROM schedule_runs WHERE schedule = ? ORDER BY id DESC LIMIT 1", name)
