@@ -51,11 +51,13 @@ function World:env(i)
   return v
 end
 
---- world:daemon() -> d: a running `moonbox schedule` whose log is read into d.log. [yields]
-function World:daemon()
+--- world:daemon([args]) -> d: a running `moonbox schedule FILE [args]` whose log is read into
+-- d.log. [yields]
+function World:daemon(args)
   local i = #self.daemons + 1
   local argv = self:env(i)
   for _, a in ipairs { L.BIN, "schedule", self.recipe } do argv[#argv + 1] = a end
+  for _, a in ipairs(args or {}) do argv[#argv + 1] = a end
   argv.stderr = "inherit"
   local d = { i = i, p = proc.spawn(argv), log = {} }
   local lines = d.p:lines("stdout")
@@ -486,20 +488,7 @@ schedule.every("c", "10s", function(run)
 end, { overlap = "cancel_other" })
 ]], 10)
     -- the older run: a --trigger in a process of its own, holding it under its lease
-    local argv = w:env(9)
-    for _, a in ipairs { L.BIN, "schedule", w.recipe, "--trigger", "c" } do argv[#argv + 1] = a end
-    argv.stderr = "inherit"
-    local holder = { i = 9, p = proc.spawn(argv), log = {} }
-    local lines = holder.p:lines("stdout")
-    holder.reader = task.spawn(function()
-      for line in lines do
-        holder.log[#holder.log + 1] = line
-        w.changed:broadcast()
-      end
-      holder.eof = true
-      w.changed:broadcast()
-    end)
-    w.daemons[#w.daemons + 1] = holder
+    local holder = w:daemon { "--trigger", "c" }
     w:wait("held", function() return w:count("^HELD$", holder) == 1 end)
     local d = w:daemon()
     w:wait("the next slot ran", function() return w:count("c: run %d+ ok", d) >= 1 end)
@@ -523,5 +512,48 @@ end, { overlap = "cancel_other" })
     assert.are.equal(slot, next_run.slot)
     assert.is_true(next_run.id > manual.id)
     assert.is_true(next_run.started_unix >= manual.ended_unix)
+  end))
+end)
+
+describe("overlap = buffer_one across processes on one database", function()
+  local w
+  after_each(run(function() if w then w:destroy() end w = nil end))
+
+  it("queues one slot behind a run another process holds, skips the next, and starts the queued " ..
+    "one when that run ends", T.async(function()
+    w = world("buffer", [[
+local schedule = require "moonbox.schedule"
+local task = require "moonbox.task"
+schedule.every("b", "10s", function(run)
+  if run.trigger == "manual" then
+    print("HELD") io.stdout:flush()
+    while not io.open("DIR/release") do task.sleep(0.05) end
+  end
+end, { overlap = "buffer_one" })
+]], 10)
+    local holder = w:daemon { "--trigger", "b" }
+    w:wait("held", function() return w:count("^HELD$", holder) == 1 end)
+    local d = w:daemon()
+    w:wait("queued, then a skip", function()
+      return w:count("queued %(record %d+%) behind run %d+ on", d) == 1
+        and w:count("was already queued %(overlap = buffer_one%)", d) >= 1
+    end)
+    assert(io.open(w.dir .. "/release", "w")):close()
+    w:wait("the holder exits", function() return holder.eof end)
+    assert.are.equal(0, holder.p:wait(), table.concat(holder.log, "\n"))
+    pcall(task.join, holder.reader)
+    w:wait("the queued slot ran", function() return w:count("b: run %d+ ok", d) >= 1 end)
+    assert.are.equal(0, w:stop(d), table.concat(d.log, "\n"))
+    local manual, queued, skipped = nil, nil, 0
+    for _, x in ipairs(w:runs()) do
+      if x.trigger == "manual" then manual = x end
+      if x.outcome == "skipped" then skipped = skipped + 1 end
+      if x.trigger ~= "manual" and x.outcome ~= "skipped" and not queued then queued = x end
+    end
+    assert.are.equal("ok", manual.outcome)
+    assert.is_true(skipped >= 1)
+    assert.are.equal("ok", queued.outcome, queued.error)
+    assert.is_true(queued.fired_unix < manual.ended_unix, "it was fired while the other run held")
+    assert.is_true(queued.started_unix >= manual.ended_unix, "it started after the other run ended")
   end))
 end)

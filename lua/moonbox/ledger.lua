@@ -210,8 +210,9 @@ function Ledger:renew()
       until_, runs)
   end
   if sruns then
+    -- owner: a queued record another daemon took over (buffer_one) is that daemon's to renew
     self.db:run("UPDATE schedule_runs SET lease_until = ? WHERE id = ANY (?::bigint[]) " ..
-      "AND outcome IN ('queued', 'running')", until_, sruns)
+      "AND outcome IN ('queued', 'running') AND owner = ?", until_, sruns, M.owner())
   end
   return until_
 end

@@ -26,7 +26,9 @@
 -- Daemon:on_renew): a `moonbox schedule FILE --stop [--drain]` row in table daemons makes the
 -- daemon acknowledge and shut down as on SIGTERM (cancelling, or draining, its runs); a
 -- cancel_request another daemon's cancel_other left on a run this daemon holds cancels that
--- run here, and the other daemon waits for its end before it starts the newer slot.
+-- run here, and the other daemon waits for its end before it starts the newer slot. A
+-- buffer_one fire behind another daemon's run queues its slot in the shared history; the first
+-- daemon that sees no run of the schedule running takes it (store:take_queued).
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
@@ -79,7 +81,9 @@ end
 function M.new(o)
   local d = setmetatable({ recipe = o.recipe, schedules = o.schedules, clock = o.clock, store = o.store,
     out = o.out, errout = o.errout or o.out, drain = o.drain, format_error = o.format_error or one_line,
-    wake = core.cond(), pending = {}, names = {}, rt = {}, last = {}, timers = {}, subscribers = {} },
+    wake = core.cond(), pending = {}, names = {}, rt = {}, last = {}, timers = {}, subscribers = {},
+    -- records this daemon queued behind another daemon's run (buffer_one), by id
+    queued_elsewhere = {} },
     Daemon)
   for _, s in ipairs(d.schedules) do
     d.names[#d.names + 1] = s.name
@@ -149,7 +153,19 @@ end
 function Daemon:start(s, q)
   local now = self.clock:now()
   local id = q.id
-  if id then
+  if id and q.take then
+    q.pending = nil
+    if not self.store:take_queued(id, s.name, now) then
+      local r = self.store:run_row(id)
+      if not r or r.outcome ~= "queued" then
+        -- another daemon started it (or it ended): no longer this daemon's to renew or start
+        if self.queued_elsewhere[id] then self.store:drop_lease(id) end
+        self.queued_elsewhere[id] = nil
+      end
+      return nil
+    end
+    self.queued_elsewhere[id] = nil
+  elseif id then
     self.store:started(id, now)
   else
     id = self.store:record({ schedule = s.name, slot = q.slot, trigger = q.trigger, due_at = q.due_at,
@@ -277,7 +293,19 @@ function Daemon:finish(s, run, outcome, message)
     self.pending[#self.pending + 1] = { s = s, q = rt.queued }
     rt.queued = nil
     self.wake:signal()
+  elseif self.store.shared and s.overlap == "buffer_one" and not self.stopping and self.looping then
+    -- a slot another daemon queued behind this run: whichever daemon sees the end first takes it
+    local q = self.store:queued_record(s.name)
+    if q then self:take_later(s, q) end
   end
+end
+
+--- Has the fire loop try to take the shared queued record q of s (buffer_one). Does not yield.
+function Daemon:take_later(s, q)
+  for _, p in ipairs(self.pending) do if p.q.id == q.id then return end end
+  self.pending[#self.pending + 1] = { s = s, q = { id = q.id, slot = q.slot, trigger = q.trigger,
+    fired_at = q.fired_at, due_at = q.due_at, take = true } }
+  self.wake:signal()
 end
 
 -- ---- fires ----------------------------------------------------------------------------------
@@ -301,6 +329,10 @@ function Daemon:fire(s, slot, trigger, due)
         "run %d (slot %s) was still running on %s (overlap = skip)", other.id, fmt(other.slot),
         tostring(other.owner)), due)
     end
+  end
+  if not active and s.overlap == "buffer_one" then
+    local other = self.store:running_elsewhere(s.name)
+    if other then return self:queue_elsewhere(s, other, slot, trigger, due) end
   end
   if not active and s.overlap == "cancel_other" then
     local other = self.store:running_elsewhere(s.name)
@@ -340,6 +372,29 @@ function Daemon:fire(s, slot, trigger, due)
     if self.stopping then return end
   end
   self:start(s, { slot = slot, trigger = trigger, fired_at = now, due_at = due })
+end
+
+--- buffer_one against a run another daemon holds (record other): queues slot (one queued record
+-- per schedule, whichever daemon queued it; a later fire meanwhile is recorded skipped). The
+-- queued record is started by the first daemon that sees no run of the schedule running any
+-- more: the holder when its run ends (finish), or this one at a lease renewal (on_renew).
+-- [yields]
+function Daemon:queue_elsewhere(s, other, slot, trigger, due)
+  local now = self.clock:now()
+  local q = self.store:queued_record(s.name)
+  if q then
+    return self:record_skipped(s, slot, trigger, string.format(
+      "run %d was running on %s and slot %s was already queued (overlap = buffer_one)", other.id,
+      tostring(other.owner), fmt(q.slot)), due)
+  end
+  local id = self.store:record({ schedule = s.name, slot = slot, trigger = trigger, due_at = due,
+    fired_at = now, outcome = "queued", last_slot = true }, now)
+  self:handled(s, slot)
+  if id then
+    self.queued_elsewhere[id] = { s = s, id = id, slot = slot, trigger = trigger }
+    self:log("%s: slot %s queued (record %d) behind run %d on %s (overlap = buffer_one)", s.name, fmt(slot),
+      id, other.id, tostring(other.owner))
+  end
 end
 
 --- cancel_other against a run another daemon holds (record other): leaves it a cancel request
@@ -383,6 +438,17 @@ function Daemon:on_renew()
           self:log("%s: run %d: another daemon asked to cancel it: %s", name, run.id, r.cancel_request)
           task.cancel(run.task)
         end
+      end
+    end
+  end
+  if self.looping and not self.stopping then
+    for _, q in pairs(self.queued_elsewhere) do
+      local r = self.store:run_row(q.id)
+      if r and r.outcome == "queued" and not self.store:running_elsewhere(q.s.name) then
+        self:take_later(q.s, r)
+      elseif not r or r.outcome ~= "queued" then
+        self.store:drop_lease(q.id)
+        self.queued_elsewhere[q.id] = nil
       end
     end
   end
@@ -651,6 +717,7 @@ function Daemon:run()
     end)
   end
   self:emit("loop", { running = true })
+  self.looping = true
   local lok, lerr = pcall(function()
     while true do
       while #self.pending > 0 do
@@ -670,6 +737,7 @@ function Daemon:run()
     end
   end)
   self:emit("loop", { running = false })
+  self.looping = false
   self:shutdown()
   if self.fatal then error(self.fatal, 0) end
   if not lok and not task.is_cancelled(lerr) then error(lerr, 0) end
@@ -709,7 +777,8 @@ function Daemon:shutdown()
     self.drain = req.command == "drain"
   end
   for _, p in ipairs(self.pending) do
-    if p.q.id then self.rt[p.s.name].queued = p.q end -- a manual request not yet started is dropped
+    -- a manual request not yet started is dropped; a take (buffer_one) stays queued_elsewhere's
+    if p.q.id and not p.q.take then self.rt[p.s.name].queued = p.q end
   end
   self.pending = {}
   local actives = {}
@@ -724,6 +793,17 @@ function Daemon:shutdown()
     end
     if rt.active then actives[#actives + 1] = rt.active end
   end
+  for id, q in pairs(self.queued_elsewhere) do
+    local qmsg = "the daemon stopped (" .. why .. ") before this queued run started"
+    local ok, done = pcall(self.store.cancel_queued, self.store, id, qmsg, now)
+    if ok and done then
+      self:emit("finished", { schedule = q.s.name, id = id, outcome = "cancelled", message = qmsg,
+        slot = q.slot, trigger = q.trigger, ended_at = now })
+    elseif not ok and not db_down(done) then
+      error(done, 0)
+    end
+  end
+  self.queued_elsewhere = {}
   if #actives > 0 and self.drain then
     self:log("stopping (%s): waiting for %d run(s) to finish (%s)", why, #actives,
       req and "a signal cancels them" or "--drain; a second signal cancels them")

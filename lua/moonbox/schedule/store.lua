@@ -319,6 +319,42 @@ function Store:cancel_requests()
     AND outcome = 'running' AND cancel_request IS NOT NULL]], ledger_mod.owner())
 end
 
+--- store:queued_record(name) -> the queued record of schedule name (whichever daemon queued
+-- it), or nil. [yields]
+function Store:queued_record(name)
+  return self.db:row([[SELECT * FROM schedule_runs WHERE schedule = ? AND outcome = 'queued'
+    ORDER BY id LIMIT 1]], name)
+end
+
+--- store:take_queued(id, name, t) -> whether this daemon took the queued record id of schedule
+-- name and made it its running run: one UPDATE, which succeeds only while the record is queued
+-- and no run of the schedule is running under a live lease, so of several daemons one wins.
+-- [yields]
+function Store:take_queued(id, name, t)
+  local now = self.ledger:now()
+  local n = self.db:run([[UPDATE schedule_runs SET outcome = 'running', started_at = ?, owner = ?,
+    pid = ?, pid_start = ?, lease_until = ? WHERE id = ? AND outcome = 'queued' AND NOT EXISTS
+    (SELECT 1 FROM schedule_runs r WHERE r.schedule = ? AND r.outcome = 'running'
+      AND r.lease_until >= ?)]], t, ledger_mod.owner(), ledger_mod.self_pid(), ledger_mod.self_start(),
+    now + ledger_mod.LEASE, id, name, now)
+  if n == 1 then self.ledger.leases.schedule_runs[id] = true end
+  return n == 1
+end
+
+--- store:cancel_queued(id, message, t) -> whether record id was still queued by this daemon and
+-- is now recorded cancelled. [yields]
+function Store:cancel_queued(id, message, t)
+  local n = self.db:run([[UPDATE schedule_runs SET ended_at = ?, outcome = 'cancelled', error = ?
+    WHERE id = ? AND outcome = 'queued' AND owner = ?]], t, message, id, ledger_mod.owner())
+  self.ledger.leases.schedule_runs[id] = nil
+  return n == 1
+end
+
+--- store:drop_lease(id): this daemon no longer renews record id.
+function Store:drop_lease(id)
+  self.ledger.leases.schedule_runs[id] = nil
+end
+
 --- store:run_row(id) -> the history record id, or nil.
 function Store:run_row(id)
   return self.db:row("SELECT * FROM schedule_runs WHERE id = ?", id)
