@@ -1,7 +1,8 @@
 --- moonbox.schedule.store — schedule state and run history, in the ledger's database
 -- (moonbox.db: the state dir's SQLite file, or a PostgreSQL database several daemons share).
 --
--- Two tables, created by moonbox.db.schema (migration 2) next to the ledger's:
+-- Two tables, created by moonbox.db.schema (migration 2) next to the ledger's (and a third,
+-- daemons, for the fleet on a shared store: see "the fleet" below):
 --   schedules      one row per schedule name: last_slot (the latest slot handled: run, queued
 --                  or recorded skipped), next_fire, consecutive failures, paused (+ reason), and
 --                  the daemon that owns it (pid + process start time).
