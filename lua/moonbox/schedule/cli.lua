@@ -136,9 +136,10 @@ end
 -- gone). Prints who was asked, who acknowledged and who stopped. -> exit status. [yields]
 local function stop_fleet(store, all, command, timeout, cli)
   if not store.shared then
-    error("moonbox schedule: --stop needs a shared database (--state postgres://... or " ..
-      "MOONBOX_DATABASE_URL); a daemon on SQLite stops on SIGTERM (started with --drain, it lets " ..
-      "its runs finish)", 0)
+    error(core.Error.new { op = "moonbox schedule", code = "not_shared", where = false, traceback = false,
+      message = "--stop needs a shared database (--state postgres://... or MOONBOX_DATABASE_URL); " ..
+        "a daemon on SQLite (" .. store:describe() .. ") stops on SIGTERM (started with --drain, it " ..
+        "lets its runs finish)" }, 0)
   end
   local names = {}
   for i, s in ipairs(all) do names[i] = s.name end
