@@ -472,6 +472,34 @@ describe("moonbox schedule FILE --stop from a fourth process", function()
     end))
 end)
 
+describe("a plain --stop while the daemons drain", function()
+  local w
+  after_each(run(function() if w then w:destroy() end w = nil end))
+
+  it("cancels the runs the drain waits for; both commands see the daemon stop", T.async(function()
+    w = world("escalate", HOLD, 10)
+    local d = w:daemon()
+    w:wait("a held run", function() return w:count("^HELD run %d+") == 1 end)
+    local id
+    for _, l in ipairs(d.log) do id = tonumber(l:match("^HELD run (%d+)")) or id end
+    local drain = w:background { "schedule", w.recipe, "--stop", "--drain" }
+    w:wait("draining", function() return w:count("waiting for 1 run%(s%) to finish", d) == 1 end)
+    local r = w:moonbox { "schedule", w.recipe, "--stop" }
+    assert.are.equal(0, r.code, r.stdout .. r.stderr)
+    assert.matches("1 of 1 daemon%(s%) acknowledged, 1 stopped", r.stdout)
+    local r2 = task.join(drain)
+    assert.are.equal(0, r2.code, r2.stdout .. r2.stderr)
+    assert.matches("1 stopped", r2.stdout)
+    assert.are.equal(0, d.p:wait(), table.concat(d.log, "\n"))
+    pcall(task.join, d.reader)
+    local held
+    for _, x in ipairs(w:runs()) do if x.id == id then held = x end end
+    assert.are.equal("cancelled", held.outcome)
+    assert.matches("after a drain%)$", held.error)
+    assert.is_nil(io.open(w.dir .. "/released"))
+  end))
+end)
+
 describe("overlap = cancel_other across processes on one database", function()
   local w
   after_each(run(function() if w then w:destroy() end w = nil end))

@@ -452,11 +452,32 @@ function Daemon:on_renew()
       end
     end
   end
-  if self.registered and not self.stop_request then
+  if self.registered then
     local c = self.store:renew_daemon()
-    if c and not self.stopping then
+    local req = self.stop_request
+    if c and not req and not self.stopping then
       self.stop_request = c -- shutdown acknowledges it, once the timers have stopped
       self.wake:signal()
+    elseif c and req and req.acked and c.command_by ~= req.command_by then
+      -- a later request while this daemon stops: a plain --stop cancels what a drain waits for
+      self.store:ack_command()
+      self:log("a --stop%s request from %s: acknowledged (already stopping)",
+        c.command == "drain" and " --drain" or "", (tostring(c.command_by):gsub("@[%d.]+$", "")))
+      if c.command == "stop" and self.drain then
+        self.drain = false
+        for name, rt in pairs(self.rt) do
+          local run = rt.active
+          if run and not run.stop_reason and not run.finished then
+            run.stop_reason = "shutdown"
+            run.stop_message = string.format("cancelled: the daemon stopped (a --stop request from %s, " ..
+              "after a drain)", (tostring(c.command_by):gsub("@[%d.]+$", "")))
+            self:log("%s: cancelling run %d", name, run.id)
+            task.cancel(run.task)
+          end
+        end
+      end
+      self.stop_request = c
+      c.acked = true
     end
   end
 end
@@ -765,6 +786,7 @@ function Daemon:shutdown()
   if req then
     local ok, err = pcall(self.store.ack_command, self.store)
     if not ok and not db_down(err) then error(err, 0) end
+    req.acked = true
     self:log("a --stop%s request from %s: acknowledged; %s", req.command == "drain" and " --drain" or "",
       (tostring(req.command_by):gsub("@[%d.]+$", "")), req.command == "drain"
       and "firing no more, exiting when the runs in progress have finished" or "stopping now")
