@@ -34,11 +34,11 @@ second signal cancels them), records their outcome and exits 0. The event log go
   --pause NAME     pause NAME (persisted; a running daemon skips its fires from the next one)
   --resume NAME    resume NAME and clear its failure count
   --drain          on SIGTERM/SIGINT let running runs finish instead of cancelling them
-  --stop           (shared database) stop every daemon, on any machine, that fires one of
-                   FILE's schedules and was running when asked: each cancels its runs (as on
-                   SIGTERM) and exits; with --drain each stops firing at once and exits when
-                   its runs have finished. Waits up to --timeout S (default 60) for them; exit
-                   0 when all stopped, 1 naming those that did not
+  --stop           stop every daemon (on a shared database: on any machine) that fires one
+                   of FILE's schedules and was running when asked: each cancels its runs (as
+                   on SIGTERM) and exits; with --drain each stops firing at once and exits
+                   when its runs have finished. Waits up to --timeout S (default 60) for
+                   them; exit 0 when all stopped, 1 naming those that did not
   --backend B      as for `moonbox run`
   --state DB       where state and history live: a SQLite file, or a postgres:// URL shared
                    by daemons on several machines (default: MOONBOX_DATABASE_URL, else
@@ -135,12 +135,6 @@ end
 -- and waits up to timeout seconds until each has stopped (or its lease has run out: it is
 -- gone). Prints who was asked, who acknowledged and who stopped. -> exit status. [yields]
 local function stop_fleet(store, all, command, timeout, cli)
-  if not store.shared then
-    error(core.Error.new { op = "moonbox schedule", code = "not_shared", where = false, traceback = false,
-      message = "--stop needs a shared database (--state postgres://... or MOONBOX_DATABASE_URL); " ..
-        "a daemon on SQLite (" .. store:describe() .. ") stops on SIGTERM (started with --drain, it " ..
-        "lets its runs finish)" }, 0)
-  end
   local names = {}
   for i, s in ipairs(all) do names[i] = s.name end
   local token, owners = store:request_stop(names, command)
@@ -150,6 +144,14 @@ local function stop_fleet(store, all, command, timeout, cli)
   end
   line_out(string.format("asked %d daemon(s) to stop%s: %s", #owners,
     command == "drain" and " after their runs in progress" or "", table.concat(owners, ", ")))
+  if not store.shared then
+    -- SQLite: the daemon is on this machine and reads no lease: SIGTERM tells it to look now
+    for _, o in ipairs(owners) do
+      local pid = tonumber(o:match("/(%d+)/[^/]*$"))
+      local ok, err = pcall(require("moonbox.sys").kill, pid, 15)
+      if not ok then line_out(string.format("%s: could not signal pid %d: %s", o, pid, tostring(err))) end
+    end
+  end
   local task = require "moonbox.task"
   local told_ack, told_end = {}, {}
   local deadline = core.time() + timeout

@@ -670,8 +670,6 @@ end
 function Daemon:start_shared()
   if not self.store.shared then return end
   self.db_ok_since = core.time()
-  self.store:register_daemon(self.names, self.recipe)
-  self.registered = true
   self:add_hook()
   self.store.ledger:keep_alive()
   self.sweeper = task.spawn(function()
@@ -715,6 +713,8 @@ function Daemon:run()
   end
   self:log("started: %d schedule(s) from %s (%s)%s", #self.schedules, self.recipe, self.clock:describe(),
     self.store.shared and (", shared state in " .. self.store:describe()) or "")
+  self.store:register_daemon(self.names, self.recipe) -- where a --stop finds it
+  self.registered = true
   self:start_shared()
   self:recover()
   for _, s in ipairs(self.schedules) do
@@ -782,6 +782,11 @@ function Daemon:shutdown()
   local now = self.clock:now()
   for _, t in ipairs(self.timers) do task.cancel(t) end
   for _, t in ipairs(self.timers) do pcall(task.join, t) end
+  if not self.stop_request and not self.store.shared and self.registered and core.signal_received() then
+    -- on SQLite a --stop arrives as SIGTERM: its row says whether to drain
+    local ok, c = pcall(self.store.renew_daemon, self.store)
+    if ok and c then self.stop_request = c end
+  end
   local req = self.stop_request
   if req then
     local ok, err = pcall(self.store.ack_command, self.store)

@@ -230,13 +230,31 @@ end
 -- stopped_at. Schedule runs carry cancel_request: the message of another daemon's
 -- cancel_other, which the run's own daemon reads at its next renewal.
 
---- store:register_daemon(names, recipe): this daemon fires the schedules names (shared only).
--- Rows of daemons whose lease ran out an hour ago are dropped on the way. [yields]
+-- On SQLite the rows carry no lease: a daemon is alive while its process is (the pid and start
+-- time in its owner id), and a --stop reaches it as SIGTERM (moonbox.schedule.cli) after which
+-- it reads its row for the request's mode (Daemon:shutdown).
+
+--- Whether the daemon of row r (owner, lease_until, stopped_at) is alive at now.
+function Store:daemon_alive(r, now)
+  if r.stopped_at then return false end
+  if self.shared then return r.lease_until ~= nil and r.lease_until >= now end
+  local pid, start = tostring(r.owner):match("/(%d+)/([^/]*)$")
+  return pid ~= nil and alive(tonumber(pid), start) or false
+end
+
+--- store:register_daemon(names, recipe): this daemon fires the schedules names. Rows of
+-- daemons gone an hour ago (PostgreSQL: their lease ran out; SQLite: the process is gone) are
+-- dropped on the way. [yields] on PostgreSQL.
 function Store:register_daemon(names, recipe)
-  if not self.shared then return end
   local now = self.ledger:now()
   local me = ledger_mod.owner()
-  self.db:run("DELETE FROM daemons WHERE lease_until < ?", now - 3600)
+  if self.shared then
+    self.db:run("DELETE FROM daemons WHERE lease_until < ?", now - 3600)
+  else
+    for _, r in ipairs(self.db:rows("SELECT owner, lease_until, stopped_at FROM daemons")) do
+      if not self:daemon_alive(r, now) then self.db:run("DELETE FROM daemons WHERE owner = ?", r.owner) end
+    end
+  end
   for _, name in ipairs(names) do
     self.db:run([[INSERT INTO daemons (owner, schedule, recipe, started_at, lease_until)
       VALUES (?, ?, ?, ?, ?) ON CONFLICT (owner, schedule) DO NOTHING]], me, name, recipe, now,
@@ -245,12 +263,14 @@ function Store:register_daemon(names, recipe)
 end
 
 --- store:renew_daemon() -> the pending stop request addressed to this daemon ({command,
--- command_by, command_at}), or nil; renews this daemon's rows first. [yields]
+-- command_by, command_at}), or nil; renews this daemon's rows first (PostgreSQL). [yields]
 function Store:renew_daemon()
   local now = self.ledger:now()
   local me = ledger_mod.owner()
-  self.db:run("UPDATE daemons SET lease_until = ? WHERE owner = ? AND stopped_at IS NULL",
-    now + ledger_mod.LEASE, me)
+  if self.shared then
+    self.db:run("UPDATE daemons SET lease_until = ? WHERE owner = ? AND stopped_at IS NULL",
+      now + ledger_mod.LEASE, me)
+  end
   return self.db:row([[SELECT command, command_by, command_at FROM daemons WHERE owner = ?
     AND command IS NOT NULL AND acked_at IS NULL ORDER BY command_at LIMIT 1]], me)
 end
@@ -263,7 +283,6 @@ end
 
 --- store:daemon_stopped(): this daemon has stopped (its runs recorded). [yields]
 function Store:daemon_stopped()
-  if not self.shared then return end
   self.db:run("UPDATE daemons SET stopped_at = ? WHERE owner = ? AND stopped_at IS NULL",
     self.ledger:now(), ledger_mod.owner())
 end
@@ -277,9 +296,9 @@ function Store:request_stop(names, command)
   local owners, seen = {}, {}
   self.db:tx(function()
     for _, name in ipairs(names) do
-      for _, r in ipairs(self.db:rows([[SELECT DISTINCT owner FROM daemons WHERE schedule = ?
-        AND lease_until >= ? AND stopped_at IS NULL]], name, now)) do
-        if not seen[r.owner] then
+      for _, r in ipairs(self.db:rows([[SELECT owner, lease_until, stopped_at FROM daemons
+        WHERE schedule = ? AND stopped_at IS NULL]], name)) do
+        if not seen[r.owner] and self:daemon_alive(r, now) then
           seen[r.owner] = true
           owners[#owners + 1] = r.owner
         end
@@ -301,7 +320,8 @@ function Store:stop_status(token)
   local out = {}
   for _, r in ipairs(self.db:rows([[SELECT owner, max(acked_at) AS acked, max(stopped_at) AS stopped,
     max(lease_until) AS lease FROM daemons WHERE command_by = ? GROUP BY owner]], token)) do
-    out[r.owner] = { acked = r.acked, stopped = r.stopped, alive = r.lease ~= nil and r.lease >= now }
+    out[r.owner] = { acked = r.acked, stopped = r.stopped,
+      alive = self:daemon_alive({ owner = r.owner, lease_until = r.lease }, now) }
   end
   return out
 end
