@@ -702,28 +702,9 @@ static int report_failure(lua_State *L)
         log_line(L, 2, lua_tostring(L, -1));
     }
     if (res->state == RES_OPEN) {
-        luaL_Buffer b;
-        luaL_buffinit(L, &b);
-        luaL_addstring(&b, "{\"message\":\"");
-        for (const unsigned char *p = (const unsigned char *)msg; *p; p++) {
-            if (*p == '"' || *p == '\\') {
-                luaL_addchar(&b, '\\');
-                luaL_addchar(&b, (char)*p);
-            } else if (*p < 0x20) {
-                char esc[8];
-                snprintf(esc, sizeof esc, "\\u%04x", *p);
-                luaL_addstring(&b, esc);
-            } else {
-                luaL_addchar(&b, (char)*p);
-            }
-        }
-        luaL_addstring(&b, "\"}");
-        luaL_pushresult(&b);
-        size_t n;
-        const char *body = lua_tolstring(L, -1, &n);
-        hs_pair h = {"Content-Type", "application/json"};
         char err[128];
-        hs_request_respond(r, cancelled ? 503 : 500, &h, 1, body, n, err, sizeof err);
+        hs_request_respond_failure(r, cancelled ? "cancelled" : NULL, msg, strlen(msg), err,
+                                   sizeof err);
         res->state = RES_SENT;
     }
     return 0;

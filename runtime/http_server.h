@@ -192,6 +192,15 @@ int hs_request_drop(hs_request *r, char *err, size_t errlen);
 int hs_request_respond(hs_request *r, unsigned status, const hs_pair *headers, size_t nheaders,
                        const void *body, size_t len, char *err, size_t errlen);
 
+/* The error-to-HTTP mapping for a handler that failed: the status for its error code (503 for
+ * "cancelled": the server is going away; 500 for anything else, NULL included). */
+unsigned hs_failure_status(const char *code);
+
+/* Answers a failed handler: hs_failure_status(code) with the JSON body {"message": msg}, msg
+ * quoted by runtime/jsonq.c (invalid UTF-8 becomes U+FFFD). Results as hs_request_respond. */
+int hs_request_respond_failure(hs_request *r, const char *code, const char *msg, size_t n,
+                               char *err, size_t errlen);
+
 /* Answers with size bytes read from fd (a regular file), which the request owns from now on
  * whatever the result. */
 int hs_request_respond_fd(hs_request *r, unsigned status, const hs_pair *headers, size_t nheaders,
