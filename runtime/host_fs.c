@@ -1,0 +1,209 @@
+/* host_fs.c - removing a tree and unmounting, on any thread (see host_fs.h).
+ *
+ * The tree removal walks with descriptors, never with whole paths: nftw builds paths and fails
+ * past PATH_MAX, which a sandbox can nest beyond. It was written three times (the local
+ * backend's sys jobs, the archive staging cleanup); this is the strictest of them, the one left.
+ */
+#include "host_fs.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Directory levels whose open stream is kept while their children are removed; deeper ones
+ * are closed on the way down and scanned again on the way up (only what is left, since every
+ * entry seen was removed). A tree of any depth is removed with at most this many descriptors. */
+#define REMOVE_KEEP_OPEN 64
+
+typedef struct rm_level {
+    char *name; /* the directory's name in its parent */
+    DIR *dir;   /* the parent's open stream, or NULL once closed (deep levels) */
+} rm_level;
+
+/* What a removal reports: the errno and the entry it stopped at. */
+typedef struct rm_job {
+    const char *path;
+    int flags;
+    int err;
+    char *failed;
+    size_t cap;
+} rm_job;
+
+/* Records the failure at name in the directory the stack leads to: its whole path when that
+ * fits in j->failed, else the top, an ellipsis and the name. */
+static void rm_fail(rm_job *j, int err, const rm_level *stack, size_t depth, const char *name)
+{
+    j->err = err;
+    if (!j->cap) return;
+    size_t len = (size_t)snprintf(j->failed, j->cap, "%s", j->path);
+    for (size_t i = 0; i < depth && len < j->cap; i++)
+        len += (size_t)snprintf(j->failed + len, j->cap - len, "/%s", stack[i].name);
+    if (name && len < j->cap) len += (size_t)snprintf(j->failed + len, j->cap - len, "/%s", name);
+    if (len >= j->cap) snprintf(j->failed, j->cap, "%s/.../%s", j->path, name ? name : "");
+}
+
+/* Removes the tree at j->path (relative to at) without ever building a path longer than one
+ * name: each directory is entered with openat(O_NOFOLLOW | O_DIRECTORY) from its parent's
+ * descriptor, emptied, left through "..", and removed with unlinkat relative to its parent, so
+ * depth and name lengths are unbounded (nftw builds whole paths and fails past PATH_MAX, which a
+ * sandbox can nest beyond). Never follows a symlink and never crosses onto another filesystem
+ * (EXDEV, as rm --one-file-system). Meant for trees nobody writes to meanwhile (a terminated
+ * sandbox's). O(entries), plus rescans of what is left in levels deeper than REMOVE_KEEP_OPEN. */
+static void remove_tree(rm_job *j, int at, dev_t dev)
+{
+    int top = openat(at, j->path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (top < 0) {
+        if (errno == ENOTDIR || errno == ELOOP) {
+            if (unlinkat(at, j->path, 0) != 0) rm_fail(j, errno, NULL, 0, NULL);
+        } else if (errno != ENOENT) {
+            rm_fail(j, errno, NULL, 0, NULL);
+        }
+        return;
+    }
+    rm_level *stack = NULL;
+    size_t depth = 0, cap = 0;
+    DIR *cur = fdopendir(top);
+    if (!cur) {
+        rm_fail(j, errno, NULL, 0, NULL);
+        close(top);
+        return;
+    }
+    for (;;) {
+        struct dirent *de;
+        int descended = 0, read_err = 0;
+        while (!descended) {
+            errno = 0;
+            if (!(de = readdir(cur))) {
+                read_err = errno;
+                break;
+            }
+            const char *n = de->d_name;
+            if (strcmp(n, ".") == 0 || strcmp(n, "..") == 0) continue;
+            struct stat st;
+            int fd = dirfd(cur);
+            if (fstatat(fd, n, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+                if (errno == ENOENT) continue;
+                rm_fail(j, errno, stack, depth, n);
+                goto out;
+            }
+            if (st.st_dev != dev) {
+                rm_fail(j, EXDEV, stack, depth, n);
+                goto out;
+            }
+            if (!S_ISDIR(st.st_mode)) {
+                if (unlinkat(fd, n, 0) != 0 && errno != ENOENT) {
+                    rm_fail(j, errno, stack, depth, n);
+                    goto out;
+                }
+                continue;
+            }
+            if ((j->flags & HOST_FS_OPEN_MODES) && (st.st_mode & 0700) != 0700)
+                fchmodat(fd, n, 0700, 0);
+            int sub = openat(fd, n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            DIR *d = sub >= 0 ? fdopendir(sub) : NULL;
+            if (!d) {
+                if (sub >= 0) close(sub);
+                rm_fail(j, errno, stack, depth, n);
+                goto out;
+            }
+            if (depth == cap) {
+                size_t nc = cap ? cap * 2 : 64;
+                rm_level *ns = realloc(stack, nc * sizeof *ns);
+                if (!ns) {
+                    closedir(d);
+                    rm_fail(j, ENOMEM, stack, depth, n);
+                    goto out;
+                }
+                stack = ns;
+                cap = nc;
+            }
+            stack[depth].name = strdup(n);
+            stack[depth].dir = cur;
+            if (!stack[depth].name) {
+                closedir(d);
+                rm_fail(j, ENOMEM, stack, depth, n);
+                goto out;
+            }
+            if (depth >= REMOVE_KEEP_OPEN) { /* deep: let go of the parent's stream */
+                closedir(cur);
+                stack[depth].dir = NULL;
+            }
+            depth++;
+            cur = d;
+            descended = 1;
+        }
+        if (descended) continue;
+        if (read_err) {
+            rm_fail(j, read_err, stack, depth, NULL);
+            goto out;
+        }
+        /* cur is empty: go up and remove it from its parent */
+        if (depth == 0) break;
+        rm_level lv = stack[--depth];
+        DIR *parent = lv.dir;
+        if (!parent) {
+            int up = openat(dirfd(cur), "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+            parent = up >= 0 ? fdopendir(up) : NULL;
+            if (!parent) {
+                if (up >= 0) close(up);
+                rm_fail(j, errno, stack, depth, lv.name);
+                free(lv.name);
+                goto out;
+            }
+        }
+        closedir(cur);
+        cur = parent;
+        if (unlinkat(dirfd(cur), lv.name, AT_REMOVEDIR) != 0 && errno != ENOENT) {
+            rm_fail(j, errno, stack, depth, lv.name);
+            free(lv.name);
+            goto out;
+        }
+        free(lv.name);
+        if (!lv.dir) rewinddir(cur); /* a reopened stream starts over: only what is left */
+    }
+    closedir(cur);
+    cur = NULL;
+    if (unlinkat(at, j->path, AT_REMOVEDIR) != 0 && errno != ENOENT)
+        rm_fail(j, errno, NULL, 0, NULL);
+out:
+    if (cur) closedir(cur);
+    while (depth > 0) {
+        depth--;
+        if (stack[depth].dir) closedir(stack[depth].dir);
+        free(stack[depth].name);
+    }
+    free(stack);
+}
+
+int host_fs_remove_tree(int dirfd, const char *path, int flags, char *failed, size_t cap)
+{
+    rm_job j = {path, flags, 0, failed, cap};
+    if (cap) failed[0] = '\0';
+    struct stat st;
+    if (fstatat(dirfd, path, &st, AT_SYMLINK_NOFOLLOW) != 0)
+        return errno == ENOENT ? 0 : errno; /* already gone: done, as rm -rf */
+    if ((flags & HOST_FS_OPEN_MODES) && S_ISDIR(st.st_mode) && (st.st_mode & 0700) != 0700)
+        fchmodat(dirfd, path, 0700, 0);
+    remove_tree(&j, dirfd, st.st_dev);
+    return j.err;
+}
+
+int host_fs_umount(const char *target, int detach_fallback, int *how)
+{
+    if (umount2(target, 0) == 0) {
+        *how = 1;
+        return 0;
+    }
+    int first = errno; /* the one to report: why the plain unmount failed */
+    if (detach_fallback && umount2(target, MNT_DETACH) == 0) {
+        *how = 2;
+        return 0;
+    }
+    return first;
+}
