@@ -196,6 +196,22 @@ static int hs_hexval(int c)
     return -1;
 }
 
+void hs_query_each(const char *q, hs_query_fn fn, void *ud)
+{
+    while (*q) {
+        size_t n = strcspn(q, "&");
+        if (n > 0) {
+            const char *eq = memchr(q, '=', n);
+            size_t kn = eq ? (size_t)(eq - q) : n;
+            const char *v = eq ? eq + 1 : q + n;
+            size_t vn = eq ? n - kn - 1 : 0;
+            fn(ud, q, kn, v, vn);
+        }
+        q += n;
+        if (*q == '&') q++;
+    }
+}
+
 size_t hs_percent_decode(const char *src, size_t n, char *out, int plus_is_space)
 {
     size_t o = 0;

@@ -226,6 +226,12 @@ void hs_request_stream_close(hs_request *r, int abort);
  * hold n + 1 bytes; malformed escapes are kept literally. Returns the decoded length. */
 size_t hs_percent_decode(const char *src, size_t n, char *out, int plus_is_space);
 
+/* The query-string split: calls fn(ud, key, klen, value, vlen) for each key=value pair of a raw
+ * (still percent-encoded) query string, in order; a pair without '=' has an empty value, and
+ * empty pairs ("a&&b") are skipped. Decoding is the caller's (hs_percent_decode). */
+typedef void (*hs_query_fn)(void *ud, const char *k, size_t kn, const char *v, size_t vn);
+void hs_query_each(const char *q, hs_query_fn fn, void *ud);
+
 /* Request records allocated in this process now (a diagnostic for leak tests). */
 long hs_live_requests(void);
 
