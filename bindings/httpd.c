@@ -594,40 +594,43 @@ static void log_line(lua_State *L, int srv, const char *line)
     fputs(line, stderr);
 }
 
-static int is_error_code(lua_State *L, int idx, const char *code)
+/* The error's code when it is a structured error (a table with a string code), else NULL. The
+ * string stays valid while the error is on the stack. */
+static const char *error_code(lua_State *L, int idx)
 {
-    int yes = 0;
+    const char *code = NULL;
     if (lua_istable(L, idx)) {
         lua_getfield(L, idx, "code");
-        yes = lua_type(L, -1) == LUA_TSTRING && strcmp(lua_tostring(L, -1), code) == 0;
-        lua_pop(L, 1);
+        if (lua_type(L, -1) == LUA_TSTRING) code = lua_tostring(L, -1);
+        lua_pop(L, 1); /* the table keeps the string alive */
     }
-    return yes;
+    return code;
 }
 
-/* report_failure(res, srv, err, tb): logs a handler's failure (not a vanished client, not a
- * cancellation) and answers it: 500 {"message": ...} (503 when cancelled) if nothing was sent
- * yet. Runs protected: a failing __tostring must not cost the answer. */
+/* report_failure(res, srv, err, tb): logs a handler's failure as runtime's policy says
+ * (hs_failure_log: not a vanished client, not a cancellation) and answers it if nothing was sent
+ * yet (hs_request_respond_failure: 500 {"message": ...}, 503 when cancelled). Runs protected: a
+ * failing __tostring must not cost the answer. */
 static int report_failure(lua_State *L)
 {
     hd_response *res = (hd_response *)lua_touserdata(L, 1);
     hs_request *r = res->req;
     const hs_request_view *v = hs_request_get_view(r);
-    int cancelled = is_error_code(L, 3, "cancelled");
-    int gone = is_error_code(L, 3, "client_gone");
+    const char *code = error_code(L, 3);
     const char *msg;
     if (lua_istable(L, 3) && lua_getfield(L, 3, "message") == LUA_TSTRING) {
         msg = lua_tostring(L, -1);
     } else {
         msg = luaL_tolstring(L, 3, NULL);
     }
-    if (is_error_code(L, 3, "no_response")) {
+    int log = hs_failure_log(code);
+    if (log == HS_LOG_NO_RESPONSE) {
         lua_pushfstring(L,
                         "moonbox httpd: handler for %s %s returned without responding; "
                         "answered 500\n",
                         v->method, v->path);
         log_line(L, 2, lua_tostring(L, -1));
-    } else if (!cancelled && !gone) {
+    } else if (log == HS_LOG_FAILURE) {
         const char *full = luaL_tolstring(L, 3, NULL);
         const char *tb = lua_tostring(L, 4);
         lua_pushfstring(L, "moonbox httpd: handler for %s %s failed: %s\n%s%s", v->method, v->path,
@@ -636,8 +639,7 @@ static int report_failure(lua_State *L)
     }
     if (res->state == RES_OPEN) {
         char err[128];
-        hs_request_respond_failure(r, cancelled ? "cancelled" : NULL, msg, strlen(msg), err,
-                                   sizeof err);
+        hs_request_respond_failure(r, code, msg, strlen(msg), err, sizeof err);
         res->state = RES_SENT;
     }
     return 0;

@@ -1274,6 +1274,13 @@ int hs_request_respond_fd(hs_request *r, unsigned status, const hs_pair *headers
     return hs_set_answer(r, status, resp, headers, nheaders, err, errlen);
 }
 
+int hs_failure_log(const char *code)
+{
+    if (!code) return HS_LOG_FAILURE;
+    if (strcmp(code, "cancelled") == 0 || strcmp(code, "client_gone") == 0) return HS_LOG_QUIET;
+    return strcmp(code, "no_response") == 0 ? HS_LOG_NO_RESPONSE : HS_LOG_FAILURE;
+}
+
 unsigned hs_failure_status(const char *code)
 {
     return code && strcmp(code, "cancelled") == 0 ? 503 : 500;

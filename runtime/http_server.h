@@ -192,6 +192,13 @@ int hs_request_drop(hs_request *r, char *err, size_t errlen);
 int hs_request_respond(hs_request *r, unsigned status, const hs_pair *headers, size_t nheaders,
                        const void *body, size_t len, char *err, size_t errlen);
 
+/* The logging policy for a handler that failed, by its error code (NULL when the error was not
+ * a structured one): HS_LOG_QUIET for "cancelled" (the server is closing) and "client_gone"
+ * (nobody to tell), HS_LOG_NO_RESPONSE for "no_response" (one line, no traceback), else
+ * HS_LOG_FAILURE (the error and its traceback). */
+enum { HS_LOG_QUIET, HS_LOG_NO_RESPONSE, HS_LOG_FAILURE };
+int hs_failure_log(const char *code);
+
 /* The error-to-HTTP mapping for a handler that failed: the status for its error code (503 for
  * "cancelled": the server is going away; 500 for anything else, NULL included). */
 unsigned hs_failure_status(const char *code);
