@@ -184,33 +184,28 @@ static int l_mount_overlay(lua_State *L)
         lua_pop(L, 2); /* source stays referenced by opts */
     }
     if (lua_type(L, 1) != LUA_TTABLE) luaL_checkstring(L, 1);
-    lua_settop(L, 5); /* the buffer below lives on the stack, above the arguments */
-    luaL_Buffer b;
-    luaL_buffinit(L, &b);
-    luaL_addstring(&b, "lowerdir=");
+    lua_settop(L, 5);
+    const char *one[1];
+    const char **lowers = one;
+    size_t n = 1;
     if (lua_type(L, 1) == LUA_TTABLE) {
-        lua_Integer n = luaL_len(L, 1);
-        if (n < 1) return luaL_error(L, "sys.mount_overlay: lowers is empty");
-        for (lua_Integer i = 1; i <= n; i++) {
+        lua_Integer len = luaL_len(L, 1);
+        if (len < 1) return luaL_error(L, "sys.mount_overlay: lowers is empty");
+        n = (size_t)len;
+        lowers = (const char **)lua_newuserdatauv(L, n * sizeof *lowers, 0); /* slot 6 */
+        for (lua_Integer i = 1; i <= len; i++) {
             lua_rawgeti(L, 1, i);
             const char *l = lua_tostring(L, -1);
             if (!l) return luaL_error(L, "sys.mount_overlay: lowers[%d] is not a string", (int)i);
-            lua_pop(L, 1);
-            if (i > 1) luaL_addchar(&b, ':');
-            luaL_addstring(&b, l);
+            lua_pop(L, 1); /* the table keeps it alive */
+            lowers[i - 1] = l;
         }
     } else {
-        luaL_addstring(&b, lua_tostring(L, 1));
+        one[0] = lua_tostring(L, 1);
     }
-    luaL_addstring(&b, ",upperdir=");
-    luaL_addstring(&b, upper);
-    luaL_addstring(&b, ",workdir=");
-    luaL_addstring(&b, work);
-    luaL_addstring(&b, ",index=off,redirect_dir=off,metacopy=off");
-    luaL_pushresult(&b);
-    size_t len;
-    const char *data = lua_tolstring(L, -1, &len);
-    if (len >= 4096) {
+    char data[HOST_FS_MOUNT_OPTIONS_MAX];
+    size_t len = host_fs_overlay_options(data, sizeof data, lowers, n, upper, work);
+    if (len >= sizeof data) {
         mb_error_new(L, "sys.mount_overlay", "too_long",
                      "cannot mount an overlay at %s: its options are %d bytes, more than the "
                      "kernel's page (too many or too long layer paths)",
@@ -218,9 +213,10 @@ static int l_mount_overlay(lua_State *L)
         mb_setfield_str(L, -1, "path", target);
         return lua_error(L);
     }
-    if (mount(source, target, "overlay", readonly ? MS_RDONLY : 0, data) != 0)
-        return raise_errno(L, "sys.mount_overlay", errno, target,
-                           "cannot mount an overlay at %s (%s)", target, data);
+    int e = host_fs_mount_overlay(source, target, readonly, data);
+    if (e)
+        return raise_errno(L, "sys.mount_overlay", e, target, "cannot mount an overlay at %s (%s)",
+                           target, data);
     lua_pushboolean(L, 1);
     return 1;
 }

@@ -194,6 +194,31 @@ int host_fs_remove_tree(int dirfd, const char *path, int flags, char *failed, si
     return j.err;
 }
 
+size_t host_fs_overlay_options(char *buf, size_t cap, const char *const *lowers, size_t n,
+                               const char *upper, const char *work)
+{
+    static const char tail[] = ",index=off,redirect_dir=off,metacopy=off";
+    size_t len = strlen("lowerdir=") + strlen(",upperdir=") + strlen(upper) + strlen(",workdir=") +
+                 strlen(work) + strlen(tail);
+    for (size_t i = 0; i < n; i++)
+        len += strlen(lowers[i]) + (i > 0);
+    if (len >= cap) {
+        if (cap) buf[0] = '\0';
+        return len;
+    }
+    size_t o = (size_t)snprintf(buf, cap, "lowerdir=");
+    for (size_t i = 0; i < n; i++)
+        o += (size_t)snprintf(buf + o, cap - o, "%s%s", i > 0 ? ":" : "", lowers[i]);
+    snprintf(buf + o, cap - o, ",upperdir=%s,workdir=%s%s", upper, work, tail);
+    return len;
+}
+
+int host_fs_mount_overlay(const char *source, const char *target, int readonly, const char *options)
+{
+    if (mount(source, target, "overlay", readonly ? MS_RDONLY : 0, options) != 0) return errno;
+    return 0;
+}
+
 int host_fs_umount(const char *target, int detach_fallback, int *how)
 {
     if (umount2(target, 0) == 0) {

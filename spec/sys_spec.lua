@@ -92,6 +92,14 @@ describe("moonbox.sys", function()
     assert.is_true(sys.remove_tree(DIR .. "/ov")) -- already gone: fine
   end))
 
+  it("mount_overlay with options longer than a page raises too_long naming the target", T.async(function()
+    local lowers = {}
+    for i = 1, 100 do lowers[i] = DIR .. "/" .. string.rep("l", 40) .. i end
+    local err = errors_with("too_long", sys.mount_overlay, lowers, DIR .. "/u", DIR .. "/w", DIR .. "/m")
+    assert.are.equal("sys.mount_overlay", err.op)
+    assert.are.equal(DIR .. "/m", err.path)
+  end))
+
   it("mount_overlay of a missing directory raises naming the target", T.async(function()
     local err = errors_with("not_found", sys.mount_overlay, { DIR .. "/nope" }, DIR .. "/u",
       DIR .. "/w", DIR .. "/nowhere")
