@@ -78,60 +78,6 @@ static int raise_errno(lua_State *L, const char *op, int e, const char *path, co
 
 /* ---- mkdir_p -------------------------------------------------------------------------------- */
 
-/* Creates dir and its missing parents; parents get 0755 (less the umask, as mkdir -p), dir
- * itself gets exactly mode when this call creates it (as mkdir -p -m; an existing directory is
- * left alone). Returns 0, or an errno with the failing prefix left in buf. */
-static int mkdir_parents(char *buf, mode_t mode)
-{
-    size_t n = strlen(buf);
-    while (n > 1 && buf[n - 1] == '/')
-        buf[--n] = '\0';
-    /* The usual cases first, without one failing mkdir per existing level: the directory exists,
-     * or the parents do, or the nearest existing ancestor is a few levels up (found from the
-     * leaf upwards). Anything unusual takes the walk from the root, which names the failing
-     * prefix. */
-    if (mkdir(buf, mode) == 0) return chmod(buf, mode) != 0 ? errno : 0;
-    struct stat st0;
-    if (errno == EEXIST && stat(buf, &st0) == 0 && S_ISDIR(st0.st_mode)) return 0;
-    char *start = buf + 1; /* where the walk below begins: after the nearest existing ancestor */
-    if (errno == ENOENT) {
-        char *cut = strrchr(buf, '/');
-        while (cut && cut > buf) {
-            *cut = '\0';
-            int rc = mkdir(buf, 0755), e = errno;
-            *cut = '/';
-            if (rc == 0 || e == EEXIST) {
-                start = cut; /* buf up to cut exists now (or is not a directory: the walk says) */
-                break;
-            }
-            if (e != ENOENT) break;
-            char *prev = cut - 1;
-            while (prev > buf && *prev != '/')
-                prev--;
-            cut = prev;
-        }
-    }
-    for (char *p = start;; p++) {
-        if (*p != '/' && *p != '\0') continue;
-        char saved = *p;
-        *p = '\0';
-        int last = saved == '\0';
-        struct stat st;
-        if (mkdir(buf, last ? mode : 0755) == 0) {
-            if (last && chmod(buf, mode) != 0) return errno;
-        } else {
-            int e = errno;
-            if (e != EEXIST) return e;
-            if (stat(buf, &st) != 0) return errno;
-            if (!S_ISDIR(st.st_mode)) return ENOTDIR;
-        }
-        if (last) return 0;
-        *p = saved;
-        while (p[1] == '/')
-            p++;
-    }
-}
-
 /* sys.mkdir_p(path[, mode]) -> true. Creates the directory path (absolute) and its missing
  * parents, like `mkdir -p -m MODE`; mode (an integer, default 0755) applies to path itself
  * when it is created. Raises (op "sys.mkdir_p") not_directory when path or a parent is a file,
@@ -147,7 +93,7 @@ static int l_mkdir_p(lua_State *L)
     if (strlen(path) >= sizeof buf)
         return raise_errno(L, "sys.mkdir_p", ENAMETOOLONG, path, "cannot create %s", path);
     strcpy(buf, path);
-    int e = mkdir_parents(buf, (mode_t)(mode & 07777));
+    int e = host_fs_mkdir_p(buf, (mode_t)(mode & 07777));
     if (e != 0) {
         if (strcmp(buf, path) == 0)
             return raise_errno(L, "sys.mkdir_p", e, path, "cannot create directory %s", path);

@@ -194,6 +194,57 @@ int host_fs_remove_tree(int dirfd, const char *path, int flags, char *failed, si
     return j.err;
 }
 
+int host_fs_mkdir_p(char *buf, mode_t mode)
+{
+    size_t n = strlen(buf);
+    while (n > 1 && buf[n - 1] == '/')
+        buf[--n] = '\0';
+    /* The usual cases first, without one failing mkdir per existing level: the directory exists,
+     * or the parents do, or the nearest existing ancestor is a few levels up (found from the
+     * leaf upwards). Anything unusual takes the walk from the root, which names the failing
+     * prefix. */
+    if (mkdir(buf, mode) == 0) return chmod(buf, mode) != 0 ? errno : 0;
+    struct stat st0;
+    if (errno == EEXIST && stat(buf, &st0) == 0 && S_ISDIR(st0.st_mode)) return 0;
+    char *start = buf + 1; /* where the walk below begins: after the nearest existing ancestor */
+    if (errno == ENOENT) {
+        char *cut = strrchr(buf, '/');
+        while (cut && cut > buf) {
+            *cut = '\0';
+            int rc = mkdir(buf, 0755), e = errno;
+            *cut = '/';
+            if (rc == 0 || e == EEXIST) {
+                start = cut; /* buf up to cut exists now (or is not a directory: the walk says) */
+                break;
+            }
+            if (e != ENOENT) break;
+            char *prev = cut - 1;
+            while (prev > buf && *prev != '/')
+                prev--;
+            cut = prev;
+        }
+    }
+    for (char *p = start;; p++) {
+        if (*p != '/' && *p != '\0') continue;
+        char saved = *p;
+        *p = '\0';
+        int last = saved == '\0';
+        struct stat st;
+        if (mkdir(buf, last ? mode : 0755) == 0) {
+            if (last && chmod(buf, mode) != 0) return errno;
+        } else {
+            int e = errno;
+            if (e != EEXIST) return e;
+            if (stat(buf, &st) != 0) return errno;
+            if (!S_ISDIR(st.st_mode)) return ENOTDIR;
+        }
+        if (last) return 0;
+        *p = saved;
+        while (p[1] == '/')
+            p++;
+    }
+}
+
 size_t host_fs_overlay_options(char *buf, size_t cap, const char *const *lowers, size_t n,
                                const char *upper, const char *work)
 {

@@ -1,15 +1,16 @@
-/* host_fs.h - the host filesystem chores that may block: removing a tree, unmounting.
+/* host_fs.h - the host filesystem chores of `moonbox local`, as plain system calls.
  *
  * Owns the one directory-tree removal of moonbox (as `rm -rf --one-file-system`: never follows
- * a symlink, never crosses onto another filesystem, any depth and name length), the overlay
- * mount (its options) and the unmount with its lazy fallback. Plain blocking calls, safe on any
- * thread: bindings/sys.c runs them on a worker job (runtime/worker_job.c), runtime/archive_fs.c
- * removes its staging trees with it.
+ * a symlink, never crosses onto another filesystem, any depth and name length), the unmount
+ * with its lazy fallback, the overlay mount (its options) and mkdir -p. Safe on any thread:
+ * bindings/sys.c runs the slow ones (removal, unmount) on a worker job (runtime/worker_job.c)
+ * and the others inline; runtime/archive_fs.c removes its staging trees with the removal.
  */
 #ifndef MOONBOX_HOST_FS_H
 #define MOONBOX_HOST_FS_H
 
 #include <stddef.h>
+#include <sys/types.h>
 
 /* host_fs_remove_tree flag: make a directory the owner may not enter or empty 0700 first (trees
  * unpacked from an archive, whose modes came from its headers). */
@@ -19,6 +20,12 @@
  * an error. Returns 0, or the errno of the first failure, which stops it; then failed (cap
  * bytes, may be 0) names the entry that could not be removed, as path/.../name when long. */
 int host_fs_remove_tree(int dirfd, const char *path, int flags, char *failed, size_t cap);
+
+/* Creates the directory buf and its missing parents; parents get 0755 (less the umask, as
+ * mkdir -p), buf itself gets exactly mode when this call creates it (as mkdir -p -m; an
+ * existing directory is left alone). Returns 0, or an errno with buf cut to the failing prefix.
+ * A few mkdir/stat calls: metadata only, fine on the loop thread. */
+int host_fs_mkdir_p(char *buf, mode_t mode);
 
 /* The kernel's limit on mount options: one page. */
 #define HOST_FS_MOUNT_OPTIONS_MAX 4096
