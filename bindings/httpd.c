@@ -14,7 +14,7 @@
 #include "mb.h"
 
 #include "http_server.h"
-#include "jsonq.h"
+#include "sse_write.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -96,31 +96,10 @@ static void push_lower(lua_State *L, const char *s)
     luaL_pushresultsize(&b, n);
 }
 
-/* Calls fn(L, key, klen, value, vlen, ud) for each key=value pair of a raw query string, in
- * order; a pair without '=' has an empty value, and empty pairs ("a&&b") are skipped. */
-typedef void (*query_fn)(lua_State *L, const char *k, size_t kn, const char *v, size_t vn,
-                         void *ud);
-
-static void query_each(lua_State *L, const char *q, query_fn fn, void *ud)
-{
-    while (*q) {
-        size_t n = strcspn(q, "&");
-        if (n > 0) {
-            const char *eq = memchr(q, '=', n);
-            size_t kn = eq ? (size_t)(eq - q) : n;
-            const char *v = eq ? eq + 1 : q + n;
-            size_t vn = eq ? n - kn - 1 : 0;
-            fn(L, q, kn, v, vn, ud);
-        }
-        q += n;
-        if (*q == '&') q++;
-    }
-}
-
 /* params[key] = value unless already set (the table is on top of the stack). */
-static void query_first(lua_State *L, const char *k, size_t kn, const char *v, size_t vn, void *ud)
+static void query_first(void *ud, const char *k, size_t kn, const char *v, size_t vn)
 {
-    (void)ud;
+    lua_State *L = (lua_State *)ud;
     push_decoded(L, k, kn, 1);
     lua_pushvalue(L, -1);
     if (lua_rawget(L, -3) != LUA_TNIL) {
@@ -133,16 +112,17 @@ static void query_first(lua_State *L, const char *k, size_t kn, const char *v, s
 }
 
 typedef struct query_all_ctx {
+    lua_State *L;
     const char *name;
     size_t len;
     lua_Integer n;
 } query_all_ctx;
 
 /* Appends value to the array on top of the stack when the decoded key is ctx->name. */
-static void query_collect(lua_State *L, const char *k, size_t kn, const char *v, size_t vn,
-                          void *ud)
+static void query_collect(void *ud, const char *k, size_t kn, const char *v, size_t vn)
 {
     query_all_ctx *c = (query_all_ctx *)ud;
+    lua_State *L = c->L;
     push_decoded(L, k, kn, 1);
     size_t dn;
     const char *d = lua_tolstring(L, -1, &dn);
@@ -486,25 +466,6 @@ static int writer_write(lua_State *L)
     return writer_put(L, "w:write", s, n);
 }
 
-/* Appends `prefix` + line + "\n" for each line of s (split at \n, \r\n or \r). */
-static void add_lines(luaL_Buffer *b, const char *prefix, const char *s, size_t n)
-{
-    size_t i = 0;
-    for (;;) {
-        /* memchr is vectorised; SSE data rarely has line breaks, often none at all. */
-        const char *nl = memchr(s + i, '\n', n - i);
-        size_t j = nl ? (size_t)(nl - s) : n;
-        const char *cr = memchr(s + i, '\r', j - i);
-        if (cr) j = (size_t)(cr - s);
-        luaL_addstring(b, prefix);
-        luaL_addlstring(b, s + i, j - i);
-        luaL_addchar(b, '\n');
-        if (j >= n) break;
-        if (s[j] == '\r' && j + 1 < n && s[j + 1] == '\n') j++;
-        i = j + 1;
-    }
-}
-
 /* w:sse(event, data, id): writes one Server-Sent Event: "event: NAME\n" (when event is not
  * nil), "id: ID\n" (when given), then "data: LINE\n" for each line of data (split at line
  * breaks) and a blank line. event and id must not contain line breaks. Raises and yields as
@@ -519,20 +480,8 @@ static int writer_sse(lua_State *L)
     if (event && strpbrk(event, "\r\n")) return luaL_argerror(L, 2, "event name has a line break");
     if (id && strpbrk(id, "\r\n")) return luaL_argerror(L, 4, "id has a line break");
     luaL_Buffer b;
-    luaL_buffinit(L, &b);
-    if (event) {
-        luaL_addstring(&b, "event: ");
-        luaL_addstring(&b, event);
-        luaL_addchar(&b, '\n');
-    }
-    if (id) {
-        luaL_addstring(&b, "id: ");
-        luaL_addstring(&b, id);
-        luaL_addchar(&b, '\n');
-    }
-    add_lines(&b, "data: ", data, dn);
-    luaL_addchar(&b, '\n');
-    luaL_pushresult(&b);
+    char *p = luaL_buffinitsize(L, &b, sse_event_size(event, id, data, dn));
+    luaL_pushresultsize(&b, sse_write_event(p, event, id, data, dn));
     size_t n;
     const char *s = lua_tolstring(L, -1, &n);
     return writer_put(L, "w:sse", s, n);
@@ -544,38 +493,25 @@ static int writer_sse(lua_State *L)
 static char *out_buf;
 static size_t out_cap;
 
-#define OUTPUT_HEAD "event: output\ndata: {\"data\":"
-#define OUTPUT_MID  ",\"stream\":"
-#define OUTPUT_TAIL "}\n\n"
-
 /* w:sse_output(stream, data): writes the SSE event an exec's output chunk travels in, exactly
  * what w:sse("output", json.encode({stream = stream, data = data})) writes (keys sorted, data
- * and stream quoted by runtime/jsonq.c: invalid UTF-8 becomes U+FFFD), built in one pass with
- * no intermediate Lua strings. Raises and yields as w:write. [yields] */
+ * and stream quoted by runtime/jsonq.c: invalid UTF-8 becomes U+FFFD), built in one pass by
+ * runtime/sse_write.c with no intermediate Lua strings. Raises and yields as w:write. [yields] */
 static int writer_sse_output(lua_State *L)
 {
     check_writer(L, 1);
     size_t sn, dn;
     const unsigned char *stream = (const unsigned char *)luaL_checklstring(L, 2, &sn);
     const unsigned char *data = (const unsigned char *)luaL_checklstring(L, 3, &dn);
-    size_t need = sizeof OUTPUT_HEAD + sizeof OUTPUT_MID + sizeof OUTPUT_TAIL + JSONQ_BOUND(sn) +
-                  JSONQ_BOUND(dn);
+    size_t need = sse_output_bound(sn, dn);
     if (need > out_cap) {
         char *p = (char *)realloc(out_buf, need);
         if (!p) return luaL_error(L, "w:sse_output: out of memory");
         out_buf = p;
         out_cap = need;
     }
-    char *o = out_buf;
-    memcpy(o, OUTPUT_HEAD, sizeof OUTPUT_HEAD - 1);
-    o += sizeof OUTPUT_HEAD - 1;
-    o += jsonq_quote(o, data, dn);
-    memcpy(o, OUTPUT_MID, sizeof OUTPUT_MID - 1);
-    o += sizeof OUTPUT_MID - 1;
-    o += jsonq_quote(o, stream, sn);
-    memcpy(o, OUTPUT_TAIL, sizeof OUTPUT_TAIL - 1);
-    o += sizeof OUTPUT_TAIL - 1;
-    return writer_put(L, "w:sse_output", out_buf, (size_t)(o - out_buf));
+    size_t len = sse_write_output(out_buf, stream, sn, data, dn);
+    return writer_put(L, "w:sse_output", out_buf, len);
 }
 
 /* w:comment(text): writes an SSE comment (": text\n" per line; ":\n" without text), which
@@ -586,13 +522,10 @@ static int writer_comment(lua_State *L)
     check_writer(L, 1);
     size_t tn = 0;
     const char *text = luaL_optlstring(L, 2, NULL, &tn);
+    if (!text) tn = 0;
     luaL_Buffer b;
-    luaL_buffinit(L, &b);
-    if (text && tn)
-        add_lines(&b, ": ", text, tn);
-    else
-        luaL_addstring(&b, ":\n");
-    luaL_pushresult(&b);
+    char *p = luaL_buffinitsize(L, &b, sse_comment_size(text, tn));
+    luaL_pushresultsize(&b, sse_write_comment(p, text, tn));
     size_t n;
     const char *s = lua_tolstring(L, -1, &n);
     return writer_put(L, "w:comment", s, n);
@@ -661,40 +594,43 @@ static void log_line(lua_State *L, int srv, const char *line)
     fputs(line, stderr);
 }
 
-static int is_error_code(lua_State *L, int idx, const char *code)
+/* The error's code when it is a structured error (a table with a string code), else NULL. The
+ * string stays valid while the error is on the stack. */
+static const char *error_code(lua_State *L, int idx)
 {
-    int yes = 0;
+    const char *code = NULL;
     if (lua_istable(L, idx)) {
         lua_getfield(L, idx, "code");
-        yes = lua_type(L, -1) == LUA_TSTRING && strcmp(lua_tostring(L, -1), code) == 0;
-        lua_pop(L, 1);
+        if (lua_type(L, -1) == LUA_TSTRING) code = lua_tostring(L, -1);
+        lua_pop(L, 1); /* the table keeps the string alive */
     }
-    return yes;
+    return code;
 }
 
-/* report_failure(res, srv, err, tb): logs a handler's failure (not a vanished client, not a
- * cancellation) and answers it: 500 {"message": ...} (503 when cancelled) if nothing was sent
- * yet. Runs protected: a failing __tostring must not cost the answer. */
+/* report_failure(res, srv, err, tb): logs a handler's failure as runtime's policy says
+ * (hs_failure_log: not a vanished client, not a cancellation) and answers it if nothing was sent
+ * yet (hs_request_respond_failure: 500 {"message": ...}, 503 when cancelled). Runs protected: a
+ * failing __tostring must not cost the answer. */
 static int report_failure(lua_State *L)
 {
     hd_response *res = (hd_response *)lua_touserdata(L, 1);
     hs_request *r = res->req;
     const hs_request_view *v = hs_request_get_view(r);
-    int cancelled = is_error_code(L, 3, "cancelled");
-    int gone = is_error_code(L, 3, "client_gone");
+    const char *code = error_code(L, 3);
     const char *msg;
     if (lua_istable(L, 3) && lua_getfield(L, 3, "message") == LUA_TSTRING) {
         msg = lua_tostring(L, -1);
     } else {
         msg = luaL_tolstring(L, 3, NULL);
     }
-    if (is_error_code(L, 3, "no_response")) {
+    int log = hs_failure_log(code);
+    if (log == HS_LOG_NO_RESPONSE) {
         lua_pushfstring(L,
                         "moonbox httpd: handler for %s %s returned without responding; "
                         "answered 500\n",
                         v->method, v->path);
         log_line(L, 2, lua_tostring(L, -1));
-    } else if (!cancelled && !gone) {
+    } else if (log == HS_LOG_FAILURE) {
         const char *full = luaL_tolstring(L, 3, NULL);
         const char *tb = lua_tostring(L, 4);
         lua_pushfstring(L, "moonbox httpd: handler for %s %s failed: %s\n%s%s", v->method, v->path,
@@ -702,28 +638,8 @@ static int report_failure(lua_State *L)
         log_line(L, 2, lua_tostring(L, -1));
     }
     if (res->state == RES_OPEN) {
-        luaL_Buffer b;
-        luaL_buffinit(L, &b);
-        luaL_addstring(&b, "{\"message\":\"");
-        for (const unsigned char *p = (const unsigned char *)msg; *p; p++) {
-            if (*p == '"' || *p == '\\') {
-                luaL_addchar(&b, '\\');
-                luaL_addchar(&b, (char)*p);
-            } else if (*p < 0x20) {
-                char esc[8];
-                snprintf(esc, sizeof esc, "\\u%04x", *p);
-                luaL_addstring(&b, esc);
-            } else {
-                luaL_addchar(&b, (char)*p);
-            }
-        }
-        luaL_addstring(&b, "\"}");
-        luaL_pushresult(&b);
-        size_t n;
-        const char *body = lua_tolstring(L, -1, &n);
-        hs_pair h = {"Content-Type", "application/json"};
         char err[128];
-        hs_request_respond(r, cancelled ? 503 : 500, &h, 1, body, n, err, sizeof err);
+        hs_request_respond_failure(r, code, msg, strlen(msg), err, sizeof err);
         res->state = RES_SENT;
     }
     return 0;
@@ -818,7 +734,7 @@ static void push_request(lua_State *L, hs_request *r)
     mb_setfield_int(L, t, "remote_port", v->remote_port);
 
     lua_newtable(L);
-    query_each(L, v->query, query_first, NULL);
+    hs_query_each(v->query, query_first, L);
     lua_setfield(L, t, "params");
 
     lua_createtable(L, 0, (int)v->nheaders);
@@ -967,10 +883,11 @@ static int req_query_all(lua_State *L)
     query_all_ctx c;
     c.name = luaL_checklstring(L, 2, &c.len);
     c.n = 0;
+    c.L = L;
     lua_getfield(L, 1, "query");
     const char *q = lua_tostring(L, -1);
     lua_newtable(L);
-    if (q) query_each(L, q, query_collect, &c);
+    if (q) hs_query_each(q, query_collect, &c);
     return 1;
 }
 

@@ -13,10 +13,22 @@
 #include <lualib.h>
 
 static const luaL_Reg c_modules[] = {
-    {"moonbox.core", luaopen_moonbox_core},   {"moonbox.proc", luaopen_moonbox_proc},
-    {"moonbox.sse", luaopen_moonbox_sse},     {"moonbox.strings", luaopen_moonbox_strings},
-    {"moonbox.timer", luaopen_moonbox_timer}, {"moonbox.cron", luaopen_moonbox_cron},
-    {"moonbox.sys", luaopen_moonbox_sys},     {NULL, NULL},
+    {"moonbox.core", luaopen_moonbox_core},
+    {"moonbox.proc", luaopen_moonbox_proc},
+    {"moonbox.sse", luaopen_moonbox_sse},
+    {"moonbox.strings", luaopen_moonbox_strings},
+    {"moonbox.timer", luaopen_moonbox_timer},
+    {"moonbox.cron", luaopen_moonbox_cron},
+    {"moonbox.sys", luaopen_moonbox_sys},
+#ifdef MOONBOX_SANITIZED
+    /* Linked into a sanitized binary rather than loaded (see CMakeLists.txt). */
+    {"moonbox.http", luaopen_moonbox_http},
+    {"moonbox.httpd", luaopen_moonbox_httpd},
+    {"moonbox.store", luaopen_moonbox_store},
+    {"moonbox.lineedit", luaopen_moonbox_lineedit},
+    {"moonbox.pg", luaopen_moonbox_pg},
+#endif
+    {NULL, NULL},
 };
 
 void mb_preload_modules(lua_State *L)

@@ -50,11 +50,25 @@ static int l_utf8_valid(lua_State *L)
     return 1;
 }
 
+/* strings.utf8_cut(s[, max]) -> n: the length of the longest prefix of s, at most max bytes
+ * (default #s), that does not end inside a UTF-8 sequence (runtime/jsonq.c's one boundary
+ * rule). With max omitted it splits off an incomplete sequence at the end. Does not yield. */
+static int l_utf8_cut(lua_State *L)
+{
+    size_t n;
+    const unsigned char *s = (const unsigned char *)luaL_checklstring(L, 1, &n);
+    lua_Integer max = luaL_optinteger(L, 2, (lua_Integer)n);
+    luaL_argcheck(L, max >= 0, 2, "max must not be negative");
+    lua_pushinteger(L, (lua_Integer)jsonq_utf8_cut(s, n, (size_t)max));
+    return 1;
+}
+
 int luaopen_moonbox_strings(lua_State *L)
 {
     static const luaL_Reg funcs[] = {
         {"json_quote", l_json_quote},
         {"utf8_valid", l_utf8_valid},
+        {"utf8_cut", l_utf8_cut},
         {NULL, NULL},
     };
     luaL_newlib(L, funcs);

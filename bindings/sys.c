@@ -7,23 +7,23 @@
  * the loop thread: each is a handful of metadata syscalls on local filesystems or procfs and
  * cannot wait for disk writeback or for another process; the comment above each says why. The
  * slow ones (unmounting a writable overlay syncs its upper filesystem; removing a sandbox's
- * upper directory is unbounded) run on a detached worker thread as a job: sys.umount_start and
- * sys.remove_tree_start return a job whose :poll() the caller repeats (engine/host.lua sleeps
- * between polls). Polling, not a wake-up, because these jobs are rare and short compared with
- * a poll interval, and it keeps this file free of task parking.
+ * upper directory is unbounded) run on a worker thread (runtime/worker_job.c, the primitive the
+ * archive jobs use too) and park the calling task until its ev_async completion wakes it; the
+ * work itself is runtime/host_fs.c's. This file only translates arguments and results.
  * Failures raise structured errors (op "sys.<fn>") naming the path or pid and the errno text;
  * err.errno holds the number. Misuse (wrong argument types) raises a plain error.
  */
 #include "mb.h"
 
+#include "host_fs.h"
+#include "worker_job.h"
+
 #include <errno.h>
 #include <dirent.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,7 +32,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define JOB_MT  "moonbox.sys.Job"
+#define CALL_MT "moonbox.sys.Call"
 #define LOCK_MT "moonbox.sys.Lock"
 
 /* A stable code name for an errno, for err.code. */
@@ -78,60 +78,6 @@ static int raise_errno(lua_State *L, const char *op, int e, const char *path, co
 
 /* ---- mkdir_p -------------------------------------------------------------------------------- */
 
-/* Creates dir and its missing parents; parents get 0755 (less the umask, as mkdir -p), dir
- * itself gets exactly mode when this call creates it (as mkdir -p -m; an existing directory is
- * left alone). Returns 0, or an errno with the failing prefix left in buf. */
-static int mkdir_parents(char *buf, mode_t mode)
-{
-    size_t n = strlen(buf);
-    while (n > 1 && buf[n - 1] == '/')
-        buf[--n] = '\0';
-    /* The usual cases first, without one failing mkdir per existing level: the directory exists,
-     * or the parents do, or the nearest existing ancestor is a few levels up (found from the
-     * leaf upwards). Anything unusual takes the walk from the root, which names the failing
-     * prefix. */
-    if (mkdir(buf, mode) == 0) return chmod(buf, mode) != 0 ? errno : 0;
-    struct stat st0;
-    if (errno == EEXIST && stat(buf, &st0) == 0 && S_ISDIR(st0.st_mode)) return 0;
-    char *start = buf + 1; /* where the walk below begins: after the nearest existing ancestor */
-    if (errno == ENOENT) {
-        char *cut = strrchr(buf, '/');
-        while (cut && cut > buf) {
-            *cut = '\0';
-            int rc = mkdir(buf, 0755), e = errno;
-            *cut = '/';
-            if (rc == 0 || e == EEXIST) {
-                start = cut; /* buf up to cut exists now (or is not a directory: the walk says) */
-                break;
-            }
-            if (e != ENOENT) break;
-            char *prev = cut - 1;
-            while (prev > buf && *prev != '/')
-                prev--;
-            cut = prev;
-        }
-    }
-    for (char *p = start;; p++) {
-        if (*p != '/' && *p != '\0') continue;
-        char saved = *p;
-        *p = '\0';
-        int last = saved == '\0';
-        struct stat st;
-        if (mkdir(buf, last ? mode : 0755) == 0) {
-            if (last && chmod(buf, mode) != 0) return errno;
-        } else {
-            int e = errno;
-            if (e != EEXIST) return e;
-            if (stat(buf, &st) != 0) return errno;
-            if (!S_ISDIR(st.st_mode)) return ENOTDIR;
-        }
-        if (last) return 0;
-        *p = saved;
-        while (p[1] == '/')
-            p++;
-    }
-}
-
 /* sys.mkdir_p(path[, mode]) -> true. Creates the directory path (absolute) and its missing
  * parents, like `mkdir -p -m MODE`; mode (an integer, default 0755) applies to path itself
  * when it is created. Raises (op "sys.mkdir_p") not_directory when path or a parent is a file,
@@ -147,7 +93,7 @@ static int l_mkdir_p(lua_State *L)
     if (strlen(path) >= sizeof buf)
         return raise_errno(L, "sys.mkdir_p", ENAMETOOLONG, path, "cannot create %s", path);
     strcpy(buf, path);
-    int e = mkdir_parents(buf, (mode_t)(mode & 07777));
+    int e = host_fs_mkdir_p(buf, (mode_t)(mode & 07777));
     if (e != 0) {
         if (strcmp(buf, path) == 0)
             return raise_errno(L, "sys.mkdir_p", e, path, "cannot create directory %s", path);
@@ -184,33 +130,28 @@ static int l_mount_overlay(lua_State *L)
         lua_pop(L, 2); /* source stays referenced by opts */
     }
     if (lua_type(L, 1) != LUA_TTABLE) luaL_checkstring(L, 1);
-    lua_settop(L, 5); /* the buffer below lives on the stack, above the arguments */
-    luaL_Buffer b;
-    luaL_buffinit(L, &b);
-    luaL_addstring(&b, "lowerdir=");
+    lua_settop(L, 5);
+    const char *one[1];
+    const char **lowers = one;
+    size_t n = 1;
     if (lua_type(L, 1) == LUA_TTABLE) {
-        lua_Integer n = luaL_len(L, 1);
-        if (n < 1) return luaL_error(L, "sys.mount_overlay: lowers is empty");
-        for (lua_Integer i = 1; i <= n; i++) {
+        lua_Integer len = luaL_len(L, 1);
+        if (len < 1) return luaL_error(L, "sys.mount_overlay: lowers is empty");
+        n = (size_t)len;
+        lowers = (const char **)lua_newuserdatauv(L, n * sizeof *lowers, 0); /* slot 6 */
+        for (lua_Integer i = 1; i <= len; i++) {
             lua_rawgeti(L, 1, i);
             const char *l = lua_tostring(L, -1);
             if (!l) return luaL_error(L, "sys.mount_overlay: lowers[%d] is not a string", (int)i);
-            lua_pop(L, 1);
-            if (i > 1) luaL_addchar(&b, ':');
-            luaL_addstring(&b, l);
+            lua_pop(L, 1); /* the table keeps it alive */
+            lowers[i - 1] = l;
         }
     } else {
-        luaL_addstring(&b, lua_tostring(L, 1));
+        one[0] = lua_tostring(L, 1);
     }
-    luaL_addstring(&b, ",upperdir=");
-    luaL_addstring(&b, upper);
-    luaL_addstring(&b, ",workdir=");
-    luaL_addstring(&b, work);
-    luaL_addstring(&b, ",index=off,redirect_dir=off,metacopy=off");
-    luaL_pushresult(&b);
-    size_t len;
-    const char *data = lua_tolstring(L, -1, &len);
-    if (len >= 4096) {
+    char data[HOST_FS_MOUNT_OPTIONS_MAX];
+    size_t len = host_fs_overlay_options(data, sizeof data, lowers, n, upper, work);
+    if (len >= sizeof data) {
         mb_error_new(L, "sys.mount_overlay", "too_long",
                      "cannot mount an overlay at %s: its options are %d bytes, more than the "
                      "kernel's page (too many or too long layer paths)",
@@ -218,9 +159,10 @@ static int l_mount_overlay(lua_State *L)
         mb_setfield_str(L, -1, "path", target);
         return lua_error(L);
     }
-    if (mount(source, target, "overlay", readonly ? MS_RDONLY : 0, data) != 0)
-        return raise_errno(L, "sys.mount_overlay", errno, target,
-                           "cannot mount an overlay at %s (%s)", target, data);
+    int e = host_fs_mount_overlay(source, target, readonly, data);
+    if (e)
+        return raise_errno(L, "sys.mount_overlay", e, target, "cannot mount an overlay at %s (%s)",
+                           target, data);
     lua_pushboolean(L, 1);
     return 1;
 }
@@ -357,217 +299,104 @@ static int l_listdir(lua_State *L)
 
 enum { JOB_UMOUNT, JOB_REMOVE_TREE };
 
-/* Owned by two references, the worker's and the Lua userdata's, counted atomically; whoever
- * drops the last frees it. The worker writes err/how/failed_path, then sets done (release);
- * the owner reads them only after seeing done (acquire). */
+/* What the worker thread needs and writes. Freed by the worker-job primitive once both the
+ * worker and the waiting call have let go (runtime/worker_job.c). */
 typedef struct sys_job {
     int kind;
     int detach_fallback;
     char *path;
-    atomic_int refs;
-    atomic_int done;
     int err;               /* 0 on success */
     int how;               /* umount: 1 unmounted, 2 detached (lazy) */
     char failed[PATH_MAX]; /* remove_tree: the entry that could not be removed */
 } sys_job;
 
-typedef struct {
+/* The waiting call, a userdata on the parked task's stack (slot 2; the path is slot 1). */
+typedef struct sys_call {
+    worker_job *work; /* NULL once released */
     sys_job *job;
-} sys_job_ref;
+    mb_task *task;
+} sys_call;
 
-static void job_unref(sys_job *j)
-{
-    if (atomic_fetch_sub(&j->refs, 1) == 1) {
-        free(j->path);
-        free(j);
-    }
-}
-
-/* Directory levels whose open stream is kept while their children are removed; deeper ones
- * are closed on the way down and scanned again on the way up (only what is left, since every
- * entry seen was removed). A tree of any depth is removed with at most this many descriptors. */
-#define REMOVE_KEEP_OPEN 64
-
-typedef struct rm_level {
-    char *name; /* the directory's name in its parent */
-    DIR *dir;   /* the parent's open stream, or NULL once closed (deep levels) */
-} rm_level;
-
-/* Records the failure at name in the directory the stack leads to: its whole path when that
- * fits in j->failed, else the top, an ellipsis and the name. */
-static void rm_fail(sys_job *j, int err, const rm_level *stack, size_t depth, const char *name)
-{
-    j->err = err;
-    size_t len = (size_t)snprintf(j->failed, sizeof j->failed, "%s", j->path);
-    for (size_t i = 0; i < depth && len < sizeof j->failed; i++)
-        len += (size_t)snprintf(j->failed + len, sizeof j->failed - len, "/%s", stack[i].name);
-    if (name && len < sizeof j->failed)
-        len += (size_t)snprintf(j->failed + len, sizeof j->failed - len, "/%s", name);
-    if (len >= sizeof j->failed)
-        snprintf(j->failed, sizeof j->failed, "%s/.../%s", j->path, name ? name : "");
-}
-
-/* Removes the tree at j->path without ever building a path longer than one name: each directory
- * is entered with openat(O_NOFOLLOW | O_DIRECTORY) from its parent's descriptor, emptied, left
- * through "..", and removed with unlinkat relative to its parent, so depth and name lengths are
- * unbounded (nftw builds whole paths and fails past PATH_MAX, which a sandbox can nest beyond).
- * Never follows a symlink and never crosses onto another filesystem (EXDEV, as
- * rm --one-file-system). Meant for trees nobody writes to meanwhile (a terminated sandbox's).
- * O(entries), plus rescans of what is left in levels deeper than REMOVE_KEEP_OPEN. */
-static void remove_tree(sys_job *j, dev_t dev)
-{
-    int top = open(j->path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (top < 0) {
-        if (errno == ENOTDIR || errno == ELOOP) {
-            if (unlink(j->path) != 0) rm_fail(j, errno, NULL, 0, NULL);
-        } else if (errno != ENOENT) {
-            rm_fail(j, errno, NULL, 0, NULL);
-        }
-        return;
-    }
-    rm_level *stack = NULL;
-    size_t depth = 0, cap = 0;
-    DIR *cur = fdopendir(top);
-    if (!cur) {
-        rm_fail(j, errno, NULL, 0, NULL);
-        close(top);
-        return;
-    }
-    for (;;) {
-        struct dirent *de;
-        int descended = 0, read_err = 0;
-        while (!descended) {
-            errno = 0;
-            if (!(de = readdir(cur))) {
-                read_err = errno;
-                break;
-            }
-            const char *n = de->d_name;
-            if (strcmp(n, ".") == 0 || strcmp(n, "..") == 0) continue;
-            struct stat st;
-            int fd = dirfd(cur);
-            if (fstatat(fd, n, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-                if (errno == ENOENT) continue;
-                rm_fail(j, errno, stack, depth, n);
-                goto out;
-            }
-            if (st.st_dev != dev) {
-                rm_fail(j, EXDEV, stack, depth, n);
-                goto out;
-            }
-            if (!S_ISDIR(st.st_mode)) {
-                if (unlinkat(fd, n, 0) != 0 && errno != ENOENT) {
-                    rm_fail(j, errno, stack, depth, n);
-                    goto out;
-                }
-                continue;
-            }
-            int sub = openat(fd, n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-            DIR *d = sub >= 0 ? fdopendir(sub) : NULL;
-            if (!d) {
-                if (sub >= 0) close(sub);
-                rm_fail(j, errno, stack, depth, n);
-                goto out;
-            }
-            if (depth == cap) {
-                size_t nc = cap ? cap * 2 : 64;
-                rm_level *ns = realloc(stack, nc * sizeof *ns);
-                if (!ns) {
-                    closedir(d);
-                    rm_fail(j, ENOMEM, stack, depth, n);
-                    goto out;
-                }
-                stack = ns;
-                cap = nc;
-            }
-            stack[depth].name = strdup(n);
-            stack[depth].dir = cur;
-            if (!stack[depth].name) {
-                closedir(d);
-                rm_fail(j, ENOMEM, stack, depth, n);
-                goto out;
-            }
-            if (depth >= REMOVE_KEEP_OPEN) { /* deep: let go of the parent's stream */
-                closedir(cur);
-                stack[depth].dir = NULL;
-            }
-            depth++;
-            cur = d;
-            descended = 1;
-        }
-        if (descended) continue;
-        if (read_err) {
-            rm_fail(j, read_err, stack, depth, NULL);
-            goto out;
-        }
-        /* cur is empty: go up and remove it from its parent */
-        if (depth == 0) break;
-        rm_level lv = stack[--depth];
-        DIR *parent = lv.dir;
-        if (!parent) {
-            int up = openat(dirfd(cur), "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-            parent = up >= 0 ? fdopendir(up) : NULL;
-            if (!parent) {
-                if (up >= 0) close(up);
-                rm_fail(j, errno, stack, depth, lv.name);
-                free(lv.name);
-                goto out;
-            }
-        }
-        closedir(cur);
-        cur = parent;
-        if (unlinkat(dirfd(cur), lv.name, AT_REMOVEDIR) != 0 && errno != ENOENT) {
-            rm_fail(j, errno, stack, depth, lv.name);
-            free(lv.name);
-            goto out;
-        }
-        free(lv.name);
-        if (!lv.dir) rewinddir(cur); /* a reopened stream starts over: only what is left */
-    }
-    closedir(cur);
-    cur = NULL;
-    if (rmdir(j->path) != 0 && errno != ENOENT) rm_fail(j, errno, NULL, 0, NULL);
-out:
-    if (cur) closedir(cur);
-    while (depth > 0) {
-        depth--;
-        if (stack[depth].dir) closedir(stack[depth].dir);
-        free(stack[depth].name);
-    }
-    free(stack);
-}
-
-static void *job_main(void *arg)
+static void job_run(void *arg)
 {
     sys_job *j = (sys_job *)arg;
-    if (j->kind == JOB_UMOUNT) {
-        if (umount2(j->path, 0) == 0) {
-            j->how = 1;
-        } else {
-            int first = errno; /* the one to report: why the plain unmount failed */
-            if (j->detach_fallback && umount2(j->path, MNT_DETACH) == 0)
-                j->how = 2;
-            else
-                j->err = first;
-        }
-    } else {
-        struct stat st;
-        if (lstat(j->path, &st) != 0) {
-            if (errno != ENOENT) j->err = errno; /* already gone: done, as rm -rf */
-        } else {
-            remove_tree(j, st.st_dev);
-        }
-    }
-    atomic_store_explicit(&j->done, 1, memory_order_release);
-    job_unref(j);
-    return NULL;
+    if (j->kind == JOB_UMOUNT)
+        j->err = host_fs_umount(j->path, j->detach_fallback, &j->how);
+    else
+        j->err = host_fs_remove_tree(AT_FDCWD, j->path, 0, j->failed, sizeof j->failed);
 }
 
-static int job_start(lua_State *L, int kind, const char *path, int detach_fallback)
+static void job_free(void *arg)
 {
-    sys_job_ref *ref = (sys_job_ref *)lua_newuserdatauv(L, sizeof *ref, 1);
-    ref->job = NULL;
-    luaL_setmetatable(L, JOB_MT);
+    sys_job *j = (sys_job *)arg;
+    free(j->path);
+    free(j);
+}
+
+static void call_release(sys_call *c)
+{
+    if (!c->work) return;
+    worker_job_release(c->work);
+    c->work = NULL;
+    c->job = NULL;
+}
+
+static int call_gc(lua_State *L)
+{
+    call_release((sys_call *)lua_touserdata(L, 1));
+    return 0;
+}
+
+/* On the loop thread when the worker finished: wakes the waiting task, nothing else. */
+static void job_done(worker_job *w, void *ud)
+{
+    (void)w;
+    mb_task_wake(((sys_call *)ud)->task);
+}
+
+/* The task was cancelled or its deadline expired: the syscall cannot be stopped, so the worker
+ * finishes on its own and the last side frees the job. */
+static void job_abort(mb_task *t, void *ud)
+{
+    (void)t;
+    call_release((sys_call *)ud);
+}
+
+/* The continuation once the worker finished: the result, or the job's structured error. */
+static int job_k(lua_State *L, int status, lua_KContext ctx)
+{
+    sys_call *c = (sys_call *)lua_touserdata(L, 2);
+    sys_job *j = c->job;
+    const char *path = lua_tostring(L, 1);
+    (void)status;
+    (void)ctx;
+    int err = j->err, kind = j->kind, how = j->how;
+    if (err && kind == JOB_REMOVE_TREE) {
+        lua_pushstring(L, j->failed[0] ? j->failed : path);
+        call_release(c);
+        const char *at = lua_tostring(L, -1);
+        return raise_errno(L, "sys.remove_tree", err, at, "cannot remove %s (removing %s)", at,
+                           path);
+    }
+    call_release(c);
+    if (err) return raise_errno(L, "sys.umount", err, path, "cannot unmount %s", path);
+    if (kind == JOB_UMOUNT)
+        lua_pushstring(L, how == 2 ? "detached" : "unmounted");
+    else
+        lua_pushboolean(L, 1);
+    return 1;
+}
+
+/* Starts the job on a worker thread and parks the calling task until it finishes. */
+static int job_start(lua_State *L, int kind, const char *op, int detach_fallback)
+{
+    const char *path = lua_tostring(L, 1);
+    mb_task *t = mb_task_check_yieldable(L, op);
+    lua_settop(L, 1);
+    sys_call *c = (sys_call *)lua_newuserdatauv(L, sizeof *c, 0);
+    memset(c, 0, sizeof *c);
+    luaL_setmetatable(L, CALL_MT);
+    c->task = t;
     sys_job *j = (sys_job *)calloc(1, sizeof *j);
     if (!j || !(j->path = strdup(path))) {
         free(j);
@@ -575,80 +404,37 @@ static int job_start(lua_State *L, int kind, const char *path, int detach_fallba
     }
     j->kind = kind;
     j->detach_fallback = detach_fallback;
-    atomic_init(&j->refs, 2);
-    atomic_init(&j->done, 0);
-    pthread_attr_t attr;
-    pthread_t tid;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int r = pthread_create(&tid, &attr, job_main, j);
-    pthread_attr_destroy(&attr);
+    int r = worker_job_start(mb_runtime_get(L)->loop, job_run, job_free, j, job_done, c, &c->work);
     if (r != 0) {
-        free(j->path);
-        free(j);
-        return raise_errno(L, kind == JOB_UMOUNT ? "sys.umount" : "sys.remove_tree", r, path,
-                           "cannot start a worker thread for %s", path);
+        job_free(j);
+        return raise_errno(L, op, r, path, "cannot start a worker thread for %s", path);
     }
-    ref->job = j;
-    lua_pushvalue(L, 1); /* the path, for error messages */
-    lua_setiuservalue(L, -2, 1);
-    return 1;
+    c->job = j;
+    return mb_task_park(L, t, job_abort, c, 0, job_k);
 }
 
-/* sys.umount_start(target[, detach_fallback]) -> job. Unmounts target on a worker thread:
- * unmounting a writable overlay syncs its whole upper filesystem, which may take long. When
- * the plain unmount fails (busy) and detach_fallback is true, detaches it lazily instead (as
- * `umount || umount -l`). job:poll() -> nil while running, then "unmounted" or "detached", or
- * raises (op "sys.umount") naming target. Does not yield. */
-static int l_umount_start(lua_State *L)
+/* sys.umount(target[, detach_fallback]) -> "unmounted" or "detached". Unmounts target on a
+ * worker thread (unmounting a writable overlay syncs its whole upper filesystem, which may take
+ * long) and parks the calling task until it is done. When the plain unmount fails (busy) and
+ * detach_fallback is true, detaches it lazily instead (as `umount || umount -l`). Raises (op
+ * "sys.umount") naming target. [yields] */
+static int l_umount(lua_State *L)
 {
-    const char *path = luaL_checkstring(L, 1);
-    return job_start(L, JOB_UMOUNT, path, lua_toboolean(L, 2));
+    luaL_checkstring(L, 1);
+    return job_start(L, JOB_UMOUNT, "sys.umount", lua_toboolean(L, 2));
 }
 
-/* sys.remove_tree_start(path) -> job. Removes path and everything below it on a worker thread
- * (as `rm -rf --one-file-system`: symlinks are removed, never followed; another filesystem
- * mounted below stops it with an error). A missing path is not an error. job:poll() -> nil
- * while running, then true, or raises (op "sys.remove_tree") naming the entry that could not
- * be removed. Does not yield. */
-static int l_remove_tree_start(lua_State *L)
+/* sys.remove_tree(path) -> true. Removes path and everything below it on a worker thread (as
+ * `rm -rf --one-file-system`: symlinks are removed, never followed; another filesystem mounted
+ * below stops it with an error; runtime/host_fs.c) and parks the calling task until it is done.
+ * A missing path is not an error. Raises (op "sys.remove_tree") naming the entry that could not
+ * be removed. [yields] */
+static int l_remove_tree(lua_State *L)
 {
     const char *path = luaL_checkstring(L, 1);
     if (path[0] != '/' || strcmp(path, "/") == 0)
-        return luaL_error(L, "sys.remove_tree_start: refusing path '%s'", path);
-    return job_start(L, JOB_REMOVE_TREE, path, 0);
-}
-
-/* job:poll() -> nil while the job runs; its result once done (see the starters). Raises the
- * job's structured error once done with a failure. Does not yield. */
-static int l_job_poll(lua_State *L)
-{
-    sys_job_ref *ref = (sys_job_ref *)luaL_checkudata(L, 1, JOB_MT);
-    sys_job *j = ref->job;
-    if (!j) return luaL_error(L, "sys: job already collected");
-    if (!atomic_load_explicit(&j->done, memory_order_acquire)) return 0;
-    lua_getiuservalue(L, 1, 1);
-    const char *path = lua_tostring(L, -1);
-    if (j->kind == JOB_UMOUNT) {
-        if (j->err) return raise_errno(L, "sys.umount", j->err, path, "cannot unmount %s", path);
-        lua_pushstring(L, j->how == 2 ? "detached" : "unmounted");
-        return 1;
-    }
-    if (j->err) {
-        const char *at = j->failed[0] ? j->failed : path;
-        return raise_errno(L, "sys.remove_tree", j->err, at, "cannot remove %s (removing %s)", at,
-                           path);
-    }
-    lua_pushboolean(L, 1);
-    return 1;
-}
-
-static int l_job_gc(lua_State *L)
-{
-    sys_job_ref *ref = (sys_job_ref *)luaL_checkudata(L, 1, JOB_MT);
-    if (ref->job) job_unref(ref->job);
-    ref->job = NULL;
-    return 0;
+        return luaL_error(L, "sys.remove_tree: refusing path '%s'", path);
+    return job_start(L, JOB_REMOVE_TREE, "sys.remove_tree", 0);
 }
 
 static const luaL_Reg lock_methods[] = {
@@ -656,30 +442,18 @@ static const luaL_Reg lock_methods[] = {
     {NULL, NULL},
 };
 
-static const luaL_Reg job_methods[] = {
-    {"poll", l_job_poll},
-    {NULL, NULL},
-};
-
 static const luaL_Reg sys_functions[] = {
-    {"mkdir_p", l_mkdir_p},
-    {"mount_overlay", l_mount_overlay},
-    {"kill", l_kill},
-    {"listdir", l_listdir},
-    {"getcwd", l_getcwd},
-    {"setenv", l_setenv},
-    {"umount_start", l_umount_start},
-    {"remove_tree_start", l_remove_tree_start},
-    {"try_lock", l_try_lock},
-    {NULL, NULL},
+    {"mkdir_p", l_mkdir_p},   {"mount_overlay", l_mount_overlay},
+    {"kill", l_kill},         {"listdir", l_listdir},
+    {"getcwd", l_getcwd},     {"setenv", l_setenv},
+    {"umount", l_umount},     {"remove_tree", l_remove_tree},
+    {"try_lock", l_try_lock}, {NULL, NULL},
 };
 
 int luaopen_moonbox_sys(lua_State *L)
 {
-    if (luaL_newmetatable(L, JOB_MT)) {
-        luaL_newlib(L, job_methods);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, l_job_gc);
+    if (luaL_newmetatable(L, CALL_MT)) {
+        lua_pushcfunction(L, call_gc);
         lua_setfield(L, -2, "__gc");
     }
     lua_pop(L, 1);

@@ -8,20 +8,21 @@
  * coroutine (task_entry), so an error or a cancellation unwinds `<close>` variables in a context
  * that can still yield; lua_resume never sees a Lua error except on memory exhaustion.
  *
- * The higher-level API (scope, all, race, map, semaphore) is Lua, in lua/moonbox/task.lua,
- * built only on what this file exports.
+ * This file owns tasks, parking, the drain, core.run, shutdown and the registry-ref leak
+ * check. The scheduler's other concerns are beside it, sharing task_internal.h: deadlines and
+ * sleep (task_deadline.c), conditions (task_cond.c), signals (task_signal.c), process facts
+ * such as stats and isatty (task_facts.c). The higher-level API (scope, all, race, map,
+ * semaphore) is Lua, in lua/moonbox/task.lua, built only on what these files export.
  */
 #include "mb.h"
+#include "task_internal.h"
 
-#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #define TASK_MT "moonbox.Task"
-#define COND_MT "moonbox.Cond"
 #define RT_KEY  "moonbox.runtime"
 
 /* Uservalue slots of a task userdata. */
@@ -43,7 +44,6 @@ static mb_runtime *g_rt;
 
 static void drain_cb(struct ev_loop *loop, ev_prepare *w, int revents);
 static void spin_cb(struct ev_loop *loop, ev_idle *w, int revents);
-static void deadline_cb(struct ev_loop *loop, ev_timer *w, int revents);
 
 /* ---- runtime -------------------------------------------------------------------------------- */
 
@@ -207,7 +207,7 @@ void mb_waitq_wake_all(mb_waitq *q)
     }
 }
 
-static void abort_waitq(mb_task *t, void *ud)
+void mbt_abort_waitq(mb_task *t, void *ud)
 {
     (void)ud;
     mb_waitq_remove(t);
@@ -334,7 +334,7 @@ static int raise_deadline(lua_State *L, mb_task *t, int level)
 
 /* ---- parking --------------------------------------------------------------------------------- */
 
-static int park_k(lua_State *L, int status, lua_KContext ctx)
+int mbt_park_k(lua_State *L, int status, lua_KContext ctx)
 {
     mb_task *t = (mb_task *)ctx;
     int reason = t->wake_reason;
@@ -372,7 +372,7 @@ int mb_task_park(lua_State *L, mb_task *t, mb_abort_fn abort, void *abort_ud, lu
     t->k = k;
     t->kctx = kctx;
     t->state = MB_TASK_PARKED;
-    return lua_yieldk(L, 0, (lua_KContext)t, park_k);
+    return lua_yieldk(L, 0, (lua_KContext)t, mbt_park_k);
 }
 
 void mb_task_wake(mb_task *t)
@@ -384,7 +384,7 @@ void mb_task_wake(mb_task *t)
 }
 
 /* Interrupts a parked task: runs its abort hook and queues it with the given reason. */
-static void interrupt(mb_task *t, int reason)
+void mbt_interrupt(mb_task *t, int reason)
 {
     mb_abort_fn abort = t->abort;
     void *ud = t->abort_ud;
@@ -400,61 +400,9 @@ void mb_task_cancel(mb_task *t)
 {
     if (t->state == MB_TASK_DONE) return;
     if (t->state == MB_TASK_PARKED)
-        interrupt(t, MB_WAKE_CANCEL);
+        mbt_interrupt(t, MB_WAKE_CANCEL);
     else
         t->cancel_pending = 1;
-}
-
-/* ---- deadlines ------------------------------------------------------------------------------- */
-
-static void deadline_rearm(mb_task *t)
-{
-    struct ev_loop *loop = t->rt->loop;
-    double next = -1;
-    ev_timer_stop(loop, &t->deadline_timer);
-    for (int i = 0; i < t->ndeadlines; i++)
-        if (!t->deadline_fired[i] && (next < 0 || t->deadline_at[i] < next))
-            next = t->deadline_at[i];
-    if (next < 0) return;
-    double after = next - ev_now(loop);
-    ev_timer_set(&t->deadline_timer, after > 0 ? after : 0, 0);
-    ev_timer_start(loop, &t->deadline_timer);
-}
-
-static void deadline_cb(struct ev_loop *loop, ev_timer *w, int revents)
-{
-    mb_task *t = (mb_task *)w->data;
-    double now = ev_now(loop);
-    int level = -1;
-    (void)revents;
-    for (int i = 0; i < t->ndeadlines; i++) {
-        if (!t->deadline_fired[i] && t->deadline_at[i] <= now + 1e-9) {
-            t->deadline_fired[i] = 1;
-            if (level < 0) level = i; /* the outermost expired level owns the expiry */
-        }
-    }
-    if (level >= 0 && t->state != MB_TASK_DONE) {
-        t->deadline_pending = level;
-        if (t->state == MB_TASK_PARKED) interrupt(t, MB_WAKE_DEADLINE);
-    }
-    deadline_rearm(t);
-}
-
-double mb_task_remaining(mb_task *t)
-{
-    double best = -1;
-    if (!t) return -1;
-    for (int i = 0; i < t->ndeadlines; i++)
-        if (!t->deadline_fired[i] && (best < 0 || t->deadline_at[i] < best))
-            best = t->deadline_at[i];
-    if (best < 0) return -1;
-    double left = best - ev_now(t->rt->loop);
-    return left > 0 ? left : 0;
-}
-
-static void deadline_stop(mb_task *t)
-{
-    ev_timer_stop(t->rt->loop, &t->deadline_timer);
 }
 
 /* ---- task lifecycle ------------------------------------------------------------------------- */
@@ -594,7 +542,7 @@ static void task_complete(mb_runtime *rt, mb_task *t, int status, int nres)
         t->ok = 0;
     }
     t->state = MB_TASK_DONE;
-    deadline_stop(t);
+    mbt_deadline_stop(t);
     if (ev_is_active(&t->sleep_timer)) ev_timer_stop(rt->loop, &t->sleep_timer);
     mb_waitq_remove(t);
     mb_waitq_wake_all(&t->joiners);
@@ -719,7 +667,7 @@ static int l_spawn(lua_State *L)
     t->state = MB_TASK_READY;
     t->ref = LUA_NOREF;
     t->deadline_pending = -1;
-    ev_timer_init(&t->deadline_timer, deadline_cb, 0, 0);
+    ev_timer_init(&t->deadline_timer, mbt_deadline_cb, 0, 0);
     t->deadline_timer.data = t;
     ev_timer_init(&t->sleep_timer, NULL, 0, 0);
     luaL_setmetatable(L, TASK_MT);
@@ -830,7 +778,7 @@ static int join_k(lua_State *L, int status, lua_KContext ctx)
     if (t->state != MB_TASK_DONE) { /* spurious: wait again */
         mb_task *self = mb_task_of(L);
         mb_waitq_push(&t->joiners, self);
-        return mb_task_park(L, self, abort_waitq, NULL, 0, join_k);
+        return mb_task_park(L, self, mbt_abort_waitq, NULL, 0, join_k);
     }
     t->observed = 1;
     return push_results(L, 1);
@@ -849,7 +797,7 @@ static int l_join(lua_State *L)
     if (self == t)
         return luaL_error(L, "task.join: a task cannot join itself (task %d)", (int)t->id);
     mb_waitq_push(&t->joiners, self);
-    return mb_task_park(L, self, abort_waitq, NULL, 0, join_k);
+    return mb_task_park(L, self, mbt_abort_waitq, NULL, 0, join_k);
 }
 
 /* core.result(task) -> nil (running) | true, results... | false, err. Marks it observed. */
@@ -1023,178 +971,12 @@ static int l_report_unobserved(lua_State *L)
     return 1;
 }
 
-/* ---- sleep, yield, deadlines ------------------------------------------------------------------
- */
+static mb_task *g_root; /* the task core.run is driving (signals cancel it) */
 
-static void sleep_timer_cb(struct ev_loop *loop, ev_timer *w, int revents)
+mb_task *mbt_root(void)
 {
-    (void)loop;
-    (void)revents;
-    mb_task_wake((mb_task *)w->data);
+    return g_root;
 }
-
-static void sleep_abort(mb_task *t, void *ud)
-{
-    (void)ud;
-    ev_timer_stop(t->rt->loop, &t->sleep_timer);
-}
-
-static int sleep_k(lua_State *L, int status, lua_KContext ctx)
-{
-    (void)L;
-    (void)status;
-    (void)ctx;
-    return 0;
-}
-
-/* core.sleep(seconds): waits that long (0 lets every other ready task run first) [yields]. */
-static int l_sleep(lua_State *L)
-{
-    double secs = luaL_checknumber(L, 1);
-    mb_task *t = mb_task_check_yieldable(L, "task.sleep");
-    if (secs != secs || secs < 0) return luaL_argerror(L, 1, "expected a number of seconds >= 0");
-    if (secs == 0) {
-        /* Park and queue ourselves at once: everything already ready runs first. */
-        if (t->cancel_pending || t->deadline_pending >= 0)
-            return mb_task_park(L, t, NULL, NULL, 0, sleep_k);
-        t->state = MB_TASK_PARKED;
-        t->abort = NULL;
-        t->k = sleep_k;
-        t->kctx = 0;
-        mb_task_wake(t);
-        return lua_yieldk(L, 0, (lua_KContext)t, park_k);
-    }
-    ev_timer_stop(t->rt->loop, &t->sleep_timer);
-    ev_timer_init(&t->sleep_timer, sleep_timer_cb, secs, 0);
-    t->sleep_timer.data = t;
-    ev_timer_start(t->rt->loop, &t->sleep_timer);
-    return mb_task_park(L, t, sleep_abort, NULL, 0, sleep_k);
-}
-
-/* core.deadline_push(seconds) -> level: the current task must finish what follows within
- * seconds, or within what an enclosing deadline leaves, whichever is smaller. */
-static int l_deadline_push(lua_State *L)
-{
-    double secs = luaL_checknumber(L, 1);
-    mb_task *t = mb_task_check_yieldable(L, "task.timeout");
-    if (secs != secs || secs < 0) return luaL_argerror(L, 1, "expected seconds >= 0");
-    if (t->ndeadlines >= MB_MAX_DEADLINES)
-        return luaL_error(L, "task.timeout: more than %d nested timeouts", MB_MAX_DEADLINES);
-    double at = ev_now(t->rt->loop) + secs;
-    for (int i = 0; i < t->ndeadlines; i++)
-        if (!t->deadline_fired[i] && t->deadline_at[i] < at) at = t->deadline_at[i];
-    t->deadline_at[t->ndeadlines] = at;
-    t->deadline_fired[t->ndeadlines] = 0;
-    t->ndeadlines++;
-    deadline_stop(t);
-    deadline_rearm(t);
-    lua_pushinteger(L, t->ndeadlines);
-    return 1;
-}
-
-/* core.deadline_pop(level): removes the innermost deadline, which must be `level`. */
-static int l_deadline_pop(lua_State *L)
-{
-    lua_Integer level = luaL_checkinteger(L, 1);
-    mb_task *t = mb_task_of(L);
-    if (!t) return luaL_error(L, "task.timeout: not inside a task");
-    if (level != t->ndeadlines)
-        return luaL_error(L, "task.timeout: deadline levels popped out of order (%d, top %d)",
-                          (int)level, t->ndeadlines);
-    t->ndeadlines--;
-    if (t->deadline_pending == t->ndeadlines) t->deadline_pending = -1;
-    deadline_stop(t);
-    deadline_rearm(t);
-    return 0;
-}
-
-/* core.remaining() -> seconds left before the nearest deadline, or nil. */
-static int l_remaining(lua_State *L)
-{
-    double r = mb_task_remaining(mb_task_of(L));
-    if (r < 0) return 0;
-    lua_pushnumber(L, r);
-    return 1;
-}
-
-/* core.now() -> the loop's monotonic clock in seconds. */
-static int l_now(lua_State *L)
-{
-    mb_runtime *rt = mb_runtime_get(L);
-    lua_pushnumber(L, ev_now(rt->loop));
-    return 1;
-}
-
-/* core.time() -> wall clock seconds since the epoch (with fraction). */
-static int l_time(lua_State *L)
-{
-    lua_pushnumber(L, ev_time());
-    return 1;
-}
-
-/* ---- conds --------------------------------------------------------------------------------- */
-
-typedef struct mb_cond {
-    mb_waitq q;
-} mb_cond;
-
-/* core.cond() -> Cond: a FIFO wait queue; cond:wait() [yields], cond:signal(), cond:broadcast(). */
-static int l_cond(lua_State *L)
-{
-    mb_cond *c = (mb_cond *)lua_newuserdatauv(L, sizeof(mb_cond), 0);
-    memset(c, 0, sizeof *c);
-    luaL_setmetatable(L, COND_MT);
-    return 1;
-}
-
-static int cond_wait_k(lua_State *L, int status, lua_KContext ctx)
-{
-    (void)L;
-    (void)status;
-    (void)ctx;
-    return 0;
-}
-
-static int cond_wait(lua_State *L)
-{
-    mb_cond *c = (mb_cond *)luaL_checkudata(L, 1, COND_MT);
-    mb_task *t = mb_task_check_yieldable(L, "cond:wait");
-    mb_waitq_push(&c->q, t);
-    return mb_task_park(L, t, abort_waitq, NULL, 0, cond_wait_k);
-}
-
-static int cond_signal(lua_State *L)
-{
-    mb_cond *c = (mb_cond *)luaL_checkudata(L, 1, COND_MT);
-    lua_pushboolean(L, mb_waitq_wake_one(&c->q));
-    return 1;
-}
-
-static int cond_broadcast(lua_State *L)
-{
-    mb_cond *c = (mb_cond *)luaL_checkudata(L, 1, COND_MT);
-    mb_waitq_wake_all(&c->q);
-    return 0;
-}
-
-static int cond_waiting(lua_State *L)
-{
-    mb_cond *c = (mb_cond *)luaL_checkudata(L, 1, COND_MT);
-    int n = 0;
-    for (mb_task *t = c->q.head; t; t = t->wq_next)
-        n++;
-    lua_pushinteger(L, n);
-    return 1;
-}
-
-static mb_task *g_root;          /* the task core.run is driving (signals cancel it) */
-static const char *g_signal_got; /* name of the first signal received, or NULL */
-static int g_signal_count;
-static ev_signal g_sig_watchers[2];
-static const struct {
-    const char *name;
-    int num;
-} g_signals[2] = {{"INT", SIGINT}, {"TERM", SIGTERM}};
 
 /* ---- running the loop -------------------------------------------------------------------- */
 
@@ -1251,28 +1033,6 @@ static int l_run(lua_State *L)
     return nres - 1;
 }
 
-/* core.stats() -> {tasks, refs, queued}. */
-static int l_stats(lua_State *L)
-{
-    mb_runtime *rt = mb_runtime_get(L);
-    int q = 0;
-    for (mb_task *t = rt->rq_head; t; t = t->rq_next)
-        q++;
-    lua_createtable(L, 0, 4);
-    mb_setfield_int(L, -1, "tasks", rt->tasks_live);
-    mb_setfield_int(L, -1, "refs", rt->refs_live);
-    mb_setfield_int(L, -1, "queued", q);
-    mb_setfield_int(L, -1, "unobserved_failures", rt->unobserved_failures);
-    return 1;
-}
-
-/* core.refs() -> the number of registry refs held by moonbox right now. */
-static int l_refs(lua_State *L)
-{
-    lua_pushinteger(L, mb_runtime_get(L)->refs_live);
-    return 1;
-}
-
 long mb_runtime_shutdown(lua_State *L)
 {
     lua_getfield(L, LUA_REGISTRYINDEX, RT_KEY);
@@ -1296,7 +1056,7 @@ long mb_runtime_shutdown(lua_State *L)
         if (t->abort) t->abort(t, t->abort_ud);
         t->abort = NULL;
         mb_waitq_remove(t);
-        deadline_stop(t);
+        mbt_deadline_stop(t);
         if (ev_is_active(&t->sleep_timer)) ev_timer_stop(rt->loop, &t->sleep_timer);
         all_unlink(rt, t);
         rt->tasks_live--;
@@ -1313,71 +1073,6 @@ long mb_runtime_shutdown(lua_State *L)
     }
     run_deferred(rt);
     return rt->refs_live;
-}
-
-/* ---- signals, shutdown, build facts ------------------------------------------------------- */
-
-static void signal_cb(struct ev_loop *loop, ev_signal *w, int revents)
-{
-    (void)loop;
-    (void)revents;
-    int i = (int)(w - g_sig_watchers);
-    g_signal_count++;
-    if (g_signal_got && g_signal_count > 1 && g_signals[i].num == SIGINT) {
-        /* Second Ctrl-C: the user wants out now; the ledger (moonbox reap) cleans up. */
-        static const char msg[] = "moonbox: second SIGINT, exiting without unwinding\n";
-        ssize_t r = write(2, msg, sizeof msg - 1);
-        (void)r;
-        _exit(130);
-    }
-    if (!g_signal_got) g_signal_got = g_signals[i].name;
-    if (g_root) mb_task_cancel(g_root);
-}
-
-/* core.signal_cancel({"INT","TERM"}) -> token: until signal_restore, those signals cancel the
- * task core.run drives; a second SIGINT exits at once with status 130. */
-static int l_signal_cancel(lua_State *L)
-{
-    mb_runtime *rt = mb_runtime_get(L);
-    luaL_checktype(L, 1, LUA_TTABLE);
-    g_signal_got = NULL;
-    g_signal_count = 0;
-    lua_Integer n = luaL_len(L, 1);
-    for (lua_Integer k = 1; k <= n; k++) {
-        lua_geti(L, 1, k);
-        const char *name = luaL_checkstring(L, -1);
-        for (int i = 0; i < 2; i++) {
-            if (strcmp(name, g_signals[i].name) == 0 && !ev_is_active(&g_sig_watchers[i])) {
-                ev_signal_init(&g_sig_watchers[i], signal_cb, g_signals[i].num);
-                ev_signal_start(rt->loop, &g_sig_watchers[i]);
-                ev_unref(rt->loop);
-            }
-        }
-        lua_pop(L, 1);
-    }
-    lua_pushboolean(L, 1);
-    return 1;
-}
-
-/* core.signal_restore(token): stops the watchers signal_cancel started. */
-static int l_signal_restore(lua_State *L)
-{
-    mb_runtime *rt = mb_runtime_get(L);
-    for (int i = 0; i < 2; i++) {
-        if (ev_is_active(&g_sig_watchers[i])) {
-            ev_ref(rt->loop);
-            ev_signal_stop(rt->loop, &g_sig_watchers[i]);
-        }
-    }
-    return 0;
-}
-
-/* core.signal_received() -> "INT"|"TERM"|nil. */
-static int l_signal_received(lua_State *L)
-{
-    if (!g_signal_got) return 0;
-    lua_pushstring(L, g_signal_got);
-    return 1;
 }
 
 /* core.shutdown(): cancels every task still running and lets them unwind (at most 5 s). */
@@ -1419,20 +1114,6 @@ static int l_leakcheck(lua_State *L)
     return 0;
 }
 
-/* core.isatty(fd) -> whether file descriptor fd (0, 1, 2, ...) is a terminal. */
-static int l_isatty(lua_State *L)
-{
-    lua_pushboolean(L, isatty((int)luaL_checkinteger(L, 1)) == 1);
-    return 1;
-}
-
-/* core.libev_version() -> "4.33". */
-static int l_libev_version(lua_State *L)
-{
-    lua_pushfstring(L, "%d.%d", ev_version_major(), ev_version_minor());
-    return 1;
-}
-
 /* core.traceback(task) -> the traceback recorded for a finished task's error, or nil. */
 static int l_task_traceback(lua_State *L)
 {
@@ -1458,32 +1139,10 @@ static const luaL_Reg core_funcs[] = {
     {"traceback_of", l_traceback_of},
     {"msgh", l_msgh},
     {"report_unobserved", l_report_unobserved},
-    {"sleep", l_sleep},
-    {"deadline_push", l_deadline_push},
-    {"deadline_pop", l_deadline_pop},
-    {"remaining", l_remaining},
-    {"now", l_now},
-    {"time", l_time},
-    {"cond", l_cond},
     {"run", l_run},
-    {"stats", l_stats},
-    {"refs", l_refs},
-    {"signal_cancel", l_signal_cancel},
-    {"signal_restore", l_signal_restore},
-    {"signal_received", l_signal_received},
     {"shutdown", l_shutdown},
     {"leakcheck", l_leakcheck},
-    {"libev_version", l_libev_version},
-    {"isatty", l_isatty},
     {"traceback", l_task_traceback},
-    {NULL, NULL},
-};
-
-static const luaL_Reg cond_methods[] = {
-    {"wait", cond_wait},
-    {"signal", cond_signal},
-    {"broadcast", cond_broadcast},
-    {"waiting", cond_waiting},
     {NULL, NULL},
 };
 
@@ -1499,11 +1158,6 @@ int luaopen_moonbox_core(lua_State *L)
         lua_setfield(L, -2, "__gc");
     }
     lua_pop(L, 1);
-    if (luaL_newmetatable(L, COND_MT)) {
-        luaL_newlib(L, cond_methods);
-        lua_setfield(L, -2, "__index");
-    }
-    lua_pop(L, 1);
 
     lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.unobserved");
     if (lua_isnil(L, -1)) {
@@ -1517,6 +1171,10 @@ int luaopen_moonbox_core(lua_State *L)
     lua_pop(L, 1);
 
     luaL_newlib(L, core_funcs);
+    mbt_open_deadlines(L);
+    mbt_open_conds(L);
+    mbt_open_signals(L);
+    mbt_open_facts(L);
     luaL_getmetatable(L, TASK_MT);
     lua_setfield(L, -2, "Task");
     luaL_getmetatable(L, "moonbox.Error");

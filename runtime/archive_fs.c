@@ -5,6 +5,8 @@
  */
 #include "archive_fs.h"
 
+#include "host_fs.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -116,48 +118,11 @@ char *archive_fs_join_rel(const char *prefix, const char *name, const char *suff
     return s;
 }
 
-/* Removes rootfd/path and everything below it, never following a symlink. path is relative to
- * rootfd, held in a PATH_MAX buffer that is extended in place while descending; only one
- * descriptor is open at a time, so depth is bounded by PATH_MAX, not by the fd limit. Used only
- * on our private staging directory, whose directories nobody else can swap for links.
- * Directories we may not enter or empty (modes from the archive) are made 0700 first.
- * Best effort: what cannot be removed is left. */
-static void remove_tree(int rootfd, char *path, size_t len)
-{
-    struct stat st;
-    if (fstatat(rootfd, path, &st, AT_SYMLINK_NOFOLLOW) != 0) return;
-    if (!S_ISDIR(st.st_mode)) {
-        unlinkat(rootfd, path, 0);
-        return;
-    }
-    if ((st.st_mode & 0700) != 0700) fchmodat(rootfd, path, 0700, 0);
-    int fd = openat(rootfd, path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd >= 0) {
-        char **names;
-        size_t n;
-        int ok = archive_fs_read_names(fd, &names, &n) == 0;
-        close(fd);
-        for (size_t i = 0; ok && i < n; i++) {
-            size_t nl = strlen(names[i]);
-            if (len + 1 + nl >= PATH_MAX) continue;
-            path[len] = '/';
-            memcpy(path + len + 1, names[i], nl + 1);
-            remove_tree(rootfd, path, len + 1 + nl);
-            path[len] = '\0';
-        }
-        if (ok) archive_fs_free_names(names, n);
-    }
-    unlinkat(rootfd, path, AT_REMOVEDIR);
-}
-
-/* Removes the entry `name` of the directory dirfd, whatever it is. */
+/* Removes the entry `name` of the directory dirfd, whatever it is (runtime/host_fs.c's one
+ * tree removal, opening up directory modes that came from an archive). */
 void archive_fs_remove_entry(int dirfd, const char *name)
 {
-    char path[PATH_MAX];
-    size_t len = strlen(name);
-    if (len >= PATH_MAX) return;
-    memcpy(path, name, len + 1);
-    remove_tree(dirfd, path, len);
+    host_fs_remove_tree(dirfd, name, HOST_FS_OPEN_MODES, NULL, 0);
 }
 
 /* Writes all of buf at offset off of fd. Returns 0 or -1 with errno. */

@@ -127,14 +127,12 @@ int archive_job_fail_nomem(archive_job *j)
 }
 /* ---- job lifecycle -------------------------------------------------------------------------- */
 
-/* Ownership of a job: two references, the worker's and the owner's, counted under the job's
- * mutex; whoever drops the last frees it. The ev_async is started and stopped on the loop thread
- * only; the worker sends it under the mutex and only while the owner has not released the job,
- * so the watcher is never touched after the owner stopped it. */
+/* Ownership of a job: the worker-job primitive (runtime/worker_job.c) holds the thread's and
+ * the owner's references and frees the job with job_free once both let go. */
 
-static void job_free(archive_job *j)
+static void job_free(void *arg)
 {
-    pthread_mutex_destroy(&j->mu);
+    archive_job *j = (archive_job *)arg;
     for (size_t i = 0; i < j->res.nitems; i++) {
         free(j->items[i].name);
         free(j->items[i].target);
@@ -149,19 +147,14 @@ static void job_free(archive_job *j)
 
 /* The loop thread learns that the worker finished. Records nothing itself: the result is in
  * the job; the owner's notify decides what it means (and must not call Lua). */
-static void job_done_cb(struct ev_loop *loop, ev_async *w, int revents)
+static void job_done(worker_job *w, void *ud)
 {
-    archive_job *j = (archive_job *)w->data;
-    (void)revents;
-    pthread_mutex_lock(&j->mu); /* pairs with the worker's unlock: its writes are visible */
-    int finished = j->finished;
-    pthread_mutex_unlock(&j->mu);
-    if (!finished) return;
-    ev_async_stop(loop, w);
+    archive_job *j = (archive_job *)ud;
+    (void)w;
     j->notify(j, j->notify_ud);
 }
 
-static void *job_main(void *arg)
+static void job_run(void *arg)
 {
     archive_job *j = (archive_job *)arg;
     switch (j->kind) {
@@ -185,13 +178,6 @@ static void *job_main(void *arg)
     j->res.member = j->member;
     j->res.items = j->items;
     live_unlink(j); /* after the partial output is gone: the wait at exit relies on it */
-    pthread_mutex_lock(&j->mu);
-    j->finished = 1;
-    if (!j->abandoned) ev_async_send(j->loop, &j->done_watcher);
-    int last = --j->refs == 0;
-    pthread_mutex_unlock(&j->mu);
-    if (last) job_free(j);
-    return NULL;
 }
 
 /* tarball.h has the caller's contract. Here: the job holds two references, the caller's (until
@@ -218,27 +204,14 @@ int archive_job_start(struct ev_loop *loop, const archive_job_opts *o, archive_j
     j->file_mode = o->file_mode;
     j->max_bytes = o->max_bytes;
     j->max_entries = o->max_entries;
-    j->loop = loop;
     j->notify = o->notify;
     j->notify_ud = o->notify_ud;
     atomic_init(&j->cancel, 0);
-    pthread_mutex_init(&j->mu, NULL);
-    j->refs = 2;
-    ev_async_init(&j->done_watcher, job_done_cb);
-    j->done_watcher.data = j;
-    ev_async_start(loop, &j->done_watcher);
     pthread_once(&g_atexit_once, register_exit_wait);
     live_link(j);
-
-    pthread_attr_t attr;
-    pthread_t tid;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int r = pthread_create(&tid, &attr, job_main, j);
-    pthread_attr_destroy(&attr);
+    int r = worker_job_start(loop, job_run, job_free, j, job_done, j, &j->work);
     if (r != 0) {
         live_unlink(j);
-        ev_async_stop(loop, &j->done_watcher);
         job_free(j);
         snprintf(err, errlen, "cannot start an archive worker thread: %s", strerror(r));
         return ARCHIVE_JOB_IO_ERROR;
@@ -255,10 +228,5 @@ const archive_job_result *archive_job_result_of(const archive_job *job)
 void archive_job_release(archive_job *j)
 {
     atomic_store(&j->cancel, 1);
-    pthread_mutex_lock(&j->mu);
-    j->abandoned = 1;
-    ev_async_stop(j->loop, &j->done_watcher);
-    int last = --j->refs == 0;
-    pthread_mutex_unlock(&j->mu);
-    if (last) job_free(j);
+    worker_job_release(j->work);
 }

@@ -10,6 +10,7 @@
 #define MOONBOX_ARCHIVE_JOB_H
 
 #include "tarball.h"
+#include "worker_job.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -26,17 +27,11 @@ struct archive_job {
     mode_t umask;
     int file_mode;
     uint64_t max_bytes, max_entries;
-    struct ev_loop *loop;
-    ev_async done_watcher; /* loop thread starts and stops it; the worker only sends it */
+    worker_job *work; /* the thread and the wake-up (runtime/worker_job.c) */
     archive_job_notify_fn notify;
     void *notify_ud;
 
     atomic_int cancel; /* set by release (or at exit); polled by the worker */
-
-    pthread_mutex_t mu; /* guards refs, abandoned, finished */
-    int refs;           /* 2 while both the worker and the owner hold the job */
-    int abandoned;      /* the owner released it; the watcher is stopped */
-    int finished;       /* the worker published res */
 
     /* Written by the worker only, read by the owner after notify. */
     archive_job_result res;

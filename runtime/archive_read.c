@@ -195,31 +195,29 @@ static int list_add(archive_job *j, struct archive_entry *e)
     return ARCHIVE_JOB_OK;
 }
 
+int archive_reader_next(archive_job *j, reader *r, struct archive_entry **e)
+{
+    *e = NULL;
+    struct archive_entry *m;
+    int st = archive_read_next_header(r->a, &m);
+    if (st == ARCHIVE_EOF) return archive_reader_finish(j, r);
+    if (st < ARCHIVE_WARN) return archive_reader_fail(j, r);
+    if (archive_job_cancelled(j)) return archive_job_fail_cancelled(j);
+    if (++j->res.entries > j->max_entries)
+        return archive_job_fail(j, ARCHIVE_JOB_TOO_LARGE, NULL, "max_entries",
+                                "%s has more than max_entries (%llu) members", j->src,
+                                (unsigned long long)j->max_entries);
+    *e = m;
+    return ARCHIVE_JOB_OK;
+}
+
 int archive_list_run(archive_job *j)
 {
     reader rd;
     int rc = archive_reader_open(j, &rd);
-    for (; rc == ARCHIVE_JOB_OK;) {
+    while (rc == ARCHIVE_JOB_OK) {
         struct archive_entry *e;
-        int r = archive_read_next_header(rd.a, &e);
-        if (r == ARCHIVE_EOF) {
-            rc = archive_reader_finish(j, &rd);
-            break;
-        }
-        if (r < ARCHIVE_WARN) {
-            rc = archive_reader_fail(j, &rd);
-            break;
-        }
-        if (archive_job_cancelled(j)) {
-            rc = archive_job_fail_cancelled(j);
-            break;
-        }
-        if (++j->res.entries > j->max_entries) {
-            rc = archive_job_fail(j, ARCHIVE_JOB_TOO_LARGE, NULL, "max_entries",
-                                  "%s has more than %llu members", j->src,
-                                  (unsigned long long)j->max_entries);
-            break;
-        }
+        if ((rc = archive_reader_next(j, &rd, &e)) != ARCHIVE_JOB_OK || !e) break;
         if ((rc = list_add(j, e)) != ARCHIVE_JOB_OK) break;
     }
     archive_reader_close(&rd);

@@ -48,6 +48,12 @@ int archive_reader_fail(archive_job *j, reader *r);
 /* After the last member: reads the rest of a gzip stream so its trailer is checked. */
 int archive_reader_finish(archive_job *j, reader *r);
 
+/* The next member of the archive, the one loop every reading job shares: ARCHIVE_JOB_OK with
+ * *e set; ARCHIVE_JOB_OK with *e NULL after the last member (the gzip trailer checked, as
+ * archive_reader_finish); or the failure (corrupt input, cancellation, more than max_entries
+ * members), recorded on the job. Counts members in j->res.entries. */
+int archive_reader_next(archive_job *j, reader *r, struct archive_entry **e);
+
 /* ARCHIVE_JOB_LIST: the members of j->src into j->items. */
 int archive_list_run(archive_job *j);
 

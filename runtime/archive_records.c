@@ -136,25 +136,7 @@ int archive_to_records_run(archive_job *j)
     if (rc == ARCHIVE_JOB_OK && !buf) rc = archive_job_fail_nomem(j);
     while (rc == ARCHIVE_JOB_OK) {
         struct archive_entry *e;
-        int r = archive_read_next_header(rd.a, &e);
-        if (r == ARCHIVE_EOF) {
-            rc = archive_reader_finish(j, &rd);
-            break;
-        }
-        if (r < ARCHIVE_WARN) {
-            rc = archive_reader_fail(j, &rd);
-            break;
-        }
-        if (archive_job_cancelled(j)) {
-            rc = archive_job_fail_cancelled(j);
-            break;
-        }
-        if (++j->res.entries > j->max_entries) {
-            rc = archive_job_fail(j, ARCHIVE_JOB_TOO_LARGE, NULL, "max_entries",
-                                  "the archive has more than %llu members",
-                                  (unsigned long long)j->max_entries);
-            break;
-        }
+        if ((rc = archive_reader_next(j, &rd, &e)) != ARCHIVE_JOB_OK || !e) break;
         const char *raw = archive_entry_pathname(e), *why = NULL;
         free(name);
         name = archive_normalize_name(raw ? raw : "", &why);

@@ -625,25 +625,10 @@ int archive_unpack_run(archive_job *j)
     }
     for (;;) {
         struct archive_entry *e;
-        int r = archive_read_next_header(us.rd.a, &e);
-        if (r == ARCHIVE_EOF) break;
-        if (r < ARCHIVE_WARN) {
-            rc = archive_reader_fail(j, &us.rd);
-            goto out;
-        }
-        if (archive_job_cancelled(j)) {
-            rc = archive_job_fail_cancelled(j);
-            goto out;
-        }
-        if (++j->res.entries > j->max_entries) {
-            rc = archive_job_fail(j, ARCHIVE_JOB_TOO_LARGE, NULL, "max_entries",
-                                  "%s has more than max_entries (%llu) members", j->src,
-                                  (unsigned long long)j->max_entries);
-            goto out;
-        }
+        if ((rc = archive_reader_next(j, &us.rd, &e)) != ARCHIVE_JOB_OK) goto out;
+        if (!e) break; /* the last member was read and the gzip trailer checked */
         if ((rc = unpack_member(&us, e)) != ARCHIVE_JOB_OK) goto out;
     }
-    if ((rc = archive_reader_finish(j, &us.rd)) != ARCHIVE_JOB_OK) goto out;
     if ((rc = apply_fixups(&us)) != ARCHIVE_JOB_OK) goto out;
     if (archive_job_cancelled(j)) {
         rc = archive_job_fail_cancelled(j);

@@ -18,6 +18,8 @@
  */
 #include "http_server.h"
 
+#include "jsonq.h"
+
 #include <microhttpd.h>
 
 #include <arpa/inet.h>
@@ -194,6 +196,22 @@ static int hs_hexval(int c)
     return -1;
 }
 
+void hs_query_each(const char *q, hs_query_fn fn, void *ud)
+{
+    while (*q) {
+        size_t n = strcspn(q, "&");
+        if (n > 0) {
+            const char *eq = memchr(q, '=', n);
+            size_t kn = eq ? (size_t)(eq - q) : n;
+            const char *v = eq ? eq + 1 : q + n;
+            size_t vn = eq ? n - kn - 1 : 0;
+            fn(ud, q, kn, v, vn);
+        }
+        q += n;
+        if (*q == '&') q++;
+    }
+}
+
 size_t hs_percent_decode(const char *src, size_t n, char *out, int plus_is_space)
 {
     size_t o = 0;
@@ -219,31 +237,6 @@ static int hs_is_tchar(int c)
 {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
            (c && strchr("!#$%&'*+-.^_`|~", c) != NULL);
-}
-
-/* Writes {"message":"<msg, JSON-escaped>"} into out (truncating a long message). */
-static void hs_json_message(char *out, size_t len, const char *msg)
-{
-    size_t o = 0;
-    const char *head = "{\"message\":\"";
-    size_t hl = strlen(head);
-    if (len < hl + 4) {
-        if (len) out[0] = '\0';
-        return;
-    }
-    memcpy(out, head, hl);
-    o = hl;
-    for (const unsigned char *p = (const unsigned char *)msg; *p && o + 8 < len; p++) {
-        if (*p == '"' || *p == '\\') {
-            out[o++] = '\\';
-            out[o++] = (char)*p;
-        } else if (*p < 0x20) {
-            o += (size_t)snprintf(out + o, len - o, "\\u%04x", *p);
-        } else {
-            out[o++] = (char)*p;
-        }
-    }
-    memcpy(out + o, "\"}", 3);
 }
 
 static void hs_notify(hs_request *r)
@@ -810,9 +803,8 @@ static enum MHD_Result hs_answer_now(hs_request *r, unsigned status, const char 
                                      const char *hname, const char *hvalue)
 {
     char body[512];
-    hs_json_message(body, sizeof body, msg);
-    struct MHD_Response *resp =
-        MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_COPY);
+    size_t blen = jsonq_message(body, sizeof body, msg, strlen(msg));
+    struct MHD_Response *resp = MHD_create_response_from_buffer(blen, body, MHD_RESPMEM_MUST_COPY);
     if (!resp) return MHD_NO;
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
     if (hname) MHD_add_response_header(resp, hname, hvalue);
@@ -1286,6 +1278,34 @@ int hs_request_respond_fd(hs_request *r, unsigned status, const hs_pair *headers
         return HS_ERR_NOMEM;
     }
     return hs_set_answer(r, status, resp, headers, nheaders, err, errlen);
+}
+
+int hs_failure_log(const char *code)
+{
+    if (!code) return HS_LOG_FAILURE;
+    if (strcmp(code, "cancelled") == 0 || strcmp(code, "client_gone") == 0) return HS_LOG_QUIET;
+    return strcmp(code, "no_response") == 0 ? HS_LOG_NO_RESPONSE : HS_LOG_FAILURE;
+}
+
+unsigned hs_failure_status(const char *code)
+{
+    return code && strcmp(code, "cancelled") == 0 ? 503 : 500;
+}
+
+int hs_request_respond_failure(hs_request *r, const char *code, const char *msg, size_t n,
+                               char *err, size_t errlen)
+{
+    size_t cap = 16 + JSONQ_BOUND(n);
+    char *body = (char *)malloc(cap);
+    if (!body) {
+        hs_seterr(err, errlen, "out of memory answering a failure");
+        return HS_ERR_NOMEM;
+    }
+    size_t len = jsonq_message(body, cap, msg, n);
+    hs_pair h = {"Content-Type", "application/json"};
+    int rc = hs_request_respond(r, hs_failure_status(code), &h, 1, body, len, err, errlen);
+    free(body);
+    return rc;
 }
 
 int hs_request_stream_open(hs_request *r, unsigned status, const hs_pair *headers, size_t nheaders,

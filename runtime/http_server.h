@@ -192,6 +192,22 @@ int hs_request_drop(hs_request *r, char *err, size_t errlen);
 int hs_request_respond(hs_request *r, unsigned status, const hs_pair *headers, size_t nheaders,
                        const void *body, size_t len, char *err, size_t errlen);
 
+/* The logging policy for a handler that failed, by its error code (NULL when the error was not
+ * a structured one): HS_LOG_QUIET for "cancelled" (the server is closing) and "client_gone"
+ * (nobody to tell), HS_LOG_NO_RESPONSE for "no_response" (one line, no traceback), else
+ * HS_LOG_FAILURE (the error and its traceback). */
+enum { HS_LOG_QUIET, HS_LOG_NO_RESPONSE, HS_LOG_FAILURE };
+int hs_failure_log(const char *code);
+
+/* The error-to-HTTP mapping for a handler that failed: the status for its error code (503 for
+ * "cancelled": the server is going away; 500 for anything else, NULL included). */
+unsigned hs_failure_status(const char *code);
+
+/* Answers a failed handler: hs_failure_status(code) with the JSON body {"message": msg}, msg
+ * quoted by runtime/jsonq.c (invalid UTF-8 becomes U+FFFD). Results as hs_request_respond. */
+int hs_request_respond_failure(hs_request *r, const char *code, const char *msg, size_t n,
+                               char *err, size_t errlen);
+
 /* Answers with size bytes read from fd (a regular file), which the request owns from now on
  * whatever the result. */
 int hs_request_respond_fd(hs_request *r, unsigned status, const hs_pair *headers, size_t nheaders,
@@ -216,6 +232,12 @@ void hs_request_stream_close(hs_request *r, int abort);
 /* Decodes %XX escapes (and '+' as a space when plus_is_space) of src[0..n) into out, which must
  * hold n + 1 bytes; malformed escapes are kept literally. Returns the decoded length. */
 size_t hs_percent_decode(const char *src, size_t n, char *out, int plus_is_space);
+
+/* The query-string split: calls fn(ud, key, klen, value, vlen) for each key=value pair of a raw
+ * (still percent-encoded) query string, in order; a pair without '=' has an empty value, and
+ * empty pairs ("a&&b") are skipped. Decoding is the caller's (hs_percent_decode). */
+typedef void (*hs_query_fn)(void *ud, const char *k, size_t kn, const char *v, size_t vn);
+void hs_query_each(const char *q, hs_query_fn fn, void *ud);
 
 /* Request records allocated in this process now (a diagnostic for leak tests). */
 long hs_live_requests(void);

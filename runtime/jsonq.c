@@ -28,7 +28,7 @@ static inline uint64_t needs_work(uint64_t w)
 }
 
 /* Length of the valid UTF-8 sequence at s[0..n), or 0 when it is invalid. */
-static size_t utf8_seq(const unsigned char *s, size_t n)
+static inline size_t utf8_seq(const unsigned char *s, size_t n)
 {
     unsigned c = s[0];
     if (c < 0x80) return 1;
@@ -127,4 +127,37 @@ int jsonq_utf8_valid(const unsigned char *s, size_t n)
         i += k;
     }
     return 1;
+}
+
+size_t jsonq_utf8_seq(const unsigned char *s, size_t n)
+{
+    return utf8_seq(s, n);
+}
+
+size_t jsonq_utf8_cut(const unsigned char *s, size_t n, size_t max)
+{
+    size_t k = max < n ? max : n;
+    /* Look back at most three bytes for the lead of the sequence the prefix ends in. */
+    for (size_t back = 1; back <= 3 && back <= k; back++) {
+        unsigned c = s[k - back];
+        if (c < 0x80) return k;             /* ASCII: the prefix ends on a whole character */
+        if ((c & 0xC0) == 0x80) continue;   /* a continuation byte: keep looking */
+        if (c < 0xC2 || c > 0xF4) return k; /* never a lead: invalid whatever follows */
+        size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+        return back < need ? k - back : k;
+    }
+    return k;
+}
+
+size_t jsonq_message(char *out, size_t cap, const char *msg, size_t n)
+{
+    static const char head[] = "{\"message\":";
+    size_t hl = sizeof head - 1;
+    size_t room = (cap - hl - 4) / 6; /* input bytes whose quotes surely fit, with '}' and NUL */
+    if (n > room) n = jsonq_utf8_cut((const unsigned char *)msg, n, room);
+    memcpy(out, head, hl);
+    size_t o = hl + jsonq_quote(out + hl, (const unsigned char *)msg, n);
+    out[o++] = '}';
+    out[o] = '\0';
+    return o;
 }

@@ -25,4 +25,20 @@ size_t jsonq_quote(char *out, const unsigned char *s, size_t n);
 /* Whether s[0..n) is entirely valid UTF-8 (as jsonq_quote judges it). */
 int jsonq_utf8_valid(const unsigned char *s, size_t n);
 
+/* Length of the valid UTF-8 sequence starting at s[0..n) (1 to 4), or 0 when the bytes there
+ * are not one (as jsonq_quote judges it; such a byte becomes U+FFFD). n must be at least 1. */
+size_t jsonq_utf8_seq(const unsigned char *s, size_t n);
+
+/* The one UTF-8 boundary cut: the length of the longest prefix of s[0..n), at most max bytes,
+ * that does not end inside a multi-byte sequence. A lead byte whose sequence would not fit is
+ * left out with its continuation bytes; bytes that are invalid anyway stay (jsonq_quote turns
+ * them into U+FFFD). With max >= n it splits off an incomplete sequence at the end, for the
+ * next chunk to complete. */
+size_t jsonq_utf8_cut(const unsigned char *s, size_t n, size_t max);
+
+/* Writes {"message":"<msg>"} (msg quoted as jsonq_quote does) into out, NUL-terminated, and
+ * returns its length. A message too long for cap bytes is cut at a UTF-8 boundary first. cap
+ * must be at least 16. */
+size_t jsonq_message(char *out, size_t cap, const char *msg, size_t n);
+
 #endif

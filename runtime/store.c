@@ -10,6 +10,8 @@
  */
 #include "store.h"
 
+#include "jsonq.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -489,16 +491,6 @@ static int is_space(unsigned char c)
     return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
 }
 
-/* Bytes in the UTF-8 sequence a lead byte starts; 1 for anything that is not a valid lead, so
- * invalid input still advances one byte at a time. */
-static size_t utf8_seq_len(unsigned char c)
-{
-    if (c >= 0xf0 && c < 0xf8) return 4;
-    if (c >= 0xe0) return c < 0xf0 ? 3 : 1;
-    if (c >= 0xc0) return 2;
-    return 1;
-}
-
 void store_sql_excerpt(const char *sql, size_t len, size_t max_chars, char *buf, size_t buflen)
 {
     size_t o = 0, chars = 0;
@@ -514,8 +506,8 @@ void store_sql_excerpt(const char *sql, size_t len, size_t max_chars, char *buf,
             i++;
             continue;
         }
-        size_t n = utf8_seq_len(c);
-        if (n > len - i) n = len - i;
+        size_t n = jsonq_utf8_seq((const unsigned char *)sql + i, len - i);
+        if (n == 0) n = 1; /* not UTF-8: one byte at a time */
         /* Room for the pending space, the character, "..." and the terminating NUL. */
         if (chars + (size_t)space + 1 > max_chars || o + (size_t)space + n + 4 > buflen) {
             cut = 1;

@@ -7,6 +7,7 @@ local task = require "moonbox.task"
 local httpd = require "moonbox.httpd"
 local http = require "moonbox.http"
 local json = require "moonbox.json"
+local strings = require "moonbox.strings"
 
 local tmp -- a private directory for this spec file
 local seq = 0
@@ -482,6 +483,16 @@ describe("httpd handler failures", function()
     assert.matches("stack traceback:", log, 1, true)
     assert.matches("httpd_spec.lua", log, 1, true)
   end))
+
+  it("answers a failure whose message is not UTF-8 with valid JSON, U+FFFD for each bad byte",
+    T.async(function()
+      local srv <close> = server { log = function() end }
+      srv:route("GET", "/bytes", function() error({ code = "custom", message = 'a"\255\226\130b' }) end)
+      local r = http.request { url = srv.url .. "/bytes" }
+      assert.are.equal(500, r.status)
+      assert.is_true(strings.utf8_valid(r.body), r.body)
+      assert.are.equal('{"message":"a\\"\239\191\189\239\191\189\239\191\189b"}', r.body)
+    end))
 
   it("sends handler failures to the log function when one is given", T.async(function()
     local lines = {}

@@ -15,6 +15,24 @@ describe("json.encode", function()
   end)
 end)
 
+describe("strings.utf8_cut", function()
+  it("cuts before a sequence that would not fit, never inside one", function()
+    local s = "a\226\130\172b" -- a, the euro sign (3 bytes), b
+    assert.are.equal(1, strings.utf8_cut(s, 1))
+    assert.are.equal(1, strings.utf8_cut(s, 2))
+    assert.are.equal(1, strings.utf8_cut(s, 3))
+    assert.are.equal(4, strings.utf8_cut(s, 4))
+    assert.are.equal(5, strings.utf8_cut(s, 9))
+    assert.are.equal(0, strings.utf8_cut(s, 0))
+  end)
+
+  it("without a limit splits off an incomplete sequence at the end", function()
+    assert.are.equal(1, strings.utf8_cut("a\240\159\152")) -- 3 of the 4 bytes of an emoji
+    assert.are.equal(5, strings.utf8_cut("a\240\159\152\128"))
+    assert.are.equal(2, strings.utf8_cut("a\255")) -- invalid anyway: kept for json_quote to replace
+  end)
+end)
+
 describe("strings.json_quote", function()
   it("escapes quotes, backslashes and control characters", function()
     assert.are.equal([["a\"b\\c\n\r\t\u0000\u001f"]], strings.json_quote('a"b\\c\n\r\t\0\31'))

@@ -329,6 +329,22 @@ describe("moonbox.local.engine", function()
     eng:terminate(dst)
   end))
 
+  it("keeps hard links within a captured layer as hard links", async(function()
+    local src = new_id("snap-links")
+    eng:create(src)
+    sh(eng, src, "mkdir -p /app && echo linked > /app/a && ln /app/a /app/b && ln /app/a /app/c")
+    local layer = STATE .. "/layers/links1"
+    eng:capture(src, layer, { kind = "filesystem" })
+    local function inode(path)
+      return proc.run({ "stat", "-c", "%i %h", layer .. path }).stdout
+    end
+    local a = inode("/app/a")
+    assert.matches("^%d+ 3\n$", a)
+    assert.are.equal(a, inode("/app/b"))
+    assert.are.equal(a, inode("/app/c"))
+    eng:terminate(src)
+  end))
+
   it("restores /dev from a runtime snapshot", async(function()
     local src, dst = new_id("rt-src"), new_id("rt-dst")
     eng:create(src)

@@ -338,6 +338,58 @@ if not schedule.running() then print("one-off") end]])
   end))
 end)
 
+describe("moonbox schedule FILE --stop from another process", function()
+  local e, live
+  after_each(run(function()
+    for _, d in ipairs(live or {}) do pcall(d.stop, d, "KILL") end
+    live = nil
+    if e then e:destroy() end
+    e = nil
+  end))
+
+  it("stops the daemon, cancelling its run; with --drain lets the run finish; exit 0 each time", T.async(function()
+    -- each run holds until DIR/release exists; the spec removes it before the next daemon
+    e = env_new(PRELUDE .. [[schedule.every("h", "10m", function()
+  print("holding") io.stdout:flush()
+  while not io.open("]] .. "RELEASE" .. [[") do task.sleep(0.05) end
+end)]])
+    local release = e.dir .. "/release"
+    local f = assert(io.open(e.recipe))
+    local text = f:read("a"):gsub("RELEASE", release)
+    f:close()
+    f = assert(io.open(e.recipe, "w"))
+    f:write(text)
+    f:close()
+    live = {}
+    local d = e:daemon()
+    live[1] = d
+    d:wait_for("holding")
+    local r = e:moonbox { "schedule", e.recipe, "--stop" }
+    assert.are.equal(0, r.code, r.stdout .. r.stderr)
+    assert.matches("asked 1 daemon%(s%) to stop: ", r.stdout)
+    assert.matches("1 stopped", r.stdout)
+    assert.are.equal(0, d:stop("CONT"), table.concat(d.log, "\n")) -- it exits by itself
+    local rows = e:runs("h")
+    assert.are.equal("cancelled", rows[#rows].outcome)
+    assert.matches("a %-%-stop request from ", rows[#rows].error)
+    d = e:daemon(clock.format(rows[#rows].slot_unix + 60))
+    live[2] = d
+    d:wait_for("holding")
+    local drain = task.spawn(function() return e:moonbox { "schedule", e.recipe, "--stop", "--drain" } end)
+    d:wait_for("waiting for 1 run%(s%) to finish")
+    assert(io.open(release, "w")):close()
+    r = task.join(drain)
+    assert.are.equal(0, r.code, r.stdout .. r.stderr)
+    assert.matches("1 of 1 daemon%(s%) acknowledged, 1 stopped", r.stdout)
+    assert.are.equal(0, d:stop("CONT"), table.concat(d.log, "\n"))
+    rows = e:runs("h")
+    assert.are.equal("ok", rows[#rows].outcome, rows[#rows].error)
+    r = e:moonbox { "schedule", e.recipe, "--stop" }
+    assert.are.equal(0, r.code, r.stderr)
+    assert.matches("no live daemon fires h", r.stdout)
+  end))
+end)
+
 describe("a schedule's budget (max_sandboxes, max_sandbox_seconds)", function()
   local B, e
   setup(run(function() B = L.start() end))

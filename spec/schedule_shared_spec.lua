@@ -51,11 +51,13 @@ function World:env(i)
   return v
 end
 
---- world:daemon() -> d: a running `moonbox schedule` whose log is read into d.log. [yields]
-function World:daemon()
+--- world:daemon([args]) -> d: a running `moonbox schedule FILE [args]` whose log is read into
+-- d.log. [yields]
+function World:daemon(args)
   local i = #self.daemons + 1
   local argv = self:env(i)
   for _, a in ipairs { L.BIN, "schedule", self.recipe } do argv[#argv + 1] = a end
+  for _, a in ipairs(args or {}) do argv[#argv + 1] = a end
   argv.stderr = "inherit"
   local d = { i = i, p = proc.spawn(argv), log = {} }
   local lines = d.p:lines("stdout")
@@ -363,5 +365,223 @@ end)
     ps = w:moonbox { "ps" }
     assert.are.equal(0, ps.code, ps.stderr)
     assert.is_nil(ps.stdout:find("holds", 1, true), ps.stdout)
+  end))
+end)
+
+--- world:background(args) -> t: a fourth process run in a task; task.join(t) -> its proc.run
+-- result. [yields when joined]
+function World:background(args)
+  return task.spawn(function() return self:moonbox(args) end)
+end
+
+--- The lines of daemon d's log after the first one matching pattern (nil when none matches).
+local function after_line(d, pattern)
+  for i, l in ipairs(d.log) do
+    if l:match(pattern) then return { table.unpack(d.log, i + 1) } end
+  end
+end
+
+-- The first run holds until DIR/release exists (or its task is cancelled); the others return.
+local HOLD = [[
+local schedule = require "moonbox.schedule"
+local task = require "moonbox.task"
+schedule.every("h", "1s", function(run)
+  if io.open("DIR/held") then return end
+  assert(io.open("DIR/held", "w")):close()
+  print(string.format("HELD run %d", run.id)) io.stdout:flush()
+  while not io.open("DIR/release") do task.sleep(0.05) end
+  assert(io.open("DIR/released", "w")):close()
+end)
+]]
+
+describe("moonbox schedule FILE --stop from a fourth process", function()
+  local w
+  after_each(run(function() if w then w:destroy() end w = nil end))
+
+  local function held_run(w_)
+    local id
+    w_:wait("a held run", function()
+      for _, d in ipairs(w_.daemons) do
+        for _, l in ipairs(d.log) do
+          id = id or tonumber(l:match("^HELD run (%d+)"))
+        end
+      end
+      return id ~= nil
+    end)
+    return id
+  end
+
+  it("--drain: every daemon stops firing, the run in progress finishes ok, all exit 0; a daemon " ..
+    "started after the request is not stopped by it", T.async(function()
+    w = world("drain", HOLD, 10)
+    for _ = 1, 3 do w:daemon() end
+    local id = held_run(w)
+    local stop = w:background { "schedule", w.recipe, "--stop", "--drain", "--timeout", "60" }
+    w:wait("all acknowledged", function() return w:count("request from .*: acknowledged") == 3 end)
+    local late = w:daemon() -- after the request: it must not be stopped by it
+    w:wait("late one started", function() return w:count("^%S+ started: ", late) == 1 end)
+    assert(io.open(w.dir .. "/release", "w")):close()
+    local r = task.join(stop)
+    assert.are.equal(0, r.code, r.stdout .. r.stderr)
+    assert.matches("asked 3 daemon%(s%) to stop after their runs in progress", r.stdout)
+    assert.matches("3 of 3 daemon%(s%) acknowledged, 3 stopped", r.stdout)
+    for i = 1, 3 do
+      local d = w.daemons[i]
+      assert.are.equal(0, d.p:wait(), table.concat(d.log, "\n"))
+      pcall(task.join, d.reader)
+      -- once acknowledged, it fired nothing more
+      for _, l in ipairs(after_line(d, "acknowledged")) do
+        assert.is_nil(l:match("run %d+ started") or l:match("skipped") or l:match("claimed by another"), l)
+      end
+    end
+    local oks = w:count("h: run %d+ ok", late)
+    w:wait("the late daemon fires", function() return w:count("h: run %d+ ok", late) >= oks + 2 end)
+    assert.are.equal(0, w:count("acknowledged", late))
+    assert.are.equal(0, w:stop(late), table.concat(late.log, "\n"))
+    local held
+    for _, x in ipairs(w:runs()) do if x.id == id then held = x end end
+    assert.are.equal("ok", held.outcome, held.error)
+    assert.is_not_nil(io.open(w.dir .. "/released"))
+  end))
+
+  it("without --drain: the run in progress is recorded cancelled by its daemon and all exit 0",
+    T.async(function()
+      w = world("stop", HOLD, 10)
+      for _ = 1, 2 do w:daemon() end
+      local id = held_run(w)
+      local r = w:moonbox { "schedule", w.recipe, "--stop" }
+      assert.are.equal(0, r.code, r.stdout .. r.stderr)
+      assert.matches("asked 2 daemon%(s%) to stop: ", r.stdout)
+      assert.matches("2 of 2 daemon%(s%) acknowledged, 2 stopped", r.stdout)
+      for _, d in ipairs(w.daemons) do
+        assert.are.equal(0, d.p:wait(), table.concat(d.log, "\n"))
+        pcall(task.join, d.reader)
+      end
+      local held
+      for _, x in ipairs(w:runs()) do
+        assert.is_true(x.outcome ~= "running" and x.outcome ~= "queued", x.id .. " " .. x.outcome)
+        if x.id == id then held = x end
+      end
+      assert.are.equal("cancelled", held.outcome)
+      assert.matches("^cancelled: the daemon stopped %(a %-%-stop request from ", held.error)
+      assert.is_nil(io.open(w.dir .. "/released"))
+      -- nobody left to ask: it says so and succeeds
+      r = w:moonbox { "schedule", w.recipe, "--stop" }
+      assert.are.equal(0, r.code, r.stderr)
+      assert.matches("no live daemon fires h", r.stdout)
+    end))
+end)
+
+describe("a plain --stop while the daemons drain", function()
+  local w
+  after_each(run(function() if w then w:destroy() end w = nil end))
+
+  it("cancels the runs the drain waits for; both commands see the daemon stop", T.async(function()
+    w = world("escalate", HOLD, 10)
+    local d = w:daemon()
+    w:wait("a held run", function() return w:count("^HELD run %d+") == 1 end)
+    local id
+    for _, l in ipairs(d.log) do id = tonumber(l:match("^HELD run (%d+)")) or id end
+    local drain = w:background { "schedule", w.recipe, "--stop", "--drain" }
+    w:wait("draining", function() return w:count("waiting for 1 run%(s%) to finish", d) == 1 end)
+    local r = w:moonbox { "schedule", w.recipe, "--stop" }
+    assert.are.equal(0, r.code, r.stdout .. r.stderr)
+    assert.matches("1 of 1 daemon%(s%) acknowledged, 1 stopped", r.stdout)
+    local r2 = task.join(drain)
+    assert.are.equal(0, r2.code, r2.stdout .. r2.stderr)
+    assert.matches("1 stopped", r2.stdout)
+    assert.are.equal(0, d.p:wait(), table.concat(d.log, "\n"))
+    pcall(task.join, d.reader)
+    local held
+    for _, x in ipairs(w:runs()) do if x.id == id then held = x end end
+    assert.are.equal("cancelled", held.outcome)
+    assert.matches("after a drain%)$", held.error)
+    assert.is_nil(io.open(w.dir .. "/released"))
+  end))
+end)
+
+describe("overlap = cancel_other across processes on one database", function()
+  local w
+  after_each(run(function() if w then w:destroy() end w = nil end))
+
+  it("the older run is cancelled by the process that holds it, then the new slot runs", T.async(function()
+    w = world("cancel", [[
+local schedule = require "moonbox.schedule"
+local task = require "moonbox.task"
+schedule.every("c", "10s", function(run)
+  if run.trigger == "manual" then
+    print("HELD") io.stdout:flush()
+    task.sleep(600) -- until a cancel reaches it
+  end
+end, { overlap = "cancel_other" })
+]], 10)
+    -- the older run: a --trigger in a process of its own, holding it under its lease
+    local holder = w:daemon { "--trigger", "c" }
+    w:wait("held", function() return w:count("^HELD$", holder) == 1 end)
+    local d = w:daemon()
+    w:wait("the next slot ran", function() return w:count("c: run %d+ ok", d) >= 1 end)
+    w:wait("the holder exits", function() return holder.eof end)
+    assert.are.equal(1, holder.p:wait(), table.concat(holder.log, "\n")) -- its run did not succeed
+    pcall(task.join, holder.reader)
+    assert.are.equal(1, w:count("asked %S+ to cancel run", d))
+    assert.are.equal(1, w:count("another daemon asked to cancel it", holder))
+    assert.are.equal(0, w:stop(d), table.concat(d.log, "\n"))
+    local manual, next_run
+    for _, x in ipairs(w:runs()) do
+      if x.trigger == "manual" then
+        manual = x
+      elseif manual and not next_run and x.outcome == "ok" then
+        next_run = x
+      end
+    end
+    assert.are.equal("cancelled", manual.outcome)
+    local slot = manual.error:match("^cancelled by the fire of slot (%S+) on %S+ %(overlap = cancel_other%)$")
+    assert.is_not_nil(slot, manual.error)
+    assert.are.equal(slot, next_run.slot)
+    assert.is_true(next_run.id > manual.id)
+    assert.is_true(next_run.started_unix >= manual.ended_unix)
+  end))
+end)
+
+describe("overlap = buffer_one across processes on one database", function()
+  local w
+  after_each(run(function() if w then w:destroy() end w = nil end))
+
+  it("queues one slot behind a run another process holds, skips the next, and starts the queued " ..
+    "one when that run ends", T.async(function()
+    w = world("buffer", [[
+local schedule = require "moonbox.schedule"
+local task = require "moonbox.task"
+schedule.every("b", "10s", function(run)
+  if run.trigger == "manual" then
+    print("HELD") io.stdout:flush()
+    while not io.open("DIR/release") do task.sleep(0.05) end
+  end
+end, { overlap = "buffer_one" })
+]], 10)
+    local holder = w:daemon { "--trigger", "b" }
+    w:wait("held", function() return w:count("^HELD$", holder) == 1 end)
+    local d = w:daemon()
+    w:wait("queued, then a skip", function()
+      return w:count("queued %(record %d+%) behind run %d+ on", d) == 1
+        and w:count("was already queued %(overlap = buffer_one%)", d) >= 1
+    end)
+    assert(io.open(w.dir .. "/release", "w")):close()
+    w:wait("the holder exits", function() return holder.eof end)
+    assert.are.equal(0, holder.p:wait(), table.concat(holder.log, "\n"))
+    pcall(task.join, holder.reader)
+    w:wait("the queued slot ran", function() return w:count("b: run %d+ ok", d) >= 1 end)
+    assert.are.equal(0, w:stop(d), table.concat(d.log, "\n"))
+    local manual, queued, skipped = nil, nil, 0
+    for _, x in ipairs(w:runs()) do
+      if x.trigger == "manual" then manual = x end
+      if x.outcome == "skipped" then skipped = skipped + 1 end
+      if x.trigger ~= "manual" and x.outcome ~= "skipped" and not queued then queued = x end
+    end
+    assert.are.equal("ok", manual.outcome)
+    assert.is_true(skipped >= 1)
+    assert.are.equal("ok", queued.outcome, queued.error)
+    assert.is_true(queued.fired_unix < manual.ended_unix, "it was fired while the other run held")
+    assert.is_true(queued.started_unix >= manual.ended_unix, "it started after the other run ended")
   end))
 end)

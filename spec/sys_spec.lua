@@ -9,14 +9,6 @@ local sys = require "moonbox.sys"
 local DIR = string.format("/tmp/moonbox-sys-spec-%d-%d", os.time(), math.random(1e6))
 local errors_with = T.errors_with
 
-local function finish(job)
-  while true do
-    local r = job:poll()
-    if r ~= nil then return r end
-    task.sleep(0.001)
-  end
-end
-
 local function write(path, text)
   local f = assert(io.open(path, "wb"))
   f:write(text)
@@ -79,7 +71,7 @@ describe("moonbox.sys", function()
 
   it("umount of a path that is not a mount point raises naming it", T.async(function()
     sys.mkdir_p(DIR .. "/notmount")
-    local err = errors_with("invalid", function() return finish(sys.umount_start(DIR .. "/notmount", true)) end)
+    local err = errors_with("invalid", function() return sys.umount(DIR .. "/notmount", true) end)
     assert.are.equal("sys.umount", err.op)
     assert.truthy(err.message:find(DIR .. "/notmount", 1, true))
   end))
@@ -93,11 +85,19 @@ describe("moonbox.sys", function()
     local names = sys.listdir(DIR .. "/ov/m")
     table.sort(names)
     assert.are.same({ "base", "new", "top" }, names)
-    assert.are.equal("unmounted", finish(sys.umount_start(DIR .. "/ov/m", true)))
+    assert.are.equal("unmounted", sys.umount(DIR .. "/ov/m", true))
     assert.are.same({ "new" }, sys.listdir(DIR .. "/ov/u"))
-    assert.is_true(finish(sys.remove_tree_start(DIR .. "/ov")))
+    assert.is_true(sys.remove_tree(DIR .. "/ov"))
     errors_with("not_found", sys.listdir, DIR .. "/ov")
-    assert.is_true(finish(sys.remove_tree_start(DIR .. "/ov"))) -- already gone: fine
+    assert.is_true(sys.remove_tree(DIR .. "/ov")) -- already gone: fine
+  end))
+
+  it("mount_overlay with options longer than a page raises too_long naming the target", T.async(function()
+    local lowers = {}
+    for i = 1, 100 do lowers[i] = DIR .. "/" .. string.rep("l", 40) .. i end
+    local err = errors_with("too_long", sys.mount_overlay, lowers, DIR .. "/u", DIR .. "/w", DIR .. "/m")
+    assert.are.equal("sys.mount_overlay", err.op)
+    assert.are.equal(DIR .. "/m", err.path)
   end))
 
   it("mount_overlay of a missing directory raises naming the target", T.async(function()
@@ -106,6 +106,28 @@ describe("moonbox.sys", function()
     assert.are.equal("sys.mount_overlay", err.op)
     assert.truthy(err.message:find(DIR .. "/nowhere", 1, true))
   end))
+
+  it("remove_tree parks only its caller: other tasks run while the worker removes", T.async(function()
+    local base = DIR .. "/parked"
+    sys.mkdir_p(base .. "/a/b/c", 493)
+    for i = 1, 200 do write(base .. "/a/f" .. i, "x") end
+    local ticks, done = 0, false
+    local ticker = task.spawn(function()
+      while not done do
+        ticks = ticks + 1
+        task.yield()
+      end
+    end)
+    assert.is_true(sys.remove_tree(base))
+    done = true
+    task.join(ticker)
+    assert.is_nil(io.open(base .. "/a/f1"))
+    assert.is_true(ticks >= 1)
+  end))
+
+  it("remove_tree outside a task is refused, not blocking the loop", function()
+    assert.has_error(function() sys.remove_tree(DIR .. "/nothing") end)
+  end)
 
   it("getcwd is the absolute working directory", T.async(function()
     local cwd = sys.getcwd()
@@ -119,10 +141,10 @@ describe("moonbox.sys", function()
     assert.are.equal(0, require("moonbox.proc").run({ "mount", "-t", "tmpfs", "none", base .. "/m" }).code)
     local f = assert(io.open(base .. "/m/keep", "w"))
     f:close()
-    local ok, err = pcall(finish, sys.remove_tree_start(base))
+    local ok, err = pcall(sys.remove_tree, base)
     local kept = io.open(base .. "/m/keep") ~= nil
-    finish(sys.umount_start(base .. "/m", true))
-    finish(sys.remove_tree_start(base))
+    sys.umount(base .. "/m", true)
+    sys.remove_tree(base)
     assert.is_false(ok)
     assert.truthy(tostring(err):find(base .. "/m", 1, true))
     assert.is_true(kept)

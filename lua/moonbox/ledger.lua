@@ -61,8 +61,10 @@ M.pid_start = pid_start
 function M.open(where)
   local db = db_mod.open(where)
   -- leases: the ids of the runs and schedule runs this process holds leases on (renew).
+  -- renew_hooks: functions the keeper calls after each renewal (the schedule daemon reads the
+  -- requests other machines left it there: one wake for both).
   return setmetatable({ db = db, path = db:describe(), shared = db.shared,
-    leases = { runs = {}, schedule_runs = {} } }, Ledger)
+    leases = { runs = {}, schedule_runs = {} }, renew_hooks = {} }, Ledger)
 end
 
 --- ledger:now() -> the time leases are reckoned in: the database server's clock on
@@ -208,15 +210,17 @@ function Ledger:renew()
       until_, runs)
   end
   if sruns then
+    -- owner: a queued record another daemon took over (buffer_one) is that daemon's to renew
     self.db:run("UPDATE schedule_runs SET lease_until = ? WHERE id = ANY (?::bigint[]) " ..
-      "AND outcome IN ('queued', 'running')", until_, sruns)
+      "AND outcome IN ('queued', 'running') AND owner = ?", until_, sruns, M.owner())
   end
   return until_
 end
 
 --- ledger:keep_alive([on_error]) -> task or nil: on PostgreSQL, the task that renews this
 -- ledger's leases (ledger:renew) every third of ledger.LEASE until it is cancelled (one per
--- ledger: a second call returns the running one); on_error(err) hears a renewal that failed
+-- ledger: a second call returns the running one), then calls each of ledger.renew_hooks (in
+-- order; they may yield); on_error(err) hears a renewal or a hook that failed
 -- (the next one tries again). nil on SQLite. Does not yield.
 function Ledger:keep_alive(on_error)
   if not self.shared then return nil end
@@ -225,6 +229,10 @@ function Ledger:keep_alive(on_error)
     while true do
       task.sleep(M.LEASE / 3)
       local ok, err = pcall(self.renew, self)
+      for _, hook in ipairs(ok and self.renew_hooks or {}) do
+        ok, err = pcall(hook)
+        if not ok then break end
+      end
       if not ok then
         if task.is_cancelled(err) then error(err, 0) end
         if on_error then on_error(err) end

@@ -42,6 +42,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "linkmap.h"
 #include "sandbox.h"
 
 #define EX_NOT_FOUND   2
@@ -457,40 +458,16 @@ static int excluded(const struct spec *s, const char *name)
     return 0;
 }
 
-/* Regular files with several links, by device and inode: the first path packed, so later ones
- * go as hard links (open addressing, grown at half full; O(1) per file). */
-typedef struct link_slot {
-    dev_t dev;
-    ino_t ino;
-    char *path;
-} link_slot;
-static link_slot *links;
-static size_t links_cap, links_n;
+/* Regular files with several links: the first path packed, so later ones go as hard links. */
+static linkmap links;
 
+/* The path packed first for st's file, or NULL (then rel is recorded as that path; without
+ * memory it is not, and the file is packed as a copy). */
 static const char *link_seen(const struct stat *st, const char *rel)
 {
-    if (links_n * 2 >= links_cap) {
-        size_t ncap = links_cap ? links_cap * 2 : 256;
-        link_slot *nl = calloc(ncap, sizeof *nl);
-        if (!nl) return NULL; /* no memory: packed as a copy */
-        for (size_t i = 0; i < links_cap; i++)
-            if (links[i].path) {
-                size_t h = ((size_t)links[i].ino * 31u + (size_t)links[i].dev) % ncap;
-                while (nl[h].path)
-                    h = (h + 1) % ncap;
-                nl[h] = links[i];
-            }
-        free(links);
-        links = nl;
-        links_cap = ncap;
-    }
-    size_t h = ((size_t)st->st_ino * 31u + (size_t)st->st_dev) % links_cap;
-    for (; links[h].path; h = (h + 1) % links_cap)
-        if (links[h].dev == st->st_dev && links[h].ino == st->st_ino) return links[h].path;
-    links[h].dev = st->st_dev;
-    links[h].ino = st->st_ino;
-    links[h].path = strdup(rel);
-    if (links[h].path) links_n++;
+    const char *first = linkmap_find(&links, st);
+    if (first) return first;
+    linkmap_add(&links, st, rel);
     return NULL;
 }
 

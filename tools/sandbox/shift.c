@@ -32,6 +32,7 @@
 #include <sys/xattr.h>
 #include <unistd.h>
 
+#include "linkmap.h"
 #include "sandbox.h"
 
 #define CAPTURE_DEPTH_MAX 512
@@ -40,13 +41,7 @@ static unsigned long g_base;
 static dev_t g_dev;
 static unsigned long long g_bytes;
 
-struct link_seen {
-    dev_t dev;
-    ino_t ino;
-    char *path; /* relative to the destination root */
-};
-static struct link_seen *links;
-static size_t nlinks, caplinks;
+static linkmap links; /* paths relative to the destination root */
 
 static unsigned shift_id(unsigned id)
 {
@@ -130,44 +125,6 @@ static void copy_data(int sfd, int dfd, const struct stat *st, const char *rel)
     if (ftruncate(dfd, st->st_size) < 0) die("capture: setting the size of", rel, errno);
 }
 
-/* Regular files with several links, by device and inode, and the path of the first copy:
- * open addressing, grown at half full, O(1) per file (a list made a layer of many links
- * quadratic). */
-static const char *seen_link(const struct stat *st)
-{
-    if (!caplinks) return NULL;
-    size_t h = ((size_t)st->st_ino * 31u + (size_t)st->st_dev) % caplinks;
-    for (; links[h].path; h = (h + 1) % caplinks)
-        if (links[h].dev == st->st_dev && links[h].ino == st->st_ino) return links[h].path;
-    return NULL;
-}
-
-static void remember_link(const struct stat *st, const char *rel)
-{
-    if (nlinks * 2 >= caplinks) {
-        size_t ncap = caplinks ? caplinks * 2 : 256;
-        struct link_seen *nl = calloc(ncap, sizeof *nl);
-        if (!nl) die("capture", NULL, ENOMEM);
-        for (size_t i = 0; i < caplinks; i++)
-            if (links[i].path) {
-                size_t h = ((size_t)links[i].ino * 31u + (size_t)links[i].dev) % ncap;
-                while (nl[h].path)
-                    h = (h + 1) % ncap;
-                nl[h] = links[i];
-            }
-        free(links);
-        links = nl;
-        caplinks = ncap;
-    }
-    size_t h = ((size_t)st->st_ino * 31u + (size_t)st->st_dev) % caplinks;
-    while (links[h].path)
-        h = (h + 1) % caplinks;
-    links[h].dev = st->st_dev;
-    links[h].ino = st->st_ino;
-    if (!(links[h].path = strdup(rel))) die("capture", NULL, ENOMEM);
-    nlinks++;
-}
-
 static int g_dst_root;
 
 /* Copies the directory open on sdir into the one open on ddir (rel: its path, for messages),
@@ -203,7 +160,7 @@ static void copy_tree(int sdir, int ddir, const char *rel, int depth)
             copy_xattrs(sdir, n, ddir, n, sub);
             finish(ddir, n, &st, sub);
         } else if (S_ISREG(st.st_mode)) {
-            const char *prev = st.st_nlink > 1 ? seen_link(&st) : NULL;
+            const char *prev = st.st_nlink > 1 ? linkmap_find(&links, &st) : NULL;
             if (prev) {
                 if (linkat(g_dst_root, prev + 1, ddir, n, 0) < 0) die("capture: link", sub, errno);
                 continue;
@@ -217,7 +174,7 @@ static void copy_tree(int sdir, int ddir, const char *rel, int depth)
             close(dfd);
             copy_xattrs(sdir, n, ddir, n, sub);
             finish(ddir, n, &st, sub);
-            if (st.st_nlink > 1) remember_link(&st, sub);
+            if (st.st_nlink > 1 && linkmap_add(&links, &st, sub) != 0) die("capture", NULL, ENOMEM);
         } else if (S_ISLNK(st.st_mode)) {
             char target[4096];
             ssize_t l = readlinkat(sdir, n, target, sizeof target - 1);

@@ -11,6 +11,9 @@
 --   3  runs.local_state                    where an embedded backend kept a run's sandboxes
 --   4  owner, lease_until on runs and      who runs a run, and until when it is known alive
 --      schedule_runs                       (on PostgreSQL, liveness is the lease: see ledger.md)
+--   5  daemons, schedule_runs.             the daemons firing each schedule (a lease each) and
+--      cancel_request                      the requests other machines leave them: --stop
+--                                          (moonbox.schedule.store), a cancel_other of a run
 local M = {}
 
 M.sqlite = {
@@ -51,6 +54,15 @@ M.sqlite = {
   ALTER TABLE runs ADD COLUMN lease_until REAL;
   ALTER TABLE schedule_runs ADD COLUMN owner TEXT;
   ALTER TABLE schedule_runs ADD COLUMN lease_until REAL;
+  ]],
+  [[
+  CREATE TABLE daemons (
+    owner TEXT NOT NULL, schedule TEXT NOT NULL, recipe TEXT, started_at REAL NOT NULL,
+    lease_until REAL, command TEXT, command_by TEXT, command_at REAL, acked_at REAL,
+    stopped_at REAL, PRIMARY KEY (owner, schedule)
+  );
+  CREATE INDEX daemons_by_schedule ON daemons (schedule);
+  ALTER TABLE schedule_runs ADD COLUMN cancel_request TEXT;
   ]],
 }
 
@@ -95,6 +107,15 @@ M.postgres = {
   ALTER TABLE schedule_runs ADD COLUMN owner TEXT;
   ALTER TABLE schedule_runs ADD COLUMN lease_until DOUBLE PRECISION;
   CREATE INDEX schedule_runs_open ON schedule_runs (outcome) WHERE outcome IN ('queued', 'running');
+  ]],
+  [[
+  CREATE TABLE daemons (
+    owner TEXT NOT NULL, schedule TEXT NOT NULL, recipe TEXT, started_at DOUBLE PRECISION NOT NULL,
+    lease_until DOUBLE PRECISION, command TEXT, command_by TEXT, command_at DOUBLE PRECISION,
+    acked_at DOUBLE PRECISION, stopped_at DOUBLE PRECISION, PRIMARY KEY (owner, schedule)
+  );
+  CREATE INDEX daemons_by_schedule ON daemons (schedule);
+  ALTER TABLE schedule_runs ADD COLUMN cancel_request TEXT;
   ]],
 }
 

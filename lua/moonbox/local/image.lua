@@ -173,9 +173,7 @@ function M.remove(name)
   check_name(name)
   local dir = M.dir() .. "/" .. name
   if not exists(dir) then return false end
-  local job = sys.remove_tree_start(dir)
-  local task = require "moonbox.task"
-  while job:poll() == nil do task.sleep(0.01) end
+  sys.remove_tree(dir)
   return true
 end
 

@@ -670,9 +670,23 @@ function DATA.runs_stream(self, sb, body)
   end
   local resp = { status = 200, headers = { ["content-type"] = "text/event-stream",
     ["render-request-id"] = "req-dryrun" } }
+  local next_event = 1
   function resp.read_event()
     if not events then produce() end
-    return table.remove(events, 1)
+    local e = events[next_event]
+    events[next_event] = nil
+    next_event = next_event + 1
+    return e
+  end
+  -- As moonbox.http's read_output: output events as (event, stream, bytes), others raw.
+  function resp.read_output()
+    local e = resp.read_event()
+    if not e then return nil end
+    if e.event == "output" then
+      local d = json.decode(e.data)
+      return "output", d.stream, d.data
+    end
+    return e.event, nil, e.data
   end
   function resp.read() return nil end
   function resp.close() end
@@ -799,13 +813,15 @@ function Sim:request(opts)
   return fail(404, "the dry run does not simulate " .. method .. " " .. path)
 end
 
---- sim:stream(opts) -> a response as http.stream gives it (status, headers, read_event, read,
+--- sim:stream(opts) -> a response as http.stream gives it (status, headers, read_event,
+-- read_output, read,
 -- close): the exec streams. [yields] on the simulated clock when read.
 function Sim:stream(opts)
   local r = self:request(opts)
   if r.read_event then return r end
   local body = r.body
   r.read_event = function() return nil end
+  r.read_output = function() return nil end
   r.read = function()
     local b = body
     body = nil

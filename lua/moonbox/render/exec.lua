@@ -27,6 +27,7 @@ local task = require "moonbox.task"
 local core = require "moonbox.core"
 local trace = require "moonbox.trace"
 local ids = require "moonbox.ids"
+local utf8_cut = require("moonbox.strings").utf8_cut
 
 local M = {}
 
@@ -234,9 +235,7 @@ local function relay_output(p, resp, opts)
       if room > 0 then
         if #data > room then
           -- cut at a character boundary: never half a UTF-8 sequence
-          local cut = room
-          while cut > 0 and ((data:byte(cut + 1) or 0) & 0xC0) == 0x80 do cut = cut - 1 end
-          data = data:sub(1, cut)
+          data = data:sub(1, utf8_cut(data, room))
           p.truncated = true
         end
         local t = p.out[stream]

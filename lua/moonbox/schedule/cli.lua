@@ -3,7 +3,8 @@
 -- Every mode loads FILE the same way (as a task, with schedule.running() true, so a recipe's
 -- "run once now" branch stays quiet), which registers its schedules; then either runs the
 -- daemon (no mode flag) or answers one question and exits: --list, --next, --trigger, --pause,
--- --resume. State lives in the state dir's moonbox.db (moonbox.schedule.store).
+-- --resume, --stop (asks the daemons on a shared database to stop, and waits for them). State
+-- lives in the state dir's moonbox.db or a shared database (moonbox.schedule.store).
 local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
 local clock_mod = require "moonbox.schedule.clock"
@@ -13,7 +14,9 @@ local M = {}
 M.command = {
   usage = "moonbox schedule FILE [--drain] [--backend URL|local|render] [--state DB]\n" ..
     "       [--listen [HOST:]PORT] [--webhook URL]... [--trace-dir DIR] [--control-token-file FILE]\n" ..
-    "       moonbox schedule FILE --list | --next NAME [N] | --trigger NAME | --pause NAME | --resume NAME",
+    "       moonbox schedule FILE --list | --next NAME [N] | --trigger NAME | --pause NAME\n" ..
+    "       moonbox schedule FILE --resume NAME\n" ..
+    "       moonbox schedule FILE --stop [--drain] [--timeout S]",
   detail = [[Loads FILE, a recipe that registers schedules with schedule.cron / schedule.every
 (moonbox.schedule), and fires them until SIGTERM or SIGINT: each fire runs as a task with its
 own ledger run; state and history persist in $XDG_STATE_HOME/moonbox/moonbox.db, so a restart
@@ -31,6 +34,11 @@ second signal cancels them), records their outcome and exits 0. The event log go
   --pause NAME     pause NAME (persisted; a running daemon skips its fires from the next one)
   --resume NAME    resume NAME and clear its failure count
   --drain          on SIGTERM/SIGINT let running runs finish instead of cancelling them
+  --stop           stop every daemon (on a shared database: on any machine) that fires one
+                   of FILE's schedules and was running when asked: each cancels its runs (as
+                   on SIGTERM) and exits; with --drain each stops firing at once and exits
+                   when its runs have finished. Waits up to --timeout S (default 60) for
+                   them; exit 0 when all stopped, 1 naming those that did not
   --backend B      as for `moonbox run`
   --state DB       where state and history live: a SQLite file, or a postgres:// URL shared
                    by daemons on several machines (default: MOONBOX_DATABASE_URL, else
@@ -123,6 +131,61 @@ local function open_ledger(wait)
   end
 end
 
+--- Asks every live daemon firing one of the schedules all to stop (command 'stop' or 'drain')
+-- and waits up to timeout seconds until each has stopped (or its lease has run out: it is
+-- gone). Prints who was asked, who acknowledged and who stopped. -> exit status. [yields]
+local function stop_fleet(store, all, command, timeout, cli)
+  local names = {}
+  for i, s in ipairs(all) do names[i] = s.name end
+  local token, owners = store:request_stop(names, command)
+  if #owners == 0 then
+    line_out("no live daemon fires " .. table.concat(names, ", ") .. " on " .. store:describe())
+    return cli.EXIT_OK
+  end
+  line_out(string.format("asked %d daemon(s) to stop%s: %s", #owners,
+    command == "drain" and " after their runs in progress" or "", table.concat(owners, ", ")))
+  if not store.shared then
+    -- SQLite: the daemon is on this machine and reads no lease: SIGTERM tells it to look now
+    for _, o in ipairs(owners) do
+      local pid = tonumber(o:match("/(%d+)/[^/]*$"))
+      local ok, err = pcall(require("moonbox.sys").kill, pid, 15)
+      if not ok then line_out(string.format("%s: could not signal pid %d: %s", o, pid, tostring(err))) end
+    end
+  end
+  local task = require "moonbox.task"
+  local told_ack, told_end = {}, {}
+  local deadline = core.time() + timeout
+  local acked, gone = 0, 0
+  while true do
+    local st = store:stop_status(token)
+    for _, o in ipairs(owners) do
+      local x = st[o] or {}
+      if x.acked and not told_ack[o] then
+        told_ack[o] = true
+        acked = acked + 1
+        line_out(o .. ": acknowledged")
+      end
+      if not told_end[o] and (x.stopped or not x.alive) then
+        told_end[o] = true
+        gone = gone + 1
+        line_out(o .. (x.stopped and ": stopped" or ": gone (its lease ran out before it said it stopped)"))
+      end
+    end
+    if gone == #owners then break end
+    if core.time() >= deadline then break end
+    task.sleep(math.min(0.25, math.max(0.01, deadline - core.time())))
+  end
+  local left = {}
+  for _, o in ipairs(owners) do if not told_end[o] then left[#left + 1] = o end end
+  line_out(string.format("%d of %d daemon(s) acknowledged, %d stopped", acked, #owners, gone))
+  if #left > 0 then
+    cli.eprintf("moonbox schedule: --stop: %d daemon(s) had not stopped after %gs: %s\n", #left, timeout,
+      table.concat(left, ", "))
+    return cli.EXIT_FAIL
+  end
+  return cli.EXIT_OK
+end
+
 --- M.ops_options(opts, modes) -> the options of moonbox.schedule.ops.attach (any = true when
 -- one was given), or nil and a usage message. Reads the control token file.
 function M.ops_options(opts, modes)
@@ -182,16 +245,27 @@ function M.main(args, cli)
   local opts, rest = cli.parse_flags(args, { list = "flag", next = "value", trigger = "value",
     pause = "value", resume = "value", drain = "flag", backend = "value", listen = "value",
     webhook = "list", ["webhook-timeout"] = "value", ["webhook-queue"] = "value", ["trace-dir"] = "value",
-    ["control-token-file"] = "value", state = "value" })
+    ["control-token-file"] = "value", state = "value", stop = "flag", timeout = "value" })
   if not opts then return cli.usage_error("schedule: %s", rest) end
   local file = rest[1]
   if not file then return cli.usage_error("schedule: missing the recipe FILE") end
   local modes = {}
-  for _, k in ipairs { "list", "next", "trigger", "pause", "resume" } do
+  for _, k in ipairs { "list", "next", "trigger", "pause", "resume", "stop" } do
     if opts[k] then modes[#modes + 1] = "--" .. k end
   end
   if #modes > 1 then return cli.usage_error("schedule: %s cannot be combined", table.concat(modes,
       " and ")) end
+  local stop_timeout = 60
+  if opts.timeout then
+    stop_timeout = tonumber(opts.timeout)
+    if not opts.stop then return cli.usage_error("schedule: --timeout applies to --stop") end
+    if not stop_timeout or stop_timeout <= 0 then
+      return cli.usage_error("schedule: --timeout: expected a number of seconds > 0, got '%s'", opts.timeout)
+    end
+  end
+  if opts.drain and #modes > 0 and not opts.stop then
+    return cli.usage_error("schedule: --drain applies to the daemon or to --stop, not to %s", modes[1])
+  end
   local n_next = 5
   if opts.next then
     n_next = tonumber(rest[2] or "5")
@@ -229,7 +303,7 @@ function M.main(args, cli)
   local ledger, store
   local status = cli.EXIT_OK
   local code, err = cli.run_root_opts({ quiet_signals = true }, function()
-    ledger = open_ledger(not (opts.list or opts.next or opts.trigger or opts.pause or opts.resume))
+    ledger = open_ledger(#modes == 0)
     store = require("moonbox.schedule.store").open(ledger)
     local render = require "moonbox.render"
     require("moonbox.ledger").set_process(ledger) -- creates outside any run go to this process's own run
@@ -250,7 +324,9 @@ function M.main(args, cli)
         table.concat(names, ", ")), 0)
     end
     local now = clock:now()
-    if opts.list then
+    if opts.stop then
+      status = stop_fleet(store, all, opts.drain and "drain" or "stop", stop_timeout, cli)
+    elseif opts.list then
       list(store, clock) -- reads only: a schedule with no row yet is listed "new"
     elseif opts.next then
       local t = now

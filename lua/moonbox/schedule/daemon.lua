@@ -21,6 +21,14 @@
 -- run holds is terminated. While the database is away, a timer neither fires nor marks its
 -- slot handled (db_down / await_db): when it is back, the timer's next turn catches the missed
 -- slots up under the schedule's policy.
+--
+-- Requests from other machines ride on the lease keeper's wake (every third of the lease;
+-- Daemon:on_renew): a `moonbox schedule FILE --stop [--drain]` row in table daemons makes the
+-- daemon acknowledge and shut down as on SIGTERM (cancelling, or draining, its runs); a
+-- cancel_request another daemon's cancel_other left on a run this daemon holds cancels that
+-- run here, and the other daemon waits for its end before it starts the newer slot. A
+-- buffer_one fire behind another daemon's run queues its slot in the shared history; the first
+-- daemon that sees no run of the schedule running takes it (store:take_queued).
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
@@ -73,7 +81,9 @@ end
 function M.new(o)
   local d = setmetatable({ recipe = o.recipe, schedules = o.schedules, clock = o.clock, store = o.store,
     out = o.out, errout = o.errout or o.out, drain = o.drain, format_error = o.format_error or one_line,
-    wake = core.cond(), pending = {}, names = {}, rt = {}, last = {}, timers = {}, subscribers = {} },
+    wake = core.cond(), pending = {}, names = {}, rt = {}, last = {}, timers = {}, subscribers = {},
+    -- records this daemon queued behind another daemon's run (buffer_one), by id
+    queued_elsewhere = {} },
     Daemon)
   for _, s in ipairs(d.schedules) do
     d.names[#d.names + 1] = s.name
@@ -143,7 +153,19 @@ end
 function Daemon:start(s, q)
   local now = self.clock:now()
   local id = q.id
-  if id then
+  if id and q.take then
+    q.pending = nil
+    if not self.store:take_queued(id, s.name, now) then
+      local r = self.store:run_row(id)
+      if not r or r.outcome ~= "queued" then
+        -- another daemon started it (or it ended): no longer this daemon's to renew or start
+        if self.queued_elsewhere[id] then self.store:drop_lease(id) end
+        self.queued_elsewhere[id] = nil
+      end
+      return nil
+    end
+    self.queued_elsewhere[id] = nil
+  elseif id then
     self.store:started(id, now)
   else
     id = self.store:record({ schedule = s.name, slot = q.slot, trigger = q.trigger, due_at = q.due_at,
@@ -271,7 +293,19 @@ function Daemon:finish(s, run, outcome, message)
     self.pending[#self.pending + 1] = { s = s, q = rt.queued }
     rt.queued = nil
     self.wake:signal()
+  elseif self.store.shared and s.overlap == "buffer_one" and not self.stopping and self.looping then
+    -- a slot another daemon queued behind this run: whichever daemon sees the end first takes it
+    local q = self.store:queued_record(s.name)
+    if q then self:take_later(s, q) end
   end
+end
+
+--- Has the fire loop try to take the shared queued record q of s (buffer_one). Does not yield.
+function Daemon:take_later(s, q)
+  for _, p in ipairs(self.pending) do if p.q.id == q.id then return end end
+  self.pending[#self.pending + 1] = { s = s, q = { id = q.id, slot = q.slot, trigger = q.trigger,
+    fired_at = q.fired_at, due_at = q.due_at, take = true } }
+  self.wake:signal()
 end
 
 -- ---- fires ----------------------------------------------------------------------------------
@@ -294,6 +328,17 @@ function Daemon:fire(s, slot, trigger, due)
       return self:record_skipped(s, slot, trigger, string.format(
         "run %d (slot %s) was still running on %s (overlap = skip)", other.id, fmt(other.slot),
         tostring(other.owner)), due)
+    end
+  end
+  if not active and s.overlap == "buffer_one" then
+    local other = self.store:running_elsewhere(s.name)
+    if other then return self:queue_elsewhere(s, other, slot, trigger, due) end
+  end
+  if not active and s.overlap == "cancel_other" then
+    local other = self.store:running_elsewhere(s.name)
+    if other then
+      self:cancel_elsewhere(s, other, slot)
+      if self.stopping then return end
     end
   end
   if active then
@@ -327,6 +372,114 @@ function Daemon:fire(s, slot, trigger, due)
     if self.stopping then return end
   end
   self:start(s, { slot = slot, trigger = trigger, fired_at = now, due_at = due })
+end
+
+--- buffer_one against a run another daemon holds (record other): queues slot (one queued record
+-- per schedule, whichever daemon queued it; a later fire meanwhile is recorded skipped). The
+-- queued record is started by the first daemon that sees no run of the schedule running any
+-- more: the holder when its run ends (finish), or this one at a lease renewal (on_renew).
+-- [yields]
+function Daemon:queue_elsewhere(s, other, slot, trigger, due)
+  local now = self.clock:now()
+  local q = self.store:queued_record(s.name)
+  if q then
+    return self:record_skipped(s, slot, trigger, string.format(
+      "run %d was running on %s and slot %s was already queued (overlap = buffer_one)", other.id,
+      tostring(other.owner), fmt(q.slot)), due)
+  end
+  local id = self.store:record({ schedule = s.name, slot = slot, trigger = trigger, due_at = due,
+    fired_at = now, outcome = "queued", last_slot = true }, now)
+  self:handled(s, slot)
+  if id then
+    self.queued_elsewhere[id] = { s = s, id = id, slot = slot, trigger = trigger }
+    self:log("%s: slot %s queued (record %d) behind run %d on %s (overlap = buffer_one)", s.name, fmt(slot),
+      id, other.id, tostring(other.owner))
+  end
+end
+
+--- cancel_other against a run another daemon holds (record other): leaves it a cancel request
+-- naming slot, which that daemon reads at its next renewal (on_renew) and records the run
+-- cancelled itself; then waits until the record has ended or its lease has run out (its
+-- daemon is gone: the sweep records it interrupted). [yields]
+function Daemon:cancel_elsewhere(s, other, slot)
+  local msg = string.format("cancelled by the fire of slot %s on %s (overlap = cancel_other)", fmt(slot),
+    ledger_mod.owner())
+  self.store:request_cancel(other.id, msg)
+  self:log("%s: slot %s: asked %s to cancel run %d (slot %s; overlap = cancel_other)", s.name, fmt(slot),
+    tostring(other.owner), other.id, fmt(other.slot))
+  local step = math.min(0.5, ledger_mod.LEASE / 3)
+  while not self.stopping do
+    local r = self.store:run_row(other.id)
+    if not r or (r.outcome ~= "running" and r.outcome ~= "queued") then
+      self:log("%s: run %d ended (%s); starting slot %s", s.name, other.id, r and r.outcome or "gone",
+        fmt(slot))
+      return
+    end
+    if (r.lease_until or 0) < self.store.ledger:now() then
+      self:log("%s: run %d's lease expired; not waiting for it any more", s.name, other.id)
+      return
+    end
+    task.sleep(step)
+  end
+end
+
+--- The lease keeper's hook (ledger.renew_hooks): cancels the runs another daemon asked this one
+-- to cancel (cancel_other), and on a registered daemon renews its rows in table daemons and
+-- takes up a --stop request addressed to it: wakes the fire loop, which shuts down (draining
+-- when the request says so) and acknowledges it once no timer fires any more. [yields]
+function Daemon:on_renew()
+  if next(self.store.ledger.leases.schedule_runs) then
+    for _, r in ipairs(self.store:cancel_requests()) do
+      for name, rt in pairs(self.rt) do
+        local run = rt.active
+        if run and run.id == r.id and not run.stop_reason and not run.finished then
+          run.stop_reason = "cancel_other"
+          run.stop_message = r.cancel_request
+          self:log("%s: run %d: another daemon asked to cancel it: %s", name, run.id, r.cancel_request)
+          task.cancel(run.task)
+        end
+      end
+    end
+  end
+  if self.looping and not self.stopping then
+    for _, q in pairs(self.queued_elsewhere) do
+      local r = self.store:run_row(q.id)
+      if r and r.outcome == "queued" and not self.store:running_elsewhere(q.s.name) then
+        self:take_later(q.s, r)
+      elseif not r or r.outcome ~= "queued" then
+        self.store:drop_lease(q.id)
+        self.queued_elsewhere[q.id] = nil
+      end
+    end
+  end
+  if self.registered then
+    local c = self.store:renew_daemon()
+    local req = self.stop_request
+    if c and not req and not self.stopping then
+      self.stop_request = c -- shutdown acknowledges it, once the timers have stopped
+      self.wake:signal()
+    elseif c and req and req.acked and c.command_by ~= req.command_by then
+      -- a later request while this daemon stops: a plain --stop cancels what a drain waits for
+      self.store:ack_command()
+      self:log("a --stop%s request from %s: acknowledged (already stopping)",
+        c.command == "drain" and " --drain" or "", (tostring(c.command_by):gsub("@[%d.]+$", "")))
+      if c.command == "stop" and self.drain then
+        self.drain = false
+        for name, rt in pairs(self.rt) do
+          local run = rt.active
+          if run and not run.stop_reason and not run.finished then
+            run.stop_reason = "shutdown"
+            run.stop_message = string.format("cancelled: the daemon stopped (a --stop request from %s, " ..
+              "after a drain)", (tostring(c.command_by):gsub("@[%d.]+$", "")))
+            self:log("%s: cancelling run %d", name, run.id)
+            task.cancel(run.task)
+          end
+        end
+      end
+      self.stop_request = c
+      c.acked = true
+    end
+  end
 end
 
 --- Slots of s strictly after `after` and not after `now`: the latest MAX_LISTED (ascending),
@@ -517,6 +670,7 @@ end
 function Daemon:start_shared()
   if not self.store.shared then return end
   self.db_ok_since = core.time()
+  self:add_hook()
   self.store.ledger:keep_alive()
   self.sweeper = task.spawn(function()
     local ok, err = xpcall(self.sweep_loop, core.msgh, self)
@@ -526,7 +680,19 @@ function Daemon:start_shared()
   end)
 end
 
+--- Puts on_renew on the ledger's renew_hooks (once). Does not yield.
+function Daemon:add_hook()
+  if self.hook then return end
+  self.hook = function() return self:on_renew() end
+  table.insert(self.store.ledger.renew_hooks, self.hook)
+end
+
 function Daemon:stop_shared()
+  local hooks = self.store.ledger.renew_hooks
+  for i = #hooks, 1, -1 do
+    if hooks[i] == self.hook then table.remove(hooks, i) end
+  end
+  self.hook = nil
   if self.sweeper then
     task.cancel(self.sweeper)
     pcall(task.join, self.sweeper)
@@ -547,6 +713,8 @@ function Daemon:run()
   end
   self:log("started: %d schedule(s) from %s (%s)%s", #self.schedules, self.recipe, self.clock:describe(),
     self.store.shared and (", shared state in " .. self.store:describe()) or "")
+  self.store:register_daemon(self.names, self.recipe) -- where a --stop finds it
+  self.registered = true
   self:start_shared()
   self:recover()
   for _, s in ipairs(self.schedules) do
@@ -570,6 +738,7 @@ function Daemon:run()
     end)
   end
   self:emit("loop", { running = true })
+  self.looping = true
   local lok, lerr = pcall(function()
     while true do
       while #self.pending > 0 do
@@ -584,10 +753,12 @@ function Daemon:run()
           error(serr, 0)
         end
       end
+      if self.stop_request then return end
       self.wake:wait()
     end
   end)
   self:emit("loop", { running = false })
+  self.looping = false
   self:shutdown()
   if self.fatal then error(self.fatal, 0) end
   if not lok and not task.is_cancelled(lerr) then error(lerr, 0) end
@@ -611,10 +782,30 @@ function Daemon:shutdown()
   local now = self.clock:now()
   for _, t in ipairs(self.timers) do task.cancel(t) end
   for _, t in ipairs(self.timers) do pcall(task.join, t) end
+  if not self.stop_request and not self.store.shared and self.registered and core.signal_received() then
+    -- on SQLite a --stop arrives as SIGTERM: its row says whether to drain
+    local ok, c = pcall(self.store.renew_daemon, self.store)
+    if ok and c then self.stop_request = c end
+  end
+  local req = self.stop_request
+  if req then
+    local ok, err = pcall(self.store.ack_command, self.store)
+    if not ok and not db_down(err) then error(err, 0) end
+    req.acked = true
+    self:log("a --stop%s request from %s: acknowledged; %s", req.command == "drain" and " --drain" or "",
+      (tostring(req.command_by):gsub("@[%d.]+$", "")), req.command == "drain"
+      and "firing no more, exiting when the runs in progress have finished" or "stopping now")
+  end
   local sig = core.signal_received()
   local why = sig and ("SIG" .. sig) or "the daemon stopped"
+  if req then
+    why = string.format("a --stop%s request from %s", req.command == "drain" and " --drain" or "",
+      (tostring(req.command_by):gsub("@[%d.]+$", "")))
+    self.drain = req.command == "drain"
+  end
   for _, p in ipairs(self.pending) do
-    if p.q.id then self.rt[p.s.name].queued = p.q end -- a manual request not yet started is dropped
+    -- a manual request not yet started is dropped; a take (buffer_one) stays queued_elsewhere's
+    if p.q.id and not p.q.take then self.rt[p.s.name].queued = p.q end
   end
   self.pending = {}
   local actives = {}
@@ -629,9 +820,20 @@ function Daemon:shutdown()
     end
     if rt.active then actives[#actives + 1] = rt.active end
   end
+  for id, q in pairs(self.queued_elsewhere) do
+    local qmsg = "the daemon stopped (" .. why .. ") before this queued run started"
+    local ok, done = pcall(self.store.cancel_queued, self.store, id, qmsg, now)
+    if ok and done then
+      self:emit("finished", { schedule = q.s.name, id = id, outcome = "cancelled", message = qmsg,
+        slot = q.slot, trigger = q.trigger, ended_at = now })
+    elseif not ok and not db_down(done) then
+      error(done, 0)
+    end
+  end
+  self.queued_elsewhere = {}
   if #actives > 0 and self.drain then
-    self:log("stopping (%s): waiting for %d run(s) to finish (--drain; a second signal cancels them)", why,
-        #actives)
+    self:log("stopping (%s): waiting for %d run(s) to finish (%s)", why, #actives,
+      req and "a signal cancels them" or "--drain; a second signal cancels them")
     for _, run in ipairs(actives) do
       if not pcall(task.join, run.task) then break end
     end
@@ -647,6 +849,10 @@ function Daemon:shutdown()
   end
   if #left > 0 then self:log("stopping (%s): cancelling %d run(s)", why, #left) end
   wait_all(left)
+  if self.registered then
+    local ok, err = pcall(self.store.daemon_stopped, self.store)
+    if not ok and not db_down(err) then error(err, 0) end
+  end
   self:stop_shared()
   self.store:release(self.names)
   self:log("stopped")
@@ -671,6 +877,7 @@ end
 function Daemon:trigger(s)
   local now = self.clock:now()
   self.store:ensure(s, self.recipe, now)
+  if self.store.shared then self:add_hook() end -- another daemon's cancel_other reaches this run
   self.store.ledger:keep_alive()
   local run = self:start(s, { slot = now, trigger = "manual", fired_at = now })
   local ok = pcall(task.join, run.task)

@@ -1,7 +1,8 @@
 --- moonbox.schedule.store — schedule state and run history, in the ledger's database
 -- (moonbox.db: the state dir's SQLite file, or a PostgreSQL database several daemons share).
 --
--- Two tables, created by moonbox.db.schema (migration 2) next to the ledger's:
+-- Two tables, created by moonbox.db.schema (migration 2) next to the ledger's (and a third,
+-- daemons, for the fleet on a shared store: see "the fleet" below):
 --   schedules      one row per schedule name: last_slot (the latest slot handled: run, queued
 --                  or recorded skipped), next_fire, consecutive failures, paused (+ reason), and
 --                  the daemon that owns it (pid + process start time).
@@ -217,6 +218,167 @@ function Store:running_elsewhere(name)
   return self.db:row([[SELECT * FROM schedule_runs WHERE schedule = ? AND outcome = 'running'
     AND lease_until >= ? AND owner <> ? ORDER BY id DESC LIMIT 1]], name, self.ledger:now(),
     ledger_mod.owner())
+end
+
+-- ---- the fleet: daemons, and the requests other machines leave them (shared store) -------
+--
+-- Table daemons (migration 5) has a row per (daemon, schedule it fires): the daemon's owner id
+-- (moonbox.ledger owner()), when it started, and a lease it renews with its other leases. A
+-- one-shot `--stop` sets command ('stop' or 'drain') and command_by (a token naming the
+-- request) on the rows of the daemons alive at that moment only, so a daemon started after the
+-- request never sees it; each daemon acknowledges (acked_at) and, once stopped, sets
+-- stopped_at. Schedule runs carry cancel_request: the message of another daemon's
+-- cancel_other, which the run's own daemon reads at its next renewal.
+
+-- On SQLite the rows carry no lease: a daemon is alive while its process is (the pid and start
+-- time in its owner id), and a --stop reaches it as SIGTERM (moonbox.schedule.cli) after which
+-- it reads its row for the request's mode (Daemon:shutdown).
+
+--- Whether the daemon of row r (owner, lease_until, stopped_at) is alive at now.
+function Store:daemon_alive(r, now)
+  if r.stopped_at then return false end
+  if self.shared then return r.lease_until ~= nil and r.lease_until >= now end
+  local pid, start = tostring(r.owner):match("/(%d+)/([^/]*)$")
+  return pid ~= nil and alive(tonumber(pid), start) or false
+end
+
+--- store:register_daemon(names, recipe): this daemon fires the schedules names. Rows of
+-- daemons gone an hour ago (PostgreSQL: their lease ran out; SQLite: the process is gone) are
+-- dropped on the way. [yields] on PostgreSQL.
+function Store:register_daemon(names, recipe)
+  local now = self.ledger:now()
+  local me = ledger_mod.owner()
+  if self.shared then
+    self.db:run("DELETE FROM daemons WHERE lease_until < ?", now - 3600)
+  else
+    for _, r in ipairs(self.db:rows("SELECT owner, lease_until, stopped_at FROM daemons")) do
+      if not self:daemon_alive(r, now) then self.db:run("DELETE FROM daemons WHERE owner = ?", r.owner) end
+    end
+  end
+  for _, name in ipairs(names) do
+    self.db:run([[INSERT INTO daemons (owner, schedule, recipe, started_at, lease_until)
+      VALUES (?, ?, ?, ?, ?) ON CONFLICT (owner, schedule) DO NOTHING]], me, name, recipe, now,
+      now + ledger_mod.LEASE)
+  end
+end
+
+--- store:renew_daemon() -> the pending stop request addressed to this daemon ({command,
+-- command_by, command_at}), or nil; renews this daemon's rows first (PostgreSQL). [yields]
+function Store:renew_daemon()
+  local now = self.ledger:now()
+  local me = ledger_mod.owner()
+  if self.shared then
+    self.db:run("UPDATE daemons SET lease_until = ? WHERE owner = ? AND stopped_at IS NULL",
+      now + ledger_mod.LEASE, me)
+  end
+  return self.db:row([[SELECT command, command_by, command_at FROM daemons WHERE owner = ?
+    AND command IS NOT NULL AND acked_at IS NULL ORDER BY command_at LIMIT 1]], me)
+end
+
+--- store:ack_command(): this daemon has seen its stop request. [yields]
+function Store:ack_command()
+  self.db:run("UPDATE daemons SET acked_at = ? WHERE owner = ? AND command IS NOT NULL",
+    self.ledger:now(), ledger_mod.owner())
+end
+
+--- store:daemon_stopped(): this daemon has stopped (its runs recorded). [yields]
+function Store:daemon_stopped()
+  self.db:run("UPDATE daemons SET stopped_at = ? WHERE owner = ? AND stopped_at IS NULL",
+    self.ledger:now(), ledger_mod.owner())
+end
+
+--- store:request_stop(names, command) -> token, owners: asks every daemon alive now (a live
+-- lease, not stopped) that fires one of the schedules names to stop ('stop': cancel its runs;
+-- 'drain': let them finish); owners (sorted) are the daemons asked. [yields]
+function Store:request_stop(names, command)
+  local now = self.ledger:now()
+  local token = string.format("%s@%.6f", ledger_mod.owner(), now)
+  local owners, seen = {}, {}
+  self.db:tx(function()
+    for _, name in ipairs(names) do
+      for _, r in ipairs(self.db:rows([[SELECT owner, lease_until, stopped_at FROM daemons
+        WHERE schedule = ? AND stopped_at IS NULL]], name)) do
+        if not seen[r.owner] and self:daemon_alive(r, now) then
+          seen[r.owner] = true
+          owners[#owners + 1] = r.owner
+        end
+      end
+    end
+    for _, o in ipairs(owners) do
+      self.db:run([[UPDATE daemons SET command = ?, command_by = ?, command_at = ?, acked_at = NULL
+        WHERE owner = ? AND stopped_at IS NULL]], command, token, now, o)
+    end
+  end)
+  table.sort(owners)
+  return token, owners
+end
+
+--- store:stop_status(token) -> owner -> {acked, stopped, alive}: how the daemons asked by
+-- request token are doing (alive: their lease still runs). [yields]
+function Store:stop_status(token)
+  local now = self.ledger:now()
+  local out = {}
+  for _, r in ipairs(self.db:rows([[SELECT owner, max(acked_at) AS acked, max(stopped_at) AS stopped,
+    max(lease_until) AS lease FROM daemons WHERE command_by = ? GROUP BY owner]], token)) do
+    out[r.owner] = { acked = r.acked, stopped = r.stopped,
+      alive = self:daemon_alive({ owner = r.owner, lease_until = r.lease }, now) }
+  end
+  return out
+end
+
+--- store:request_cancel(id, message): asks the daemon running record id to cancel it (it reads
+-- the request at its next renewal: cancel_requests). [yields]
+function Store:request_cancel(id, message)
+  self.db:run([[UPDATE schedule_runs SET cancel_request = ? WHERE id = ? AND outcome = 'running'
+    AND cancel_request IS NULL]], message, id)
+end
+
+--- store:cancel_requests() -> rows {id, cancel_request} of the running records this daemon
+-- holds that another daemon asked it to cancel. [yields]
+function Store:cancel_requests()
+  return self.db:rows([[SELECT id, cancel_request FROM schedule_runs WHERE owner = ?
+    AND outcome = 'running' AND cancel_request IS NOT NULL]], ledger_mod.owner())
+end
+
+--- store:queued_record(name) -> the queued record of schedule name (whichever daemon queued
+-- it), or nil. [yields]
+function Store:queued_record(name)
+  return self.db:row([[SELECT * FROM schedule_runs WHERE schedule = ? AND outcome = 'queued'
+    ORDER BY id LIMIT 1]], name)
+end
+
+--- store:take_queued(id, name, t) -> whether this daemon took the queued record id of schedule
+-- name and made it its running run: one UPDATE, which succeeds only while the record is queued
+-- and no run of the schedule is running under a live lease, so of several daemons one wins.
+-- [yields]
+function Store:take_queued(id, name, t)
+  local now = self.ledger:now()
+  local n = self.db:run([[UPDATE schedule_runs SET outcome = 'running', started_at = ?, owner = ?,
+    pid = ?, pid_start = ?, lease_until = ? WHERE id = ? AND outcome = 'queued' AND NOT EXISTS
+    (SELECT 1 FROM schedule_runs r WHERE r.schedule = ? AND r.outcome = 'running'
+      AND r.lease_until >= ?)]], t, ledger_mod.owner(), ledger_mod.self_pid(), ledger_mod.self_start(),
+    now + ledger_mod.LEASE, id, name, now)
+  if n == 1 then self.ledger.leases.schedule_runs[id] = true end
+  return n == 1
+end
+
+--- store:cancel_queued(id, message, t) -> whether record id was still queued by this daemon and
+-- is now recorded cancelled. [yields]
+function Store:cancel_queued(id, message, t)
+  local n = self.db:run([[UPDATE schedule_runs SET ended_at = ?, outcome = 'cancelled', error = ?
+    WHERE id = ? AND outcome = 'queued' AND owner = ?]], t, message, id, ledger_mod.owner())
+  self.ledger.leases.schedule_runs[id] = nil
+  return n == 1
+end
+
+--- store:drop_lease(id): this daemon no longer renews record id.
+function Store:drop_lease(id)
+  self.ledger.leases.schedule_runs[id] = nil
+end
+
+--- store:run_row(id) -> the history record id, or nil.
+function Store:run_row(id)
+  return self.db:row("SELECT * FROM schedule_runs WHERE id = ?", id)
 end
 
 --- store:last_run(name) -> the newest history row of the schedule, or nil.

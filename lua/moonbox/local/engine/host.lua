@@ -8,7 +8,6 @@
 -- Only moonbox.local.engine and its parts call this module.
 local core = require "moonbox.core"
 local proc = require "moonbox.proc"
-local task = require "moonbox.task"
 local sys = require "moonbox.sys"
 
 local M = {}
@@ -147,29 +146,16 @@ function M.mounted(path)
   return false
 end
 
--- Polls a moonbox.sys job (a syscall running on a worker thread) until it is done. Jobs are
--- rare (one or two per terminate) and short, so sleeping between polls costs less than a
--- wake-up mechanism would add; the first poll comes after 1 ms, later ones up to 10 ms apart.
-local function finish(job)
-  local wait = 0.001
-  while true do
-    local r = job:poll()
-    if r ~= nil then return r end
-    task.sleep(wait)
-    wait = math.min(wait * 2, 0.01)
-  end
-end
-
 --- host.umount(path[, lazy]) -> "unmounted" or "detached". Unmounts path on a worker thread
 -- (the kernel syncs a writable overlay's upper filesystem on unmount, which may take long);
 -- with lazy, detaches it when it is busy (as `umount || umount -l`). Raises sys.umount's
 -- structured error. [yields]
-function M.umount(path, lazy) return finish(sys.umount_start(path, lazy == true)) end
+function M.umount(path, lazy) return sys.umount(path, lazy == true) end
 
 --- host.remove_tree(path). `rm -rf --one-file-system path` on a worker thread (a sandbox's
 -- upper directory may hold any number of files). A missing path is fine. Raises
 -- sys.remove_tree's structured error naming the entry that could not be removed. [yields]
-function M.remove_tree(path) finish(sys.remove_tree_start(path)) end
+function M.remove_tree(path) sys.remove_tree(path) end
 
 --- host.hash(s) -> 8 hex digits (FNV-1a, 32 bits). Names directories derived from a
 -- configuration (not a security boundary: it only has to make accidental collisions rare).

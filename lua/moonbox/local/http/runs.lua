@@ -3,6 +3,7 @@
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local json = require "moonbox.json"
+local utf8_cut = require("moonbox.strings").utf8_cut
 local route = require "moonbox.local.http.route"
 local wire = require "moonbox.local.wire"
 
@@ -67,20 +68,10 @@ function M.status(backend, req)
 end
 
 -- Splits s into the longest prefix of whole UTF-8 sequences and the (up to 3) trailing bytes of
--- a sequence that continues in the next chunk.
+-- a sequence that continues in the next chunk (moonbox.strings.utf8_cut, the one boundary rule).
 local function utf8_split(s)
-  local n = #s
-  for back = 1, math.min(3, n) do
-    local c = s:byte(n - back + 1)
-    if c >= 0xC0 then
-      local need = c >= 0xF0 and 4 or c >= 0xE0 and 3 or 2
-      if back < need then return s:sub(1, n - back), s:sub(n - back + 1) end
-      return s, ""
-    elseif c < 0x80 then
-      return s, ""
-    end
-  end
-  return s, ""
+  local n = utf8_cut(s)
+  return s:sub(1, n), s:sub(n + 1)
 end
 
 --- POST /proxy/:id/runs/stream {command} (bearer: a stream run token) -> 200 text/event-stream,
