@@ -262,16 +262,7 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
       if progress then progress:stop() end
       M.finish_run()
       if dry_run then dry_report = require("moonbox.render.dryrun").stop() end
-      if budget.breach then
-        -- Raised in the watchdog: say where the recipe was when its run was stopped.
-        local e, stopped = budget.breach, r[2]
-        if not r[1] and type(stopped) == "table" and stopped.where then
-          e.where, e.traceback = stopped.where, stopped.traceback
-        end
-        error(e, 0)
-      end
-      if not r[1] then error(r[2], 0) end
-      return table.unpack(r, 2, r.n)
+      return budget_mod.settle(budget, r)
     end, table.unpack(rest))
     if err ~= nil then
       eprintf("moonbox: recipe %s failed: %s\n", file, M.format_error(err))

@@ -69,15 +69,7 @@ local function with_budget(limits, fn)
     local b = budget.attach(core.current(), budget.new(limits))
     local r = table.pack(xpcall(fn, core.msgh, run))
     b:close()
-    if b.breach then
-      local e, stopped = b.breach, r[2]
-      if not r[1] and type(stopped) == "table" and stopped.where then
-        e.where, e.traceback = stopped.where, stopped.traceback
-      end
-      error(e, 0)
-    end
-    if not r[1] then error(r[2], 0) end
-    return table.unpack(r, 2, r.n)
+    return budget.settle(b, r)
   end
 end
 

@@ -79,6 +79,21 @@ function M.attach(t, b)
   return b
 end
 
+--- budget.settle(b, r) -> the results in r, or raises: r is table.pack(xpcall(...)) of a run
+-- under budget b. A breach wins (raised in the watchdog, it is placed where the run was when it
+-- was stopped); else r's own error; else r's results. Does not yield.
+function M.settle(b, r)
+  if b.breach then
+    local e, stopped = b.breach, r[2]
+    if not r[1] and type(stopped) == "table" and stopped.where then
+      e.where, e.traceback = stopped.where, stopped.traceback
+    end
+    error(e, 0)
+  end
+  if not r[1] then error(r[2], 0) end
+  return table.unpack(r, 2, r.n)
+end
+
 --- budget.current([t]) -> the Budget in force for task t (default: the running one), or nil.
 function M.current(t) return task.context(KEY, t) end
 
