@@ -4,106 +4,22 @@
 -- and a kill -9 during a run that created a sandbox on a real `moonbox local`. Checks are on the
 -- recorded history, never on how long anything took.
 local T = require "moonbox.testing"
-local proc = require "moonbox.proc"
 local task = require "moonbox.task"
-local json = require "moonbox.json"
 local clock = require "moonbox.schedule.clock"
 local L = require "spec.support.local_backend"
 local S = require "spec.support.store_env"
+local SE = require "spec.support.schedule_env"
 
-local START = "2026-03-01T00:00:00Z"
 
 local run = T.async
 
--- A fresh state dir and recipe per test.
-local Env = {}
-Env.__index = Env
-
+-- A fresh state dir and recipe per test (spec.support.schedule_env); on PostgreSQL a fresh
+-- database of its own, as it has a state dir of its own.
 local function env_new(recipe, backend)
-  local dir = proc.run({ "mktemp", "-d", "/tmp/moonbox-schedule-spec.XXXXXX" }).stdout:gsub("%s+$", "")
-  local f = assert(io.open(dir .. "/recipe.lua", "w"))
-  f:write(recipe)
-  f:close()
-  -- store: on PostgreSQL, a fresh database of its own, as it has a state dir of its own
-  return setmetatable({ dir = dir, recipe = dir .. "/recipe.lua", backend = backend, store = S.vars() }, Env)
+  return SE.new(recipe, { backend = backend, env = S.vars(), stderr = "inherit" })
 end
 
 teardown(run(function() S.shutdown() end))
-
-function Env:vars(start)
-  local v = { "env", "HOME=" .. self.dir, "XDG_STATE_HOME=" .. self.dir .. "/state",
-    "MOONBOX_TEST_CLOCK=start=" .. (start or START) .. ",scale=600" }
-  for _, kv in ipairs(self.store) do v[#v + 1] = kv end
-  if self.backend then
-    v[#v + 1] = "RENDER_API_KEY=" .. self.backend.key
-    v[#v + 1] = "RENDER_WORKSPACE_ID=" .. self.backend.workspace
-    v[#v + 1] = "RENDER_LOCAL_DEV_URL=" .. self.backend.url
-  else
-    v[#v + 1] = "RENDER_LOCAL_DEV_URL=http://127.0.0.1:9"
-    v[#v + 1] = "RENDER_API_KEY=unused"
-  end
-  return v
-end
-
---- env:moonbox(args, start) -> proc.run result of a one-shot command. [yields]
-function Env:moonbox(args, start)
-  local argv = self:vars(start)
-  argv[#argv + 1] = L.BIN
-  for _, a in ipairs(args) do argv[#argv + 1] = a end
-  return proc.run(argv)
-end
-
---- env:daemon(start, extra) -> a running daemon with :wait_for(pattern[, n]) and :stop(). [yields]
-function Env:daemon(start, extra)
-  local argv = self:vars(start)
-  for _, a in ipairs { L.BIN, "schedule", self.recipe } do argv[#argv + 1] = a end
-  for _, a in ipairs(extra or {}) do argv[#argv + 1] = a end
-  argv.stderr = "inherit"
-  local p = proc.spawn(argv)
-  local d = { p = p, lines = p:lines("stdout"), log = {} }
-  --- Reads the log until `pattern` has been seen n times (default 1); returns the last match.
-  function d.wait_for(_, pattern, n)
-    n = n or 1
-    return task.timeout(60, function()
-      local seen = 0
-      for _, l in ipairs(d.log) do if l:match(pattern) then seen = seen + 1 end end
-      while seen < n do
-        local line = d.lines()
-        if not line then error("the daemon exited before logging " .. pattern .. ":\n" .. table.concat(d.log, "\n")) end
-        d.log[#d.log + 1] = line
-        if line:match(pattern) then seen = seen + 1 end
-        if seen >= n then return line end
-      end
-    end)
-  end
-  function d.stop(_, sig)
-    p:kill(sig or "TERM")
-    local code = p:wait()
-    for line in d.lines do d.log[#d.log + 1] = line end
-    return code
-  end
-  return d
-end
-
---- env:runs(name) -> history rows (oldest first) from `moonbox runs --json`. [yields]
-function Env:runs(name)
-  local args = { "runs", "--json", "--limit", "0" }
-  if name then args[#args + 1] = name end
-  local r = self:moonbox(args)
-  assert.are.equal(0, r.code, r.stderr)
-  local rows = json.decode(r.stdout)
-  local out = {}
-  for i = #rows, 1, -1 do
-    local row = {}
-    for k, v in pairs(rows[i]) do
-      if v ~= json.null then row[k] = v end
-    end
-    out[#out + 1] = row
-  end
-  return out
-end
-
-function Env:destroy() proc.run { "rm", "-rf", self.dir } end
 
 local function count(rows, field, value)
   local n = 0
@@ -189,7 +105,7 @@ schedule.cron("hourly", "0 * * * *", function() end)
     assert.are.equal(0, r.code, r.stderr)
     assert.are.equal("2026-03-28T02:30:00+01:00\n2026-03-29T03:00:00+02:00\n2026-03-30T02:30:00+02:00\n",
       r.stdout)
-    local d = e:daemon("2026-03-29T00:45:00Z")
+    local d = e:daemon(nil, "2026-03-29T00:45:00Z")
     d:wait_for("berlin: run %d+ ok")
     d:wait_for("hourly: run %d+ ok", 2)
     assert.are.equal(0, d:stop())
@@ -263,7 +179,7 @@ end, { timeout = "5m" })]])
     local before = e:runs("q")
     local last = before[#before].slot_unix
     local restart = last + 3 * 3600 + 1
-    d = e:daemon(clock.format(restart))
+    d = e:daemon(nil, clock.format(restart))
     d:wait_for("q: run %d+ ok", 1)
     assert.are.equal(0, d:stop())
     local rows = e:runs("q")
@@ -329,7 +245,7 @@ if not schedule.running() then print("one-off") end]])
     assert.are.equal(0, d:stop("TERM"))
     local rows = e:runs("d")
     assert.are.equal("cancelled", rows[#rows].outcome)
-    d = e:daemon(clock.format(rows[#rows].slot_unix + 60), { "--drain" })
+    d = e:daemon({ "--drain" }, clock.format(rows[#rows].slot_unix + 60))
     d:wait_for("working")
     assert.are.equal(0, d:stop("TERM"))
     rows = e:runs("d")
@@ -372,7 +288,7 @@ end)]])
     local rows = e:runs("h")
     assert.are.equal("cancelled", rows[#rows].outcome)
     assert.matches("a %-%-stop request from ", rows[#rows].error)
-    d = e:daemon(clock.format(rows[#rows].slot_unix + 60))
+    d = e:daemon(nil, clock.format(rows[#rows].slot_unix + 60))
     live[2] = d
     d:wait_for("holding")
     local drain = task.spawn(function() return e:moonbox { "schedule", e.recipe, "--stop", "--drain" } end)
@@ -459,7 +375,7 @@ end)]], B)
     local slot = before[#before].slot_unix
     assert.are.equal("running", before[#before].outcome)
     -- restart inside the same 10 minutes: no slot is due, only the cleanup
-    d = e:daemon(clock.format(slot + 60))
+    d = e:daemon(nil, clock.format(slot + 60))
     d:wait_for("k: run %d+: reap: run %d+: terminated " .. id:gsub("%-", "%%-"))
     assert.are.equal(0, d:stop())
     _, sb = B:req("GET", "/v1/sandboxes/" .. id)

@@ -1,7 +1,7 @@
---- spec.support.schedule_env — a state dir + recipe for `moonbox schedule` specs of the
--- operations layer (--listen, --webhook, the status page): the daemon as a real subprocess on
--- the test clock, its log read line by line, its listener's URL taken from the log, and the
--- history read back with `moonbox runs --json`.
+--- spec.support.schedule_env — a state dir + recipe for `moonbox schedule` specs (the daemon
+-- spec and the operations layer's: --listen, --webhook, the status page): the daemon as a real
+-- subprocess on the test clock, its log read line by line, its listener's URL taken from the
+-- log, and the history read back with `moonbox runs --json`.
 local proc = require "moonbox.proc"
 local task = require "moonbox.task"
 local json = require "moonbox.json"
@@ -15,12 +15,15 @@ Env.__index = Env
 M.START = "2026-03-01T00:00:00Z"
 
 --- schedule_env.new(recipe, o) -> Env: o.scale (test clock speed, default 600), o.env (extra
--- NAME=VALUE strings). [yields]
+-- NAME=VALUE strings, e.g. a PostgreSQL store's), o.backend (a spec.support.local_backend whose
+-- key, workspace and URL the commands get; default: an address nothing listens on),
+-- o.stderr ("inherit": the daemon's stderr is the spec's; default: a file, see d:stderr()).
+-- [yields]
 function M.new(recipe, o)
   o = o or {}
-  local dir = proc.run({ "mktemp", "-d", "/tmp/moonbox-ops-spec.XXXXXX" }).stdout:gsub("%s+$", "")
+  local dir = proc.run({ "mktemp", "-d", "/tmp/moonbox-schedule-spec.XXXXXX" }).stdout:gsub("%s+$", "")
   local e = setmetatable({ dir = dir, recipe = dir .. "/recipe.lua", scale = o.scale or 600,
-    extra_env = o.env or {} }, Env)
+    extra_env = o.env or {}, backend = o.backend, stderr = o.stderr }, Env)
   e:write("recipe.lua", recipe)
   return e
 end
@@ -35,15 +38,23 @@ end
 
 function Env:vars(start)
   local v = { "env", "HOME=" .. self.dir, "XDG_STATE_HOME=" .. self.dir .. "/state",
-    "MOONBOX_TEST_CLOCK=start=" .. (start or M.START) .. ",scale=" .. self.scale,
-    "RENDER_LOCAL_DEV_URL=http://127.0.0.1:9", "RENDER_API_KEY=spec-api-key-0123456789" }
-  for _, x in ipairs(self.extra_env) do v[#v + 1] = x end
+    "MOONBOX_TEST_CLOCK=start=" .. (start or M.START) .. ",scale=" .. self.scale }
+  if self.backend then
+    v[#v + 1] = "RENDER_API_KEY=" .. self.backend.key
+    v[#v + 1] = "RENDER_WORKSPACE_ID=" .. self.backend.workspace
+    v[#v + 1] = "RENDER_LOCAL_DEV_URL=" .. self.backend.url
+  else
+    v[#v + 1] = "RENDER_LOCAL_DEV_URL=http://127.0.0.1:9"
+    v[#v + 1] = "RENDER_API_KEY=spec-api-key-0123456789"
+  end
+  for _, x in ipairs(self.extra_env) do v[#v + 1] = x end -- last: env(1) lets them override
   return v
 end
 
---- env:moonbox(args) -> proc.run result of a one-shot command. [yields]
-function Env:moonbox(args)
-  local argv = self:vars()
+--- env:moonbox(args[, start]) -> proc.run result of a one-shot command (on the test clock from
+-- start, default START). [yields]
+function Env:moonbox(args, start)
+  local argv = self:vars(start)
   argv[#argv + 1] = L.BIN
   for _, a in ipairs(args) do argv[#argv + 1] = a end
   return proc.run(argv)
@@ -55,7 +66,7 @@ function Env:daemon(extra, start)
   local argv = self:vars(start)
   for _, a in ipairs { L.BIN, "schedule", self.recipe } do argv[#argv + 1] = a end
   for _, a in ipairs(extra or {}) do argv[#argv + 1] = a end
-  argv.stderr = { file = self.dir .. "/daemon.stderr", append = true }
+  argv.stderr = self.stderr or { file = self.dir .. "/daemon.stderr", append = true }
   local p = proc.spawn(argv)
   local d = { p = p, lines = p:lines("stdout"), log = {} }
   function d.wait_for(_, pattern, n)
@@ -117,6 +128,9 @@ function Env:runs(name)
   end
   return out
 end
+
+--- env:destroy(): removes the state dir and recipe. [yields]
+function Env:destroy() proc.run { "rm", "-rf", self.dir } end
 
 --- env:get(d, path, opts) -> http.request result against the daemon's listener. [yields]
 function Env.get(_, d, path, opts)

@@ -331,6 +331,19 @@ function Service:terminate(rec)
   self:gc_layers()
 end
 
+-- Freezes a sandbox already marked suspending: suspended, or back to running (logged) when the
+-- freeze fails; nothing when its status changed meanwhile (a terminate). [yields]
+local function suspend_now(self, rec)
+  local ok, err = pcall(self.engine.freeze, self.engine, rec.id)
+  if rec.status ~= "suspending" then return end
+  if ok then
+    set_status(self, rec, "suspended")
+  else
+    self.log("suspending " .. rec.id .. ": " .. message_of(err))
+    set_status(self, rec, "running")
+  end
+end
+
 --- svc:suspend(rec) -> rec. Starts suspending a running sandbox (suspending → suspended in a
 -- task); idempotent for a suspended one. Raises conflict sandbox_not_running otherwise.
 function Service:suspend(rec)
@@ -339,16 +352,7 @@ function Service:suspend(rec)
     fail("conflict", "sandbox " .. rec.id .. " is " .. rec.status .. ", not running", "sandbox_not_running")
   end
   set_status(self, rec, "suspending")
-  task.spawn(function()
-    local ok, err = pcall(self.engine.freeze, self.engine, rec.id)
-    if rec.status ~= "suspending" then return end
-    if ok then
-      set_status(self, rec, "suspended")
-    else
-      self.log("suspending " .. rec.id .. ": " .. message_of(err))
-      set_status(self, rec, "running")
-    end
-  end)
+  task.spawn(suspend_now, self, rec)
   return rec
 end
 
@@ -411,14 +415,7 @@ end
 -- Idle suspend: running → suspending → suspended (back to running when the freeze fails).
 local function idle_suspend(self, rec)
   set_status(self, rec, "suspending")
-  local ok, err = pcall(self.engine.freeze, self.engine, rec.id)
-  if rec.status ~= "suspending" then return end
-  if ok then
-    set_status(self, rec, "suspended")
-  else
-    self.log("suspending " .. rec.id .. ": " .. message_of(err))
-    set_status(self, rec, "running")
-  end
+  suspend_now(self, rec)
 end
 
 -- Waits on cond for at most secs (math.huge: without a deadline); re-raises a cancellation.
