@@ -835,6 +835,15 @@ static void run_set_output(lua_State *L, lproc *lp, int s, int idx, const char *
     lua_setfield(L, RUN_RESULT, field);
 }
 
+/* The body of proc.run and its continuation after every park; ctx is how many bytes of the
+ * input string were written so far. Stack as RUN_* above. Each pass drains buffered stdout and
+ * stderr into their piece tables, writes what stdin takes of the input (closing stdin after the
+ * last byte, or at EPIPE), and parks the task (abort hook abort_run) until the child is reaped
+ * and both outputs reached EOF, or only until the reap after a timeout. Then returns one value,
+ * the result table {code, signal, pid, stdout, stderr} (stdout/stderr only for pipes), and
+ * closes the handle. Raises a "timeout" structured error (retryable, with pid, seconds and the
+ * output captured so far) if the timer killed the group, and a plain error if the handle was
+ * closed under it. [yields] */
 static int run_k(lua_State *L, int status, lua_KContext ctx)
 {
     lproc *lp = (lproc *)lua_touserdata(L, RUN_PROC);
