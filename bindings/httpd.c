@@ -1348,6 +1348,10 @@ static const luaL_Reg httpd_funcs[] = {
     {NULL, NULL},
 };
 
+/* require "moonbox.httpd": loads moonbox.core first (handlers run as its tasks), registers the
+ * Server (methods, __close, __gc), Request, Response (__gc) and Writer (__close) metatables once
+ * per state, and pushes the module table {listen, live_requests, mhd_version}. Raises only on
+ * out of memory; never yields. */
 int luaopen_moonbox_httpd(lua_State *L)
 {
     luaL_requiref(L, "moonbox.core", luaopen_moonbox_core, 0);

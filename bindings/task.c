@@ -1048,6 +1048,13 @@ static int l_run(lua_State *L)
     return nres - 1;
 }
 
+/* Tears the runtime down before lua_close (main, after the CLI returned): marks it closing (no
+ * more spawns), cancels every live task and runs the loop for at most 5 s while they unwind
+ * (their guards may yield); a task still alive then is dropped with a line on stderr, its abort
+ * hook called but its closers not run, and its ref released. Runs the deferred callbacks last.
+ * Returns the number of registry refs still live (the leak check's figure), 0 without a runtime;
+ * does nothing but return that figure when called from inside core.run or the drain. Blocks the
+ * calling thread for up to those 5 s; call only from outside any task. */
 long mb_runtime_shutdown(lua_State *L)
 {
     lua_getfield(L, LUA_REGISTRYINDEX, RT_KEY);
