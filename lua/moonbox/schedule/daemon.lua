@@ -268,6 +268,13 @@ function Daemon:run_body(s, run)
   end
 end
 
+--- Records the end of run of s: ends its ledger run and its run row with outcome and message,
+-- emits "finished" (with the consecutive failure count, before and after, and the sandboxes the
+-- run made) and logs it; after failures >= s.pause_after_failures (failed or timeout) pauses
+-- the schedule and emits "paused". Frees the schedule for its next fire, then hands a slot
+-- queued behind this run (buffer_one) to the fire loop, or on a shared store looks for one that
+-- another daemon queued. Raises the store's errors (run_body retries it while the database is
+-- down); [yields] on PostgreSQL.
 function Daemon:finish(s, run, outcome, message)
   local now = self.clock:now()
   if run.ledger_run then self.store.ledger:end_run(outcome, run.ledger_run) end
