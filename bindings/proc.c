@@ -643,8 +643,13 @@ static void build_env(lua_State *L, int env, int replace, int list)
     }
 }
 
-/* Reads the spawn options of the table at opts into sp. Pushes two anchors (a sequence of
- * strings and the argv/env arrays) that must stay on the stack until the spawn is done. */
+/* Reads the spawn options of the table at opts into sp: argv (opts[1..], wrapped in
+ * /bin/sh -c when opts.shell), env and env_mode, cwd, stdin/stdout/stderr (stdin defaults to a
+ * pipe when input_pipe, else to /dev/null) and buffer; for_run also admits proc.run's input
+ * and timeout. Pushes one anchor table holding the strings and the argv/env arrays sp points
+ * into: it must stay on the stack until the spawn is done. Raises an argument error (argument 1)
+ * for an unknown option, an empty argv, a non-string argv entry, env or cwd, stdout = "stdout", or
+ * input without a piped stdin; sp must not be used then. Does not yield. */
 static void parse_spawn(lua_State *L, int opts, int for_run, int input_pipe, spawn_spec *sp)
 {
     memset(sp, 0, sizeof *sp);
