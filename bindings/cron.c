@@ -271,6 +271,10 @@ static int z_gc(lua_State *L)
     return 0;
 }
 
+/* require "moonbox.cron": pushes the module table {parse, validate, zone, format,
+ * search_days} and registers the Cron and Zone metatables (once per state). Every function
+ * and Cron method shares one zone cache table as upvalue 1, so a zone name is parsed once per
+ * state. Raises only on out of memory. Never yields. */
 int luaopen_moonbox_cron(lua_State *L)
 {
     static const luaL_Reg cron_methods[] = {{"next", c_next}, {"next_n", c_next_n}, {NULL, NULL}};

@@ -245,7 +245,14 @@ static void notify_cb(http_request *r, void *ud, int events)
     if (op->waiter && (op->stream || (events & HTTP_EV_DONE))) mb_task_wake(op->waiter);
 }
 
-/* Starts the request described by the options table at index 1; raises on misuse. */
+/* Starts the request described by the options table at index 1 (url required; method, headers,
+ * body or body_file, output_file, accept_encoding, the three timeouts in seconds,
+ * fresh_connect, no_resend, resolve, buffer, max_body) on the state's client, with op as the
+ * notify target and stream selecting streamed delivery. Returns op with op->req set, or NULL
+ * with a structured error (op "http.request", code "request_failed", naming method and url and
+ * http_request_start's err text) pushed for the caller to raise. Raises a plain error at once
+ * for misuse (missing url, options of the wrong type). The stack is back at its height on entry
+ * either way (plus the error on NULL). Does not yield: only the transfer runs on the loop. */
 static http_op *start_op(lua_State *L, http_op *op, int stream)
 {
     luaL_checktype(L, 1, LUA_TTABLE);
@@ -582,6 +589,15 @@ static int dequeue_event(lua_State *L, http_op *op, int queue)
     return 1;
 }
 
+/* The body of resp:read_event and its continuation after every park. Stack: 1 = the
+ * response; the event queue lives in the response's user value as `events`. Returns one value
+ * (the next queued event table, or nil once the body ended and the parser is finished, its
+ * `finished` flag set so the end is reported once). Feeds whatever body bytes are buffered to
+ * the SSE parser, which queues whole events through push_event; if none became whole and the
+ * transfer is still running it parks the task (abort hook stream_abort) and comes back here.
+ * Raises the transfer's structured error if it failed, "malformed_response" on bad framing,
+ * and a plain error if the response was closed. op->sse.fn is NULL again on every exit so a
+ * later feed never calls into a dead stack. [yields] */
 static int read_event_k(lua_State *L, int status, lua_KContext ctx)
 {
     http_op *op = check_response(L, 1);
@@ -733,6 +749,14 @@ static int outq_pop(lua_State *L, out_queue *q)
     return 3;
 }
 
+/* The body of resp:read_output and its continuation after every park. Stack: 1 = the
+ * response. Returns the 3 values of outq_pop (event, stream or nil, payload) for the next
+ * queued item, or one nil at the end of the stream. Buffered body bytes go through the SSE
+ * parser into op->outq (queue_output, which never calls Lua); at the end of the body the parser
+ * is finished once (sse_ready 1 -> 2) so a trailing event is still delivered; with no bytes and
+ * the transfer still running it parks the task (abort hook stream_abort). Raises the transfer's
+ * structured error if it failed, "malformed_response" on bad framing or when the queue could
+ * not grow (out of memory), and a plain error if the response was closed. [yields] */
 static int read_output_k(lua_State *L, int status, lua_KContext ctx)
 {
     http_op *op = check_response(L, 1);

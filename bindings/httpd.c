@@ -645,8 +645,14 @@ static int report_failure(lua_State *L)
     return 0;
 }
 
-/* The end of handler_main: answer from the handler's outcome, then finish. Stack: handler, req,
- * res, msgh, then the handler's results (ok) or its error (not ok). */
+/* The end of handler_main, called directly or as its pcallk continuation: answer from the
+ * handler's outcome, then finish. Stack: handler, req, res, msgh, then the handler's results
+ * (ok) or its error (not ok). If the handler returned values and has not responded they are
+ * sent as res:send(status, headers, body) would; if it returned nothing (or a nil first value)
+ * and did not respond, that is a "no_response" failure. A failure (raised, unusable results, no
+ * response) goes through report_failure (log line plus an error answer); if even that fails the
+ * client gets a plain 500. Then the response is finished, the task is dropped from the server's
+ * task table and the stack is emptied. Never raises and returns 0; does not yield itself. */
 static int handler_done(lua_State *L, int status, lua_KContext ctx)
 {
     hd_response *res = (hd_response *)lua_touserdata(L, 3);
@@ -719,7 +725,11 @@ static int handler_main(lua_State *L)
     return handler_done(L, status, 0);
 }
 
-/* Pushes the req table for r (and frees r's in-memory body once copied). */
+/* Pushes the req table for r, with the REQUEST_MT metatable: method, path (percent-decoded),
+ * target, query, remote, remote_port, params (first value of each query key), headers
+ * (lower-cased names, repeated ones joined with ", "), captures, and body (memory mode; r's
+ * copy is freed once pushed) or body_file and body_size (file mode). Pushes exactly one value;
+ * raises only on out of memory. */
 static void push_request(lua_State *L, hs_request *r)
 {
     const hs_request_view *v = hs_request_get_view(r);
@@ -771,7 +781,12 @@ static void push_request(lua_State *L, hs_request *r)
     luaL_setmetatable(L, REQUEST_MT);
 }
 
-/* Runs protected in Lua context: makes req and res for ctx->r and spawns its handler task. */
+/* Called under lua_pcall from dispatch with ctx as light userdata at 1: makes res (which from
+ * then on owns ctx->r: ctx->owned is set so the caller must not answer r itself) and req for
+ * ctx->r, and spawns the route's handler as a task running handler_main(handler, req, res),
+ * named "httpd METHOD PATH", marked observed and recorded in the server's task table so close
+ * can cancel it. Returns 0 results; raises only on out of memory, leaving r to the caller if it
+ * raised before res existed. */
 static int dispatch_protected(lua_State *L)
 {
     dispatch_ctx *ctx = (dispatch_ctx *)lua_touserdata(L, 1);
@@ -1333,6 +1348,10 @@ static const luaL_Reg httpd_funcs[] = {
     {NULL, NULL},
 };
 
+/* require "moonbox.httpd": loads moonbox.core first (handlers run as its tasks), registers the
+ * Server (methods, __close, __gc), Request, Response (__gc) and Writer (__close) metatables once
+ * per state, and pushes the module table {listen, live_requests, mhd_version}. Raises only on
+ * out of memory; never yields. */
 int luaopen_moonbox_httpd(lua_State *L)
 {
     luaL_requiref(L, "moonbox.core", luaopen_moonbox_core, 0);

@@ -150,6 +150,14 @@ static int traceback_handler(lua_State *L)
     return 1;
 }
 
+/* The moonbox binary: finds the Lua library (exit 2 with a hint if it cannot), makes the main
+ * state (mb_main_state), puts the library and the C-module directory first on package.path and
+ * package.cpath, installs the bytecode searcher and the moonbox.build facts table, then calls
+ * require("moonbox.cli").main(argv) under a traceback handler; argv[0] is at index 0. Returns
+ * that function's integer result as the exit status (0 for a non-integer), 1 if the CLI fails
+ * to load or raises, and 3 instead of 0 when the registry-ref leak check is on
+ * (moonbox.leakcheck or MOONBOX_LEAK_CHECK=1) and references are still held after
+ * mb_runtime_shutdown. Errors go to stderr; the state is closed on every path after it exists. */
 int main(int argc, char **argv)
 {
     char luadir[PATH_MAX], exe[PATH_MAX];

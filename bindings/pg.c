@@ -147,6 +147,13 @@ static int push_rows_protected(lua_State *L)
     return 2;
 }
 
+/* Continuation of conn:query once the connection has the statement's result (stack: conn, sql,
+ * arguments). Returns 2 values, rows and count (built by push_rows_protected under a pcall so
+ * that the PGresult is cleared even on out of memory). Raises "connection_lost" (retryable) when
+ * there is no result or the connection broke, and for a failed statement "constraint" (SQLSTATE
+ * 23505), "connection_lost" (class 08) or "sql_error", with sqlstate and the server's message
+ * followed by the start of the SQL (SQL_EXCERPT bytes). The result is cleared on every path. Runs
+ * in the querying task; does not park again. */
 static int query_k(lua_State *L, int status, lua_KContext ctx)
 {
     (void)status;

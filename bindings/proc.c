@@ -643,8 +643,13 @@ static void build_env(lua_State *L, int env, int replace, int list)
     }
 }
 
-/* Reads the spawn options of the table at opts into sp. Pushes two anchors (a sequence of
- * strings and the argv/env arrays) that must stay on the stack until the spawn is done. */
+/* Reads the spawn options of the table at opts into sp: argv (opts[1..], wrapped in
+ * /bin/sh -c when opts.shell), env and env_mode, cwd, stdin/stdout/stderr (stdin defaults to a
+ * pipe when input_pipe, else to /dev/null) and buffer; for_run also admits proc.run's input
+ * and timeout. Pushes one anchor table holding the strings and the argv/env arrays sp points
+ * into: it must stay on the stack until the spawn is done. Raises an argument error (argument 1)
+ * for an unknown option, an empty argv, a non-string argv entry, env or cwd, stdout = "stdout", or
+ * input without a piped stdin; sp must not be used then. Does not yield. */
 static void parse_spawn(lua_State *L, int opts, int for_run, int input_pipe, spawn_spec *sp)
 {
     memset(sp, 0, sizeof *sp);
@@ -835,6 +840,15 @@ static void run_set_output(lua_State *L, lproc *lp, int s, int idx, const char *
     lua_setfield(L, RUN_RESULT, field);
 }
 
+/* The body of proc.run and its continuation after every park; ctx is how many bytes of the
+ * input string were written so far. Stack as RUN_* above. Each pass drains buffered stdout and
+ * stderr into their piece tables, writes what stdin takes of the input (closing stdin after the
+ * last byte, or at EPIPE), and parks the task (abort hook abort_run) until the child is reaped
+ * and both outputs reached EOF, or only until the reap after a timeout. Then returns one value,
+ * the result table {code, signal, pid, stdout, stderr} (stdout/stderr only for pipes), and
+ * closes the handle. Raises a "timeout" structured error (retryable, with pid, seconds and the
+ * output captured so far) if the timer killed the group, and a plain error if the handle was
+ * closed under it. [yields] */
 static int run_k(lua_State *L, int status, lua_KContext ctx)
 {
     lproc *lp = (lproc *)lua_touserdata(L, RUN_PROC);

@@ -47,6 +47,12 @@ static void spin_cb(struct ev_loop *loop, ev_idle *w, int revents);
 
 /* ---- runtime -------------------------------------------------------------------------------- */
 
+/* Returns the runtime of L's state (kept in the registry under RT_KEY), creating it on first
+ * use: on libev's default loop, with the drain watcher started but unref'd (so that it alone
+ * never keeps the loop alive and a deadlock is detected), the spin watcher ready, SIGPIPE
+ * ignored, and, when LUA_EXTRASPACE was not zeroed by mb_main_state, the weak moonbox.threads
+ * table through which tasks are found instead. Leaves the stack as it was. Raises (luaL_error)
+ * if memory or the default loop cannot be had; nothing is kept then. Never yields. */
 mb_runtime *mb_runtime_get(lua_State *L)
 {
     mb_runtime *rt;
@@ -499,8 +505,13 @@ static int task_entry(lua_State *L)
     return entry_finish(L, status, 0);
 }
 
-/* Finishes a task whose coroutine returned (ok, ...) or died: stores results in its data table,
- * wakes joiners, and releases its ref. Called from the drain on the main thread. */
+/* Finishes a task whose coroutine returned (ok, ...) (status LUA_OK, nres values on co) or died
+ * (the error on co): stores results{n=} or err (plus tb, tb_err for a death) in its data table,
+ * marks it done, stops its deadline and sleep timers, leaves any wait queue, wakes its joiners,
+ * frees its coroutine and releases its ref. A failure nobody observed is remembered in
+ * moonbox.unobserved, unless it is the "cancelled" error of a cancel it was sent. Breaks the
+ * loop once so the driver re-checks. Leaves L's stack as it was; never raises except on out of
+ * memory. Called from the drain on the main thread. */
 static void task_complete(mb_runtime *rt, mb_task *t, int status, int nres)
 {
     lua_State *L = rt->L;
@@ -651,7 +662,11 @@ static void spin_cb(struct ev_loop *loop, ev_idle *w, int revents)
 /* ---- Lua functions: tasks ---------------------------------------------------------------------
  */
 
-/* core.spawn(fn, ...) -> Task. Creates a task running fn(...) and queues it. Does not yield. */
+/* core.spawn(fn, ...) -> Task. Creates a task running fn(...) on its own coroutine and queues
+ * it to run in the next drain (it does not start here). The task's data table records its spawn
+ * site and the spawn chain, and it inherits the spawning task's context table (task.set_context).
+ * The task holds a registry ref to itself until it finishes. Pushes the Task; raises if fn is not
+ * a function or the runtime is shutting down. Any thread; does not yield. */
 static int l_spawn(lua_State *L)
 {
     mb_runtime *rt = mb_runtime_get(L);
@@ -1033,6 +1048,13 @@ static int l_run(lua_State *L)
     return nres - 1;
 }
 
+/* Tears the runtime down before lua_close (main, after the CLI returned): marks it closing (no
+ * more spawns), cancels every live task and runs the loop for at most 5 s while they unwind
+ * (their guards may yield); a task still alive then is dropped with a line on stderr, its abort
+ * hook called but its closers not run, and its ref released. Runs the deferred callbacks last.
+ * Returns the number of registry refs still live (the leak check's figure), 0 without a runtime;
+ * does nothing but return that figure when called from inside core.run or the drain. Blocks the
+ * calling thread for up to those 5 s; call only from outside any task. */
 long mb_runtime_shutdown(lua_State *L)
 {
     lua_getfield(L, LUA_REGISTRYINDEX, RT_KEY);

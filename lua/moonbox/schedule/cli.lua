@@ -240,7 +240,20 @@ function M.ops_options(opts, modes)
   return o
 end
 
---- main(args, cli) -> exit status.
+--- main(args, cli) -> exit status: `moonbox schedule FILE [--list | --next NAME [N] | --trigger NAME |
+-- --pause NAME | --resume NAME | --stop [--drain] [--timeout S]] [daemon options]`. args are the
+-- words after `schedule`; cli is moonbox.cli (flag parsing, usage errors, exit codes). Checks the
+-- flags first (a usage error -> cli.usage_error's status, nothing opened), registers the API key
+-- and run env values as secrets, opens the ledger (waiting for it only in daemon mode) and the
+-- schedule store, runs the recipe (which must register at least one schedule) and then does the
+-- one mode asked for; without one it builds the daemon, attaches the ops server when any of
+-- --listen/--webhook/--trace-dir/--control-token-file was given, and runs until stopped. A
+-- failure of the recipe, the store or the daemon is printed to stderr (prefixed
+-- "moonbox schedule: ") and gives EXIT_FAIL; a --trigger run that is not ok and a --stop that
+-- leaves daemons running also give EXIT_FAIL; a SIGINT/SIGTERM that stops the daemon is a clean
+-- end (the status above, not 130/143).
+-- Never raises; closes the ledger on every path. Runs the loop itself (cli.run_root_opts): call
+-- it from outside any task.
 function M.main(args, cli)
   local opts, rest = cli.parse_flags(args, { list = "flag", next = "value", trigger = "value",
     pause = "value", resume = "value", drain = "flag", backend = "value", listen = "value",

@@ -190,6 +190,14 @@ function Daemon:start(s, q)
   return run
 end
 
+--- The body of run's task (spawned by start): runs s.fn(info) with info = {id, schedule, slot,
+-- slot_text, trigger, started_at} under the ledger (its creates go to a ledger run, recorded on
+-- the run row as soon as it begins), with a watchdog task that cancels it after s.timeout.
+-- Decides the outcome: ok, failed (message is the error's first line; its code and ids go to
+-- run.error, the whole error to errout), timeout, or cancelled (by a shutdown or another
+-- daemon's cancel_other, whose reason is in run.stop_reason). Then records it with finish,
+-- shielded from cancellation and retried while the database is down. Never raises: a failure to record is
+-- written to errout and the schedule is freed to fire again. [yields]
 function Daemon:run_body(s, run)
   local me = task.current()
   ledger_mod.attach(me, { ledger = self.store.ledger,
@@ -260,6 +268,13 @@ function Daemon:run_body(s, run)
   end
 end
 
+--- Records the end of run of s: ends its ledger run and its run row with outcome and message,
+-- emits "finished" (with the consecutive failure count, before and after, and the sandboxes the
+-- run made) and logs it; after failures >= s.pause_after_failures (failed or timeout) pauses
+-- the schedule and emits "paused". Frees the schedule for its next fire, then hands a slot
+-- queued behind this run (buffer_one) to the fire loop, or on a shared store looks for one that
+-- another daemon queued. Raises the store's errors (run_body retries it while the database is
+-- down); [yields] on PostgreSQL.
 function Daemon:finish(s, run, outcome, message)
   local now = self.clock:now()
   if run.ledger_run then self.store.ledger:end_run(outcome, run.ledger_run) end
@@ -310,7 +325,13 @@ end
 
 -- ---- fires ----------------------------------------------------------------------------------
 
---- Fires slot of s: applies pause and overlap, then starts a run. [yields] for cancel_other.
+--- Fires slot of s (trigger: how it came due, e.g. "cron" or "catchup"; due: when) — applies
+-- pause and overlap, then starts a run. A paused schedule only advances its last slot. With a
+-- run active here or on another daemon: skip records the slot skipped, buffer_one queues it
+-- (one queued record; a further slot is recorded skipped), cancel_other cancels that run and
+-- waits for it before starting. Returns nothing; returns early without a run if the daemon
+-- began stopping meanwhile. Raises the store's errors. [yields] (for cancel_other; the store may
+-- yield on PostgreSQL.)
 function Daemon:fire(s, slot, trigger, due)
   local now = self.clock:now()
   local st = self.store:state(s.name)

@@ -57,7 +57,11 @@ function M.print(name, limit, as_json)
   if not ok then error(err, 0) end
 end
 
--- The rows of store's history, printed as the command does.
+--- runs.print_rows(store, name, limit, as_json): prints store's run history, newest first, as
+-- `moonbox runs` does: only schedule name's rows when name is given, at most limit rows (nil or
+-- -1: all), either as one JSON array on stdout (times both RFC 3339 and Unix, absent ones null)
+-- or as an aligned table, with a line saying so when there are none. Raises the store's errors;
+-- [yields] on PostgreSQL.
 function M.print_rows(store, name, limit, as_json)
   local rest, opts = { name }, { json = as_json }
   local rows = store:history { schedule = rest[1], limit = math.tointeger(limit) }

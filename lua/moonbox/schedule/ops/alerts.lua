@@ -184,6 +184,13 @@ function Alerts:attempt(sink, body)
   return false, again, "HTTP " .. r.status, M.retry_after(r.headers["retry-after"], core.time())
 end
 
+--- The body of sink's delivery task (one per webhook URL, spawned by enqueue): sends the
+-- queued bodies in order, one at a time, each up to M.ATTEMPTS times while the failure is
+-- retryable (transport failure, 408, 429, 5xx), waiting Retry-After (capped at M.MAX_WAIT) or
+-- an exponential backoff between attempts; a message that still fails is logged (by sink.safe,
+-- the URL without secrets) and dropped. Counts into metrics.webhook. Sleeps on sink.wake while
+-- the queue is empty and returns once it is empty and the alerts are closing. Raises only a
+-- cancellation (close cancels it after its grace). [yields]
 function Alerts:deliver_loop(sink)
   local w = self.metrics and self.metrics.webhook or { queued = 0, delivered = 0, failed = 0,
     attempts_ok = 0, attempts_failed = 0, dropped = 0 }

@@ -245,7 +245,13 @@ function Ops:routes()
   end, { body = "none" })
 end
 
---- ops:control(req) -> status, body, headers: pause / resume / trigger, with the token.
+--- ops:control(req) -> status, body, headers: the POST /api/schedules/:name/:action handler's
+-- answer. Refuses with a JSON {message}: 403 when no control token is configured, 401 when the
+-- X-Moonbox-Token (or Authorization: Bearer) header is missing or wrong (compared in constant
+-- time), 403 for a cross-origin request, 404 for an unknown schedule or action. Then pause
+-- (200, from the next fire), resume (200, failure count cleared) or trigger (202, or 409 with
+-- the daemon's reason when it cannot start one). Each action is logged with the client address.
+-- Raises the store's errors; [yields] on PostgreSQL.
 function Ops:control(req)
   if not self.token then
     return json_answer(403, { message = "read-only: no control token is configured " ..
