@@ -248,6 +248,17 @@ describe("a SIGKILLed server", function()
       end
     end))
 
+    it("removes their roots' mount points from /run/moonbox/roots", T.async(function()
+      for _, rec in ipairs(recs) do
+        local left = {}
+        for _, name in ipairs(sys.listdir("/run/moonbox/roots")) do
+          if name:sub(-#rec.id - 1) == "-" .. rec.id then left[#left + 1] = name end
+        end
+        assert(#left == 0, rec.id .. "'s root mount point is still there: /run/moonbox/roots/" ..
+          table.concat(left, ", "))
+      end
+    end))
+
     it("frees their disk and removes their cgroups", T.async(function()
       for _, rec in ipairs(recs) do
         wait_until(30, function() return read_file(rec.dir .. "/upper/root/big") == nil and
