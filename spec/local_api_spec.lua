@@ -142,6 +142,35 @@ describe("GET /sandboxes", function()
     assert.are.equal(200, s4)
     assert.are.equal("[]", raw) -- an empty page is an empty JSON array, not an object
   end))
+
+  it("refuses forged cursors: another list's, a sequence past any record's, a malformed one", T.async(function()
+    -- The cursor's sequence becomes a bound SQL parameter of the keyset page: what no page
+    -- ever handed out must be refused, never turned into a 5xx or a float comparison.
+    local function b64url(raw)
+      local A = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+      local out = {}
+      for i = 1, #raw, 3 do
+        local a, b, c = raw:byte(i, i + 2)
+        local n = (a << 16) | ((b or 0) << 8) | (c or 0)
+        for j = 1, 2 + (b and 1 or 0) + (c and 1 or 0) do
+          local v = (n >> (6 * (4 - j))) & 63
+          out[#out + 1] = A:sub(v + 1, v + 1)
+        end
+      end
+      return table.concat(out)
+    end
+    local _, sb = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, name = "cursor" } })
+    local first = select(2, B:req("GET", "/v1/sandboxes", { query = q({ limit = 1 }) }))[1]
+    assert.is_table(first, "the sandbox just made is listed")
+    local accepted = select(1, B:req("GET", "/v1/sandboxes", { query = q({ cursor = first.cursor }) }))
+    assert.are.equal(200, accepted, "a cursor the backend handed out is taken")
+    for _, raw in ipairs { "snp:1", "sbx:99999999999999999999999999", "sbx:9007199254740993",
+      "sbx:", "sbx:1:2", "sbx:0x10", "sbx:" .. ("9"):rep(400) } do
+      local st, body = B:req("GET", "/v1/sandboxes", { query = q({ cursor = b64url(raw) }) })
+      assert.are.same({ 400, "invalid_cursor" }, { st, body.code }, raw:sub(1, 40))
+    end
+    B:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate")
+  end))
 end)
 
 describe("get and terminate", function()

@@ -71,13 +71,17 @@ end
 --- wire.cursor(kind, seq) -> an opaque cursor naming one record's place in its list.
 function M.cursor(kind, seq) return b64(kind .. ":" .. seq) end
 
---- wire.parse_cursor(kind, s) -> seq, or nil when s is not a cursor of that kind.
+--- wire.parse_cursor(kind, s) -> seq (an integer), or nil when s is not a cursor of that kind.
+-- A sequence no record can have (more than 2^53, where a number stops being exact) is no
+-- cursor this backend handed out: refused, not turned into a float bound of the page query.
 function M.parse_cursor(kind, s)
   local raw = unb64(s or "")
   if not raw then return nil end
-  local k, seq = raw:match("^(%a+):(%d+)$")
-  if k ~= kind then return nil end
-  return tonumber(seq)
+  local k, digits = raw:match("^(%a+):(%d+)$")
+  if k ~= kind or #digits > 16 then return nil end
+  local seq = math.tointeger(tonumber(digits))
+  if not seq or seq > (1 << 53) then return nil end
+  return seq
 end
 
 --- wire.page(req, kind, wrapper, records, shape) -> JSON array page. records are newest
