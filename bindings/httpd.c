@@ -437,19 +437,32 @@ static int writer_wait(lua_State *L, hd_response *res, mb_task *t)
     return mb_task_park(L, t, writer_abort, res, 0, writer_wait_k);
 }
 
+/* The live request under w's stream, or raises as w:write documents. */
+static hs_request *writer_request(lua_State *L, hd_response *res, const char *what)
+{
+    if (res->state == RES_CLOSED) luaL_error(L, "%s: the stream is closed", what);
+    hs_request *r = res->req;
+    if (!r) luaL_error(L, "%s: the request's handler has already finished", what);
+    if (hs_request_state(r) != HS_LIVE) raise_gone(L, what, r);
+    return r;
+}
+
+/* Raises for a failed hs_request_stream_write/reserve. */
+static int raise_stream_error(lua_State *L, const char *what, hs_request *r, int rc)
+{
+    if (rc == HS_ERR_NOMEM) return luaL_error(L, "%s: out of memory", what);
+    return raise_gone(L, what, r);
+}
+
 /* Queues n bytes on w's stream, then waits for room. Raises as w:write documents. */
 static int writer_put(lua_State *L, const char *what, const char *s, size_t n)
 {
     hd_writer *w = check_writer(L, 1);
     hd_response *res = w->res;
     mb_task *t = mb_task_check_yieldable(L, what);
-    if (res->state == RES_CLOSED) return luaL_error(L, "%s: the stream is closed", what);
-    hs_request *r = res->req;
-    if (!r) return luaL_error(L, "%s: the request's handler has already finished", what);
-    if (hs_request_state(r) != HS_LIVE) return raise_gone(L, what, r);
+    hs_request *r = writer_request(L, res, what);
     int rc = hs_request_stream_write(r, s, n);
-    if (rc == HS_ERR_NOMEM) return luaL_error(L, "%s: out of memory", what);
-    if (rc != HS_OK) return raise_gone(L, what, r);
+    if (rc != HS_OK) return raise_stream_error(L, what, r, rc);
     lua_settop(L, 1);
     return writer_wait(L, res, t);
 }
@@ -487,31 +500,25 @@ static int writer_sse(lua_State *L)
     return writer_put(L, "w:sse", s, n);
 }
 
-/* The buffer w:sse_output builds an event in, kept between calls (exec output comes in chunks
- * of one size: after the first nothing is allocated); writer_put copies it into the stream's
- * queue before it waits. Lua runs on one thread. */
-static char *out_buf;
-static size_t out_cap;
-
 /* w:sse_output(stream, data): writes the SSE event an exec's output chunk travels in, exactly
  * what w:sse("output", json.encode({stream = stream, data = data})) writes (keys sorted, data
  * and stream quoted by runtime/jsonq.c: invalid UTF-8 becomes U+FFFD), built in one pass by
- * runtime/sse_write.c with no intermediate Lua strings. Raises and yields as w:write. [yields] */
+ * runtime/sse_write.c straight into the stream's queue: no intermediate Lua string or buffer.
+ * Raises and yields as w:write. [yields] */
 static int writer_sse_output(lua_State *L)
 {
-    check_writer(L, 1);
+    hd_writer *w = check_writer(L, 1);
     size_t sn, dn;
     const unsigned char *stream = (const unsigned char *)luaL_checklstring(L, 2, &sn);
     const unsigned char *data = (const unsigned char *)luaL_checklstring(L, 3, &dn);
-    size_t need = sse_output_bound(sn, dn);
-    if (need > out_cap) {
-        char *p = (char *)realloc(out_buf, need);
-        if (!p) return luaL_error(L, "w:sse_output: out of memory");
-        out_buf = p;
-        out_cap = need;
-    }
-    size_t len = sse_write_output(out_buf, stream, sn, data, dn);
-    return writer_put(L, "w:sse_output", out_buf, len);
+    mb_task *t = mb_task_check_yieldable(L, "w:sse_output");
+    hs_request *r = writer_request(L, w->res, "w:sse_output");
+    int rc;
+    char *p = hs_request_stream_reserve(r, sse_output_bound(sn, dn), &rc);
+    if (!p) return raise_stream_error(L, "w:sse_output", r, rc);
+    hs_request_stream_commit(r, sse_write_output(p, stream, sn, data, dn));
+    lua_settop(L, 1);
+    return writer_wait(L, w->res, t);
 }
 
 /* w:comment(text): writes an SSE comment (": text\n" per line; ":\n" without text), which

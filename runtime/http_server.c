@@ -44,7 +44,7 @@
  * then dropped reaches the client as a reset, not as the reply), small enough that an endless
  * chunked upload cannot keep the server busy. */
 #define HS_DISCARD_MAX    (1024u * 1024)
-#define HS_STREAM_BLOCK   (16u * 1024)
+#define HS_STREAM_BLOCK   (64u * 1024)
 #define HS_LISTEN_BACKLOG 1024u
 #define HS_MAX_ALLOW      16
 
@@ -1328,11 +1328,10 @@ int hs_request_stream_open(hs_request *r, unsigned status, const hs_pair *header
     return rc;
 }
 
-int hs_request_stream_write(hs_request *r, const void *data, size_t len)
+char *hs_request_stream_reserve(hs_request *r, size_t len, int *rc)
 {
-    if (!r->streaming || r->q_ended) return HS_ERR_STATE;
-    if (r->state != HS_LIVE) return HS_ERR_GONE;
-    if (len == 0) return HS_OK;
+    *rc = !r->streaming || r->q_ended ? HS_ERR_STATE : r->state != HS_LIVE ? HS_ERR_GONE : HS_OK;
+    if (*rc != HS_OK) return NULL;
     if (r->q_off + r->q_len + len > r->q_cap) {
         if (r->q_len + len <= r->q_cap) {
             memmove(r->q, r->q + r->q_off, r->q_len);
@@ -1341,7 +1340,10 @@ int hs_request_stream_write(hs_request *r, const void *data, size_t len)
             while (cap < r->q_len + len)
                 cap *= 2;
             char *nq = (char *)malloc(cap);
-            if (!nq) return HS_ERR_NOMEM;
+            if (!nq) {
+                *rc = HS_ERR_NOMEM;
+                return NULL;
+            }
             if (r->q_len) memcpy(nq, r->q + r->q_off, r->q_len);
             free(r->q);
             r->q = nq;
@@ -1349,9 +1351,27 @@ int hs_request_stream_write(hs_request *r, const void *data, size_t len)
         }
         r->q_off = 0;
     }
-    memcpy(r->q + r->q_off + r->q_len, data, len);
-    r->q_len += len;
+    return r->q + r->q_off + r->q_len;
+}
+
+void hs_request_stream_commit(hs_request *r, size_t n)
+{
+    if (n == 0) return;
+    r->q_len += n;
     hs_wake_conn(r);
+}
+
+int hs_request_stream_write(hs_request *r, const void *data, size_t len)
+{
+    int rc;
+    if (len == 0) {
+        if (!r->streaming || r->q_ended) return HS_ERR_STATE;
+        return r->state != HS_LIVE ? HS_ERR_GONE : HS_OK;
+    }
+    char *p = hs_request_stream_reserve(r, len, &rc);
+    if (!p) return rc;
+    memcpy(p, data, len);
+    hs_request_stream_commit(r, len);
     return HS_OK;
 }
 

@@ -222,6 +222,13 @@ int hs_request_stream_open(hs_request *r, unsigned status, const hs_pair *header
  * waiting while hs_request_stream_pending exceeds hs_request_stream_bound). HS_ERR_GONE once
  * the client or server is gone. */
 int hs_request_stream_write(hs_request *r, const void *data, size_t len);
+
+/* The zero-copy form of hs_request_stream_write: room for at most len bytes at the end of the
+ * open stream's queue, which the caller fills and then queues with hs_request_stream_commit (n
+ * <= len; before any other call on r). NULL with *rc = HS_ERR_STATE, HS_ERR_GONE or
+ * HS_ERR_NOMEM as hs_request_stream_write returns them. */
+char *hs_request_stream_reserve(hs_request *r, size_t len, int *rc);
+void hs_request_stream_commit(hs_request *r, size_t n);
 size_t hs_request_stream_pending(const hs_request *r);
 size_t hs_request_stream_bound(const hs_request *r);
 

@@ -71,6 +71,7 @@ end
 -- a sequence that continues in the next chunk (moonbox.strings.utf8_cut, the one boundary rule).
 local function utf8_split(s)
   local n = utf8_cut(s)
+  if n == #s then return s, "" end -- the usual case: no copy of a whole chunk
   return s:sub(1, n), s:sub(n + 1)
 end
 
