@@ -128,13 +128,14 @@ end
 -- polls, adaptively: its first look is at the backend's typical capture time, learned from the
 -- last capture this process waited for (FIRST_LOOK before there is one); after that each look
 -- comes SLACK of the time since the request after the previous one (at least MIN_STEP, at most
--- MAX_STEP apart). A capture that ends between two looks is therefore seen at most 10% of its
--- own duration late (plus one GET), and a capture of T seconds costs about
--- log(T / first look) / log(1.1) GETs, not T / interval. What is learned is a lower bound of the
+-- MAX_STEP apart). A capture that ends between two looks is therefore seen at most 5% of its
+-- own duration late plus one GET — within 10% of it even when the GET costs as much again —
+-- and a capture of T seconds costs about log(T / first look) / log(1.05) GETs, not
+-- T / interval. What is learned is a lower bound of the
 -- capture's time: the last look that still saw "creating"; when the very first look already
 -- saw "available" the capture may have been much quicker, and the next first look comes at
 -- EARLIER of this one, so the estimate follows quicker captures down within a few.
-local FIRST_LOOK, SLACK, MIN_STEP, MAX_STEP, EARLIER = 0.05, 0.1, 0.005, 2, 0.6
+local FIRST_LOOK, SLACK, MIN_STEP, MAX_STEP, EARLIER = 0.05, 0.05, 0.002, 2, 0.6
 local learned -- seconds from request to the end of the last capture waited for (see above)
 
 --- snapshots.learned_capture_seconds() -> how long the next capture is expected to take at
