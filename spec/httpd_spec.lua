@@ -425,30 +425,36 @@ describe("httpd answers", function()
     assert.is_true(max_pending <= 64 * 1024, "pending reached " .. max_pending)
   end))
 
-  it("raises client_gone in the writer when the client disconnects mid-stream", T.async(function()
-    local srv <close> = server()
-    local base = httpd.live_requests()
-    local err, finished
-    srv:route("GET", "/ticks", function(_, res)
-      local w = res:stream(200, { ["Content-Type"] = "text/event-stream" })
-      local ok, e
-      repeat
-        ok, e = pcall(w.sse, w, "tick", string.rep("t", 200))
-        task.sleep(0.005)
-      until not ok
-      err = e
-      finished = true
-    end)
-    local resp = http.stream { url = srv.url .. "/ticks" }
-    assert.are.equal("tick", resp:read_event().event)
-    resp:close()
-    wait_until(function() return finished end, 10, "the writer to notice")
-    assert.are.equal("client_gone", err.code)
-    assert.are.equal("w:sse", err.op)
-    assert.are.equal("/ticks", err.path)
-    wait_until(function() return httpd.live_requests() == base end, 5, "the request to be freed")
-    assert.are.equal(0, srv:stats().handlers)
-  end))
+  for _, writer in ipairs({ "sse", "sse_output" }) do
+    it("raises client_gone in w:" .. writer .. " when the client disconnects mid-stream", T.async(function()
+      local srv <close> = server()
+      local base = httpd.live_requests()
+      local err, finished
+      srv:route("GET", "/ticks", function(_, res)
+        local w = res:stream(200, { ["Content-Type"] = "text/event-stream" })
+        local ok, e
+        repeat
+          if writer == "sse" then
+            ok, e = pcall(w.sse, w, "tick", string.rep("t", 200))
+          else
+            ok, e = pcall(w.sse_output, w, "stdout", string.rep("t\n", 100))
+          end
+          task.sleep(0.005)
+        until not ok
+        err = e
+        finished = true
+      end)
+      local resp = http.stream { url = srv.url .. "/ticks" }
+      assert.are.equal(writer == "sse" and "tick" or "output", resp:read_event().event)
+      resp:close()
+      wait_until(function() return finished end, 10, "the writer to notice")
+      assert.are.equal("client_gone", err.code)
+      assert.are.equal("w:" .. writer, err.op)
+      assert.are.equal("/ticks", err.path)
+      wait_until(function() return httpd.live_requests() == base end, 5, "the request to be freed")
+      assert.are.equal(0, srv:stats().handlers)
+    end))
+  end
 
   it("refuses a second answer and answers after the handler returns", T.async(function()
     local srv <close> = server()
