@@ -25,7 +25,8 @@
  * with it.
  *
  * Because the overlay and every mount of the sandbox live only in namespaces of the keeper and
- * the init, they vanish with them: a backend killed by SIGKILL leaves no mount behind.
+ * the init, they vanish with them: a backend killed by SIGKILL leaves no mount behind; and the
+ * keeper removes the root's (host-side, empty) mount point as its last act.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -808,5 +809,10 @@ int cmd_start(struct spec *s, int argc, char **argv)
         }
         if (w < 0 && errno == ECHILD) break;
     }
+    /* The root's mount point: the overlay is mounted on it in our namespace only (private, so
+     * in no other; the init's copy went with the init), so once it is detached here the empty
+     * directory is no mount point anywhere and can go. Done here, not only by the backend, so
+     * that a backend killed by SIGKILL leaves no directory in the roots dir either. */
+    if (umount2(s->root, MNT_DETACH) == 0 || errno == EINVAL) rmdir(s->root);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
