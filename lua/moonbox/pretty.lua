@@ -58,34 +58,42 @@ local function field(obj, k)
   return nil
 end
 
+-- Appends prefix .. tostring(v) to parts when v is neither nil nor false.
+local function put(parts, v, prefix)
+  if v then parts[#parts + 1] = (prefix or "") .. tostring(v) end
+end
+
+-- What every summary with a plan ends with: the plan and the age.
+local function put_plan_age(parts, obj)
+  put(parts, field(obj, "plan"))
+  put(parts, age_of(field(obj, "created_at")), "age ")
+end
+
+-- A name, quoted.
+local function put_name(parts, obj)
+  local name = field(obj, "name")
+  put(parts, name and M.quote(tostring(name)))
+end
+
 local function summary_sandbox(sb)
   local parts = { "Sandbox", tostring(field(sb, "id")), tostring(field(sb, "status") or "?") }
-  local plan = field(sb, "plan")
-  if plan then parts[#parts + 1] = tostring(plan) end
-  local age = age_of(field(sb, "created_at"))
-  if age then parts[#parts + 1] = "age " .. age end
-  if rawget(sb, "_kept") then parts[#parts + 1] = "kept" end
+  put_plan_age(parts, sb)
+  put(parts, rawget(sb, "_kept") and "kept")
   return "<" .. table.concat(parts, " ") .. ">"
 end
 
 local function summary_snapshot(s)
   local parts = { "Snapshot", tostring(field(s, "id")) }
-  local name = field(s, "name")
-  if name then parts[#parts + 1] = M.quote(tostring(name)) end
+  put_name(parts, s)
   parts[#parts + 1] = tostring(field(s, "status") or "?")
-  local kind = field(s, "kind")
-  if kind then parts[#parts + 1] = tostring(kind) end
-  local plan = field(s, "plan")
-  if plan then parts[#parts + 1] = tostring(plan) end
-  local age = age_of(field(s, "created_at"))
-  if age then parts[#parts + 1] = "age " .. age end
+  put(parts, field(s, "kind"))
+  put_plan_age(parts, s)
   return "<" .. table.concat(parts, " ") .. ">"
 end
 
 local function summary_task(t)
   local parts = { "Task", tostring(field(t, "id")) }
-  local name = field(t, "name")
-  if name then parts[#parts + 1] = M.quote(tostring(name)) end
+  put_name(parts, t)
   parts[#parts + 1] = tostring(field(t, "status") or "?")
   return "<" .. table.concat(parts, " ") .. ">"
 end
