@@ -342,11 +342,14 @@ function Sim:group()
   return self.default_group
 end
 
+-- rec's status as of the simulated clock: "creating" becomes `ready` once ready_at has passed.
+function Sim:ripen(rec, ready)
+  if rec.status == "creating" and self.clock.t >= rec.ready_at then rec.status = ready end
+  return rec.status
+end
+
 function Sim:sandbox_wire(sb)
-  local status = sb.status
-  if status == "creating" and self.clock.t >= sb.ready_at then
-    sb.status, status = "running", "running"
-  end
+  local status = self:ripen(sb, "running")
   return { id = sb.id, status = status, plan = sb.plan, region = "oregon", name = sb.name,
     networkPolicy = sb.networkPolicy, timeoutSeconds = sb.timeoutSeconds or 86400,
     idleTimeoutSeconds = sb.idleTimeoutSeconds or 900, sandboxGroupId = sb.group,
@@ -355,10 +358,7 @@ function Sim:sandbox_wire(sb)
 end
 
 function Sim:snapshot_wire(sn)
-  local status = sn.status
-  if status == "creating" and self.clock.t >= sn.ready_at then
-    sn.status, status = "available", "available"
-  end
+  local status = self:ripen(sn, "available")
   return { id = sn.id, name = sn.name or json.null, kind = sn.kind, status = status, plan = sn.plan,
     sandboxGroupId = sn.group, sourceSandboxId = sn.source, createdAt = iso(sn.created_at),
     capturedAt = status == "available" and iso(sn.ready_at) or json.null, sizeBytes = sn.size,
