@@ -423,11 +423,8 @@ int luaopen_moonbox_archive(lua_State *L)
 {
     mb_runtime_get(L);
     mb_errors_open(L);
-    if (luaL_newmetatable(L, CALL_MT)) {
-        lua_pushcfunction(L, call_gc);
-        lua_setfield(L, -2, "__gc");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg call_meta[] = {{"__gc", call_gc}, {NULL, NULL}};
+    mb_newclass(L, CALL_MT, NULL, call_meta);
     luaL_newlib(L, archive_funcs);
     return 1;
 }

@@ -1369,25 +1369,11 @@ int luaopen_moonbox_httpd(lua_State *L)
         lua_setfield(L, -2, "__tostring");
     }
     lua_pop(L, 1);
-    if (luaL_newmetatable(L, REQUEST_MT)) {
-        luaL_newlib(L, request_methods);
-        lua_setfield(L, -2, "__index");
-    }
-    lua_pop(L, 1);
-    if (luaL_newmetatable(L, RESPONSE_MT)) {
-        luaL_newlib(L, response_methods);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, res_gc);
-        lua_setfield(L, -2, "__gc");
-    }
-    lua_pop(L, 1);
-    if (luaL_newmetatable(L, WRITER_MT)) {
-        luaL_newlib(L, writer_methods);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, writer_close);
-        lua_setfield(L, -2, "__close");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg response_meta[] = {{"__gc", res_gc}, {NULL, NULL}};
+    static const luaL_Reg writer_meta[] = {{"__close", writer_close}, {NULL, NULL}};
+    mb_newclass(L, REQUEST_MT, request_methods, NULL);
+    mb_newclass(L, RESPONSE_MT, response_methods, response_meta);
+    mb_newclass(L, WRITER_MT, writer_methods, writer_meta);
     luaL_newlib(L, httpd_funcs);
     return 1;
 }
