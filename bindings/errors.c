@@ -73,18 +73,25 @@ void mb_setfield_bool(lua_State *L, int idx, const char *k, int v)
     lua_setfield(L, idx, k);
 }
 
-void mb_newclass(lua_State *L, const char *tname, const luaL_Reg *methods,
-                 const luaL_Reg *metamethods)
+void mb_newclass_index(lua_State *L, const char *tname, const luaL_Reg *methods,
+                       lua_CFunction index, const luaL_Reg *metamethods)
 {
     if (luaL_newmetatable(L, tname)) {
         if (methods) {
             lua_newtable(L);
             luaL_setfuncs(L, methods, 0);
+            if (index) lua_pushcclosure(L, index, 1);
             lua_setfield(L, -2, "__index");
         }
         if (metamethods) luaL_setfuncs(L, metamethods, 0);
     }
     lua_pop(L, 1);
+}
+
+void mb_newclass(lua_State *L, const char *tname, const luaL_Reg *methods,
+                 const luaL_Reg *metamethods)
+{
+    mb_newclass_index(L, tname, methods, NULL, metamethods);
 }
 
 static void error_newv(lua_State *L, const char *op, const char *code, const char *fmt, va_list ap)

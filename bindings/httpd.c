@@ -86,14 +86,20 @@ static void push_decoded(lua_State *L, const char *s, size_t n, int plus_is_spac
     luaL_pushresultsize(&b, m);
 }
 
-static void push_lower(lua_State *L, const char *s)
+/* Pushes s with every byte mapped through map (tolower, toupper). */
+static void push_mapped(lua_State *L, const char *s, int (*map)(int))
 {
     luaL_Buffer b;
     size_t n = strlen(s);
     char *out = luaL_buffinitsize(L, &b, n);
     for (size_t i = 0; i < n; i++)
-        out[i] = (char)tolower((unsigned char)s[i]);
+        out[i] = (char)map((unsigned char)s[i]);
     luaL_pushresultsize(&b, n);
+}
+
+static void push_lower(lua_State *L, const char *s)
+{
+    push_mapped(L, s, tolower);
 }
 
 /* params[key] = value unless already set (the table is on top of the stack). */
@@ -1011,12 +1017,7 @@ static int srv_route(lua_State *L)
         if (auth == HS_AUTH_TOKEN && !scope)
             return luaL_error(L, "srv:route: auth = \"token\" needs a scope");
     }
-    luaL_Buffer b;
-    size_t mlen = strlen(method);
-    char *up = luaL_buffinitsize(L, &b, mlen);
-    for (size_t i = 0; i < mlen; i++)
-        up[i] = (char)toupper((unsigned char)method[i]);
-    luaL_pushresultsize(&b, mlen);
+    push_mapped(L, method, toupper);
     const char *umethod = lua_tostring(L, -1);
     char err[256];
     int id = hd->nhandlers + 1;
