@@ -1189,7 +1189,8 @@ static int srv_token_drop(lua_State *L)
     return 1;
 }
 
-/* srv.port, srv.host, srv.url ("http://HOST:PORT"), srv.closed; anything else is a method. */
+/* srv.port, srv.host, srv.url ("http://HOST:PORT"), srv.closed; anything else is a method (upvalue
+ * 1). */
 static int srv_index(lua_State *L)
 {
     hd_server *hd = check_server(L, 1);
@@ -1206,9 +1207,8 @@ static int srv_index(lua_State *L)
     } else if (k && strcmp(k, "closed") == 0) {
         lua_pushboolean(L, hd->hs == NULL);
     } else {
-        luaL_getmetafield(L, 1, "methods");
         lua_pushvalue(L, 2);
-        lua_rawget(L, -2);
+        lua_rawget(L, lua_upvalueindex(1));
     }
     return 1;
 }
@@ -1357,21 +1357,11 @@ int luaopen_moonbox_httpd(lua_State *L)
 {
     luaL_requiref(L, "moonbox.core", luaopen_moonbox_core, 0);
     lua_pop(L, 1);
-    if (luaL_newmetatable(L, SERVER_MT)) {
-        luaL_newlib(L, server_methods);
-        lua_setfield(L, -2, "methods");
-        lua_pushcfunction(L, srv_index);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, srv_close);
-        lua_setfield(L, -2, "__close");
-        lua_pushcfunction(L, srv_gc);
-        lua_setfield(L, -2, "__gc");
-        lua_pushcfunction(L, srv_tostring);
-        lua_setfield(L, -2, "__tostring");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg server_meta[] = {
+        {"__close", srv_close}, {"__gc", srv_gc}, {"__tostring", srv_tostring}, {NULL, NULL}};
     static const luaL_Reg response_meta[] = {{"__gc", res_gc}, {NULL, NULL}};
     static const luaL_Reg writer_meta[] = {{"__close", writer_close}, {NULL, NULL}};
+    mb_newclass_index(L, SERVER_MT, server_methods, srv_index, server_meta);
     mb_newclass(L, REQUEST_MT, request_methods, NULL);
     mb_newclass(L, RESPONSE_MT, response_methods, response_meta);
     mb_newclass(L, WRITER_MT, writer_methods, writer_meta);
