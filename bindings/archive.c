@@ -238,6 +238,48 @@ static lua_Integer opt_int(lua_State *L, int idx, const char *k, lua_Integer def
     return v;
 }
 
+/* Begins a call of `kind` in o: src from ARG_SRC (src_what names it in errors), dst from
+ * ARG_DST when dst_what is given, else that slot is made nil (every call has the slot layout
+ * src, dst, opts); the options at ARG_OPTS (nil: none) may hold only the keys in `known`.
+ * Raises usage errors. */
+static void begin_call(lua_State *L, archive_job_opts *o, int kind, const char *src_what,
+                       const char *dst_what, const char *const *known)
+{
+    memset(o, 0, sizeof *o);
+    o->kind = kind;
+    o->src = check_path(L, ARG_SRC, src_what);
+    if (dst_what) {
+        o->dst = check_path(L, ARG_DST, dst_what);
+        lua_settop(L, ARG_OPTS);
+    } else {
+        lua_settop(L, 2);
+        lua_pushnil(L);
+        lua_insert(L, ARG_DST);
+    }
+    check_opts(L, ARG_OPTS, known);
+}
+
+/* The max_bytes and max_entries options (bounds on file bytes and on members). */
+static uint64_t opt_max_bytes(lua_State *L)
+{
+    return (uint64_t)opt_int(L, ARG_OPTS, "max_bytes", (lua_Integer)ARCHIVE_DEFAULT_MAX_BYTES, 0,
+                             LUA_MAXINTEGER);
+}
+
+static uint64_t opt_max_entries(lua_State *L)
+{
+    return (uint64_t)opt_int(L, ARG_OPTS, "max_entries", (lua_Integer)ARCHIVE_DEFAULT_MAX_ENTRIES,
+                             0, LUA_MAXINTEGER);
+}
+
+/* Starts the job o describes and parks the calling task until it ends (raises a usage error
+ * outside a task). [yields] */
+static int run_call(lua_State *L, archive_job_opts *o)
+{
+    mb_task *t = mb_task_check_yieldable(L, op_name(o->kind));
+    return start_and_park(L, t, o);
+}
+
 /* ---- the module ------------------------------------------------------------------------------ */
 
 /* archive.pack(src_dir, out_file [, opts]) -> {entries, bytes, skipped}
@@ -259,15 +301,9 @@ static int l_pack(lua_State *L)
 {
     static const char *const known[] = {"gzip", NULL};
     archive_job_opts o;
-    memset(&o, 0, sizeof o);
-    o.kind = ARCHIVE_JOB_PACK;
-    o.src = check_path(L, ARG_SRC, "src_dir");
-    o.dst = check_path(L, ARG_DST, "out_file");
-    lua_settop(L, ARG_OPTS);
-    check_opts(L, ARG_OPTS, known);
+    begin_call(L, &o, ARCHIVE_JOB_PACK, "src_dir", "out_file", known);
     o.gzip = opt_bool(L, ARG_OPTS, "gzip", 1);
-    mb_task *t = mb_task_check_yieldable(L, "archive.pack");
-    return start_and_park(L, t, &o);
+    return run_call(L, &o);
 }
 
 /* archive.unpack(in_file, target_dir [, opts]) -> {entries, bytes}
@@ -300,24 +336,16 @@ static int l_unpack(lua_State *L)
     static const char *const known[] = {"merge",     "max_bytes", "max_entries", "umask",
                                         "file_mode", "owner",     NULL};
     archive_job_opts o;
-    memset(&o, 0, sizeof o);
-    o.kind = ARCHIVE_JOB_UNPACK;
-    o.src = check_path(L, ARG_SRC, "in_file");
-    o.dst = check_path(L, ARG_DST, "target_dir");
-    lua_settop(L, ARG_OPTS);
-    check_opts(L, ARG_OPTS, known);
+    begin_call(L, &o, ARCHIVE_JOB_UNPACK, "in_file", "target_dir", known);
     o.merge = opt_bool(L, ARG_OPTS, "merge", 0);
     o.owner = opt_bool(L, ARG_OPTS, "owner", 0);
-    o.max_bytes = (uint64_t)opt_int(L, ARG_OPTS, "max_bytes",
-                                    (lua_Integer)ARCHIVE_DEFAULT_MAX_BYTES, 0, LUA_MAXINTEGER);
-    o.max_entries = (uint64_t)opt_int(L, ARG_OPTS, "max_entries",
-                                      (lua_Integer)ARCHIVE_DEFAULT_MAX_ENTRIES, 0, LUA_MAXINTEGER);
+    o.max_bytes = opt_max_bytes(L);
+    o.max_entries = opt_max_entries(L);
     o.umask = (unsigned)opt_int(L, ARG_OPTS, "umask", 022, 0, 0777);
     o.file_mode = (int)opt_int(L, ARG_OPTS, "file_mode", -1, 0, 07777);
     if (o.owner && geteuid() != 0)
         luaL_argerror(L, ARG_OPTS, "owner = true needs root (only root may give files away)");
-    mb_task *t = mb_task_check_yieldable(L, "archive.unpack");
-    return start_and_park(L, t, &o);
+    return run_call(L, &o);
 }
 
 /* archive.list(in_file [, opts]) -> {{name, type, size, mode, target}, ...}
@@ -333,17 +361,9 @@ static int l_list(lua_State *L)
 {
     static const char *const known[] = {"max_entries", NULL};
     archive_job_opts o;
-    memset(&o, 0, sizeof o);
-    o.kind = ARCHIVE_JOB_LIST;
-    o.src = check_path(L, ARG_SRC, "in_file");
-    lua_settop(L, 2);
-    lua_pushnil(L); /* the slot layout of every call: src, dst (none here), opts */
-    lua_insert(L, ARG_DST);
-    check_opts(L, ARG_OPTS, known);
-    o.max_entries = (uint64_t)opt_int(L, ARG_OPTS, "max_entries",
-                                      (lua_Integer)ARCHIVE_DEFAULT_MAX_ENTRIES, 0, LUA_MAXINTEGER);
-    mb_task *t = mb_task_check_yieldable(L, "archive.list");
-    return start_and_park(L, t, &o);
+    begin_call(L, &o, ARCHIVE_JOB_LIST, "in_file", NULL, known);
+    o.max_entries = opt_max_entries(L);
+    return run_call(L, &o);
 }
 
 /* archive.to_records(in_file, out_file [, opts]) -> {entries, bytes}
@@ -360,18 +380,10 @@ static int l_to_records(lua_State *L)
 {
     static const char *const known[] = {"max_bytes", "max_entries", NULL};
     archive_job_opts o;
-    memset(&o, 0, sizeof o);
-    o.kind = ARCHIVE_JOB_TO_RECORDS;
-    o.src = check_path(L, ARG_SRC, "in_file");
-    o.dst = check_path(L, ARG_DST, "out_file");
-    lua_settop(L, ARG_OPTS);
-    check_opts(L, ARG_OPTS, known);
-    o.max_bytes = (uint64_t)opt_int(L, ARG_OPTS, "max_bytes",
-                                    (lua_Integer)ARCHIVE_DEFAULT_MAX_BYTES, 0, LUA_MAXINTEGER);
-    o.max_entries = (uint64_t)opt_int(L, ARG_OPTS, "max_entries",
-                                      (lua_Integer)ARCHIVE_DEFAULT_MAX_ENTRIES, 0, LUA_MAXINTEGER);
-    mb_task *t = mb_task_check_yieldable(L, "archive.to_records");
-    return start_and_park(L, t, &o);
+    begin_call(L, &o, ARCHIVE_JOB_TO_RECORDS, "in_file", "out_file", known);
+    o.max_bytes = opt_max_bytes(L);
+    o.max_entries = opt_max_entries(L);
+    return run_call(L, &o);
 }
 
 /* archive.from_records(in_file, out_file [, opts]) -> {entries, bytes}
@@ -383,17 +395,10 @@ static int l_from_records(lua_State *L)
 {
     static const char *const known[] = {"gzip", "max_entries", NULL};
     archive_job_opts o;
-    memset(&o, 0, sizeof o);
-    o.kind = ARCHIVE_JOB_FROM_RECORDS;
-    o.src = check_path(L, ARG_SRC, "in_file");
-    o.dst = check_path(L, ARG_DST, "out_file");
-    lua_settop(L, ARG_OPTS);
-    check_opts(L, ARG_OPTS, known);
+    begin_call(L, &o, ARCHIVE_JOB_FROM_RECORDS, "in_file", "out_file", known);
     o.gzip = opt_bool(L, ARG_OPTS, "gzip", 1);
-    o.max_entries = (uint64_t)opt_int(L, ARG_OPTS, "max_entries",
-                                      (lua_Integer)ARCHIVE_DEFAULT_MAX_ENTRIES, 0, LUA_MAXINTEGER);
-    mb_task *t = mb_task_check_yieldable(L, "archive.from_records");
-    return start_and_park(L, t, &o);
+    o.max_entries = opt_max_entries(L);
+    return run_call(L, &o);
 }
 
 /* archive.live_count() -> n: archive jobs whose worker thread has not finished, including
@@ -418,11 +423,8 @@ int luaopen_moonbox_archive(lua_State *L)
 {
     mb_runtime_get(L);
     mb_errors_open(L);
-    if (luaL_newmetatable(L, CALL_MT)) {
-        lua_pushcfunction(L, call_gc);
-        lua_setfield(L, -2, "__gc");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg call_meta[] = {{"__gc", call_gc}, {NULL, NULL}};
+    mb_newclass(L, CALL_MT, NULL, call_meta);
     luaL_newlib(L, archive_funcs);
     return 1;
 }

@@ -299,17 +299,8 @@ int luaopen_moonbox_cron(lua_State *L)
     }
     lua_pop(L, 1);
 
-    if (luaL_newmetatable(L, ZONE_MT)) {
-        lua_newtable(L);
-        luaL_setfuncs(L, zone_methods, 0);
-        lua_pushcclosure(L, z_index, 1);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, z_tostring);
-        lua_setfield(L, -2, "__tostring");
-        lua_pushcfunction(L, z_gc);
-        lua_setfield(L, -2, "__gc");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg zone_meta[] = {{"__tostring", z_tostring}, {"__gc", z_gc}, {NULL, NULL}};
+    mb_newclass_index(L, ZONE_MT, zone_methods, z_index, zone_meta);
 
     lua_newtable(L);
     lua_pushvalue(L, cache);

@@ -4,7 +4,9 @@
  * An operational failure is a table with metatable "moonbox.Error" carrying op, code, message,
  * where (file:line of the nearest recipe frame), traceback, and whatever the raising layer knows
  * (status, request_id, retryable, sandbox_id, ...). tostring() gives one readable line. Lua code
- * makes them through moonbox.errors, C code through mb_error_new; both end up here.
+ * makes them through moonbox.errors, C code through mb_error_new; both end up here. Also the
+ * small helpers every binding shares to fill tables (mb_setfield_*) and make metatables
+ * (mb_newclass).
  */
 #include "mb.h"
 
@@ -69,6 +71,27 @@ void mb_setfield_bool(lua_State *L, int idx, const char *k, int v)
     idx = lua_absindex(L, idx);
     lua_pushboolean(L, v);
     lua_setfield(L, idx, k);
+}
+
+void mb_newclass_index(lua_State *L, const char *tname, const luaL_Reg *methods,
+                       lua_CFunction index, const luaL_Reg *metamethods)
+{
+    if (luaL_newmetatable(L, tname)) {
+        if (methods) {
+            lua_newtable(L);
+            luaL_setfuncs(L, methods, 0);
+            if (index) lua_pushcclosure(L, index, 1);
+            lua_setfield(L, -2, "__index");
+        }
+        if (metamethods) luaL_setfuncs(L, metamethods, 0);
+    }
+    lua_pop(L, 1);
+}
+
+void mb_newclass(lua_State *L, const char *tname, const luaL_Reg *methods,
+                 const luaL_Reg *metamethods)
+{
+    mb_newclass_index(L, tname, methods, NULL, metamethods);
 }
 
 static void error_newv(lua_State *L, const char *op, const char *code, const char *fmt, va_list ap)
@@ -196,15 +219,8 @@ static int l_is_error(lua_State *L)
 
 void mb_errors_open(lua_State *L)
 {
-    if (luaL_newmetatable(L, ERROR_MT)) {
-        lua_pushcfunction(L, error_tostring);
-        lua_setfield(L, -2, "__tostring");
-        lua_newtable(L); /* methods; moonbox.errors adds more */
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, l_error_new);
-        lua_setfield(L, -2, "new");
-        lua_pushcfunction(L, l_is_error);
-        lua_setfield(L, -2, "is");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg methods[] = {{NULL, NULL}}; /* moonbox.errors adds them */
+    static const luaL_Reg meta[] = {
+        {"__tostring", error_tostring}, {"new", l_error_new}, {"is", l_is_error}, {NULL, NULL}};
+    mb_newclass(L, ERROR_MT, methods, meta);
 }

@@ -86,14 +86,20 @@ static void push_decoded(lua_State *L, const char *s, size_t n, int plus_is_spac
     luaL_pushresultsize(&b, m);
 }
 
-static void push_lower(lua_State *L, const char *s)
+/* Pushes s with every byte mapped through map (tolower, toupper). */
+static void push_mapped(lua_State *L, const char *s, int (*map)(int))
 {
     luaL_Buffer b;
     size_t n = strlen(s);
     char *out = luaL_buffinitsize(L, &b, n);
     for (size_t i = 0; i < n; i++)
-        out[i] = (char)tolower((unsigned char)s[i]);
+        out[i] = (char)map((unsigned char)s[i]);
     luaL_pushresultsize(&b, n);
+}
+
+static void push_lower(lua_State *L, const char *s)
+{
+    push_mapped(L, s, tolower);
 }
 
 /* params[key] = value unless already set (the table is on top of the stack). */
@@ -1018,12 +1024,7 @@ static int srv_route(lua_State *L)
         if (auth == HS_AUTH_TOKEN && !scope)
             return luaL_error(L, "srv:route: auth = \"token\" needs a scope");
     }
-    luaL_Buffer b;
-    size_t mlen = strlen(method);
-    char *up = luaL_buffinitsize(L, &b, mlen);
-    for (size_t i = 0; i < mlen; i++)
-        up[i] = (char)toupper((unsigned char)method[i]);
-    luaL_pushresultsize(&b, mlen);
+    push_mapped(L, method, toupper);
     const char *umethod = lua_tostring(L, -1);
     char err[256];
     int id = hd->nhandlers + 1;
@@ -1195,7 +1196,8 @@ static int srv_token_drop(lua_State *L)
     return 1;
 }
 
-/* srv.port, srv.host, srv.url ("http://HOST:PORT"), srv.closed; anything else is a method. */
+/* srv.port, srv.host, srv.url ("http://HOST:PORT"), srv.closed; anything else is a method (upvalue
+ * 1). */
 static int srv_index(lua_State *L)
 {
     hd_server *hd = check_server(L, 1);
@@ -1212,9 +1214,8 @@ static int srv_index(lua_State *L)
     } else if (k && strcmp(k, "closed") == 0) {
         lua_pushboolean(L, hd->hs == NULL);
     } else {
-        luaL_getmetafield(L, 1, "methods");
         lua_pushvalue(L, 2);
-        lua_rawget(L, -2);
+        lua_rawget(L, lua_upvalueindex(1));
     }
     return 1;
 }
@@ -1363,38 +1364,14 @@ int luaopen_moonbox_httpd(lua_State *L)
 {
     luaL_requiref(L, "moonbox.core", luaopen_moonbox_core, 0);
     lua_pop(L, 1);
-    if (luaL_newmetatable(L, SERVER_MT)) {
-        luaL_newlib(L, server_methods);
-        lua_setfield(L, -2, "methods");
-        lua_pushcfunction(L, srv_index);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, srv_close);
-        lua_setfield(L, -2, "__close");
-        lua_pushcfunction(L, srv_gc);
-        lua_setfield(L, -2, "__gc");
-        lua_pushcfunction(L, srv_tostring);
-        lua_setfield(L, -2, "__tostring");
-    }
-    lua_pop(L, 1);
-    if (luaL_newmetatable(L, REQUEST_MT)) {
-        luaL_newlib(L, request_methods);
-        lua_setfield(L, -2, "__index");
-    }
-    lua_pop(L, 1);
-    if (luaL_newmetatable(L, RESPONSE_MT)) {
-        luaL_newlib(L, response_methods);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, res_gc);
-        lua_setfield(L, -2, "__gc");
-    }
-    lua_pop(L, 1);
-    if (luaL_newmetatable(L, WRITER_MT)) {
-        luaL_newlib(L, writer_methods);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, writer_close);
-        lua_setfield(L, -2, "__close");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg server_meta[] = {
+        {"__close", srv_close}, {"__gc", srv_gc}, {"__tostring", srv_tostring}, {NULL, NULL}};
+    static const luaL_Reg response_meta[] = {{"__gc", res_gc}, {NULL, NULL}};
+    static const luaL_Reg writer_meta[] = {{"__close", writer_close}, {NULL, NULL}};
+    mb_newclass_index(L, SERVER_MT, server_methods, srv_index, server_meta);
+    mb_newclass(L, REQUEST_MT, request_methods, NULL);
+    mb_newclass(L, RESPONSE_MT, response_methods, response_meta);
+    mb_newclass(L, WRITER_MT, writer_methods, writer_meta);
     luaL_newlib(L, httpd_funcs);
     return 1;
 }

@@ -176,6 +176,15 @@ int mb_error_raise(lua_State *L, const char *op, const char *code, const char *f
 void mb_setfield_str(lua_State *L, int idx, const char *k, const char *v);
 void mb_setfield_int(lua_State *L, int idx, const char *k, lua_Integer v);
 void mb_setfield_bool(lua_State *L, int idx, const char *k, int v);
+/* Makes the metatable tname once per state (luaL_newmetatable): `methods` (NULL: none) become
+ * its __index table, `metamethods` ({"__gc", f}, ...; NULL: none) its fields. Leaves the stack as
+ * it was; does nothing when tname exists already. Raises only on out of memory. */
+void mb_newclass(lua_State *L, const char *tname, const luaL_Reg *methods,
+                 const luaL_Reg *metamethods);
+/* mb_newclass whose __index is the function `index`, called with the methods table as its
+ * upvalue 1 (for objects that also answer fields). */
+void mb_newclass_index(lua_State *L, const char *tname, const luaL_Reg *methods,
+                       lua_CFunction index, const luaL_Reg *metamethods);
 /* Writes "file:line" of the nearest stack frame outside moonbox's own library into buf; when the
  * stack has none, the recipe site of the current task (mb_task_recipe_site). Returns 1 when buf
  * names a recipe location, 0 when it fell back to the innermost library frame (or "?"). */

@@ -289,15 +289,8 @@ int luaopen_moonbox_pg(lua_State *L)
         {"close", l_close},
         {NULL, NULL},
     };
-    luaL_newmetatable(L, CONN_MT);
-    lua_newtable(L);
-    luaL_setfuncs(L, methods, 0);
-    lua_setfield(L, -2, "__index");
-    lua_pushcfunction(L, l_gc);
-    lua_setfield(L, -2, "__gc");
-    lua_pushcfunction(L, l_close);
-    lua_setfield(L, -2, "__close");
-    lua_pop(L, 1);
+    static const luaL_Reg meta[] = {{"__gc", l_gc}, {"__close", l_close}, {NULL, NULL}};
+    mb_newclass(L, CONN_MT, methods, meta);
     static const luaL_Reg funcs[] = {
         {"connect", l_connect},
         {NULL, NULL},

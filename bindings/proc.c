@@ -976,18 +976,9 @@ static const luaL_Reg proc_funcs[] = {
 int luaopen_moonbox_proc(lua_State *L)
 {
     mb_runtime_get(L);
-    if (luaL_newmetatable(L, PROCESS_MT)) {
-        luaL_newlib(L, process_methods);
-        lua_pushcclosure(L, l_index, 1);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, l_close);
-        lua_setfield(L, -2, "__close");
-        lua_pushcfunction(L, l_gc);
-        lua_setfield(L, -2, "__gc");
-        lua_pushcfunction(L, l_tostring);
-        lua_setfield(L, -2, "__tostring");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg meta[] = {
+        {"__close", l_close}, {"__gc", l_gc}, {"__tostring", l_tostring}, {NULL, NULL}};
+    mb_newclass_index(L, PROCESS_MT, process_methods, l_index, meta);
     luaL_newlib(L, proc_funcs);
     return 1;
 }

@@ -121,15 +121,8 @@ int luaopen_moonbox_sse(lua_State *L)
 {
     static const luaL_Reg methods[] = {
         {"feed", p_feed}, {"finish", p_finish}, {"close", p_gc}, {NULL, NULL}};
-    if (luaL_newmetatable(L, PARSER_MT)) {
-        luaL_newlib(L, methods);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, p_gc);
-        lua_setfield(L, -2, "__gc");
-        lua_pushcfunction(L, p_gc);
-        lua_setfield(L, -2, "__close");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg meta[] = {{"__gc", p_gc}, {"__close", p_gc}, {NULL, NULL}};
+    mb_newclass(L, PARSER_MT, methods, meta);
     lua_newtable(L);
     lua_pushcfunction(L, l_parser);
     lua_setfield(L, -2, "parser");

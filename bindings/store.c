@@ -795,29 +795,14 @@ int luaopen_moonbox_store(lua_State *L)
         {"value", db_value}, {"each", db_each},   {"tx", db_tx},     {"migrate", db_migrate},
         {"close", db_close}, {"stats", db_stats}, {NULL, NULL},
     };
-    if (luaL_newmetatable(L, DB_MT)) {
-        luaL_newlib(L, db_methods);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, db_close);
-        lua_setfield(L, -2, "__close");
-        lua_pushcfunction(L, db_close);
-        lua_setfield(L, -2, "__gc");
-        lua_pushcfunction(L, db_tostring);
-        lua_setfield(L, -2, "__tostring");
-    }
-    lua_pop(L, 1);
-    if (luaL_newmetatable(L, CURSOR_MT)) {
-        lua_pushcfunction(L, cursor_close);
-        lua_setfield(L, -2, "__close");
-        lua_pushcfunction(L, cursor_close);
-        lua_setfield(L, -2, "__gc");
-    }
-    lua_pop(L, 1);
-    if (luaL_newmetatable(L, BLOB_MT)) {
-        lua_pushcfunction(L, blob_tostring);
-        lua_setfield(L, -2, "__tostring");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg db_meta[] = {
+        {"__close", db_close}, {"__gc", db_close}, {"__tostring", db_tostring}, {NULL, NULL}};
+    static const luaL_Reg cursor_meta[] = {
+        {"__close", cursor_close}, {"__gc", cursor_close}, {NULL, NULL}};
+    static const luaL_Reg blob_meta[] = {{"__tostring", blob_tostring}, {NULL, NULL}};
+    mb_newclass(L, DB_MT, db_methods, db_meta);
+    mb_newclass(L, CURSOR_MT, NULL, cursor_meta);
+    mb_newclass(L, BLOB_MT, NULL, blob_meta);
     lua_newtable(L);
     lua_pushcfunction(L, l_open);
     lua_setfield(L, -2, "open");

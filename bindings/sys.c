@@ -452,20 +452,11 @@ static const luaL_Reg sys_functions[] = {
 
 int luaopen_moonbox_sys(lua_State *L)
 {
-    if (luaL_newmetatable(L, CALL_MT)) {
-        lua_pushcfunction(L, call_gc);
-        lua_setfield(L, -2, "__gc");
-    }
-    lua_pop(L, 1);
-    if (luaL_newmetatable(L, LOCK_MT)) {
-        luaL_newlib(L, lock_methods);
-        lua_setfield(L, -2, "__index");
-        lua_pushcfunction(L, l_lock_unlock);
-        lua_setfield(L, -2, "__gc");
-        lua_pushcfunction(L, l_lock_unlock);
-        lua_setfield(L, -2, "__close");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg call_meta[] = {{"__gc", call_gc}, {NULL, NULL}};
+    static const luaL_Reg lock_meta[] = {
+        {"__gc", l_lock_unlock}, {"__close", l_lock_unlock}, {NULL, NULL}};
+    mb_newclass(L, CALL_MT, NULL, call_meta);
+    mb_newclass(L, LOCK_MT, lock_methods, lock_meta);
     luaL_newlib(L, sys_functions);
     return 1;
 }

@@ -1173,13 +1173,9 @@ int luaopen_moonbox_core(lua_State *L)
     mb_runtime_get(L);
     mb_errors_open(L);
 
-    if (luaL_newmetatable(L, TASK_MT)) {
-        lua_pushcfunction(L, task_tostring);
-        lua_setfield(L, -2, "__tostring");
-        lua_pushcfunction(L, task_gc);
-        lua_setfield(L, -2, "__gc");
-    }
-    lua_pop(L, 1);
+    static const luaL_Reg task_meta[] = {
+        {"__tostring", task_tostring}, {"__gc", task_gc}, {NULL, NULL}};
+    mb_newclass(L, TASK_MT, NULL, task_meta);
 
     lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.unobserved");
     if (lua_isnil(L, -1)) {

@@ -78,11 +78,7 @@ static const luaL_Reg cond_methods[] = {
 
 void mbt_open_conds(lua_State *L)
 {
-    if (luaL_newmetatable(L, COND_MT)) {
-        luaL_newlib(L, cond_methods);
-        lua_setfield(L, -2, "__index");
-    }
-    lua_pop(L, 1);
+    mb_newclass(L, COND_MT, cond_methods, NULL);
     lua_pushcfunction(L, l_cond);
     lua_setfield(L, -2, "cond");
 }

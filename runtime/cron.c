@@ -61,24 +61,40 @@ static int upper(int c)
     return c >= 'a' && c <= 'z' ? c - 'a' + 'A' : c;
 }
 
+/* field_error whose reason quotes s[0..n) (made printable): before "s" after. */
+static int quoted_error(parse_ctx *px, int f, const char *ftext, size_t flen, const char *before,
+                        const char *s, size_t n, const char *after)
+{
+    char q[32], why[128];
+    printable(q, sizeof q, s, n);
+    snprintf(why, sizeof why, "%s\"%s\"%s", before, q, after);
+    return field_error(px, f, ftext, flen, why);
+}
+
+/* The decimal number s[0..n) into *out (values past 10000 stop growing, so any range check
+ * still fails them); -1 when a byte is not a digit. */
+static int parse_digits(const char *s, size_t n, int *out)
+{
+    int v = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        if (v < 10000) v = v * 10 + (s[i] - '0');
+    }
+    *out = v;
+    return 0;
+}
+
 /* One value of field f at s[0..n): a number, or a month/weekday name in those fields. */
 static int parse_value(parse_ctx *px, int f, const char *ftext, size_t flen, const char *s,
                        size_t n, int *out)
 {
-    char why[128];
     if (n == 0) return field_error(px, f, ftext, flen, "missing value");
     if (s[0] >= '0' && s[0] <= '9') {
-        int v = 0;
-        for (size_t i = 0; i < n; i++) {
-            if (s[i] < '0' || s[i] > '9') {
-                char q[32];
-                printable(q, sizeof q, s, n);
-                snprintf(why, sizeof why, "\"%s\" is not a number", q);
-                return field_error(px, f, ftext, flen, why);
-            }
-            if (v < 10000) v = v * 10 + (s[i] - '0');
-        }
+        int v;
+        if (parse_digits(s, n, &v) != 0)
+            return quoted_error(px, f, ftext, flen, "", s, n, " is not a number");
         if (v < field_min[f] || v > field_max[f]) {
+            char why[128];
             snprintf(why, sizeof why, "value out of range %d-%d", field_min[f], field_max[f]);
             return field_error(px, f, ftext, flen, why);
         }
@@ -96,34 +112,22 @@ static int parse_value(parse_ctx *px, int f, const char *ftext, size_t flen, con
             }
         }
     }
-    char q[32];
-    printable(q, sizeof q, s, n);
-    if (f == CRON_MONTH)
-        snprintf(why, sizeof why, "\"%s\" is not a month (1-12 or JAN-DEC)", q);
-    else if (f == CRON_WDAY)
-        snprintf(why, sizeof why, "\"%s\" is not a weekday (0-7 or SUN-SAT)", q);
-    else
-        snprintf(why, sizeof why, "\"%s\" is not a number", q);
-    return field_error(px, f, ftext, flen, why);
+    return quoted_error(px, f, ftext, flen, "", s, n,
+                        f == CRON_MONTH  ? " is not a month (1-12 or JAN-DEC)"
+                        : f == CRON_WDAY ? " is not a weekday (0-7 or SUN-SAT)"
+                                         : " is not a number");
 }
 
 static int parse_step(parse_ctx *px, int f, const char *ftext, size_t flen, const char *s, size_t n,
                       int *out)
 {
-    char why[128];
-    int v = 0;
+    int v;
     if (n == 0) return field_error(px, f, ftext, flen, "missing step after '/'");
-    for (size_t i = 0; i < n; i++) {
-        if (s[i] < '0' || s[i] > '9') {
-            char q[32];
-            printable(q, sizeof q, s, n);
-            snprintf(why, sizeof why, "step \"%s\" is not a number", q);
-            return field_error(px, f, ftext, flen, why);
-        }
-        if (v < 10000) v = v * 10 + (s[i] - '0');
-    }
+    if (parse_digits(s, n, &v) != 0)
+        return quoted_error(px, f, ftext, flen, "step ", s, n, " is not a number");
     int hi = f == CRON_WDAY ? 7 : field_max[f];
     if (v < 1 || v > hi) {
+        char why[128];
         snprintf(why, sizeof why, "step %d out of range 1-%d", v, hi);
         return field_error(px, f, ftext, flen, why);
     }

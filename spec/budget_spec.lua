@@ -54,7 +54,7 @@ describe("a sandbox-count budget", function()
       ":4: render.budget: this run's budget of 2 sandboxes is spent %(created: sbx%-%w+, sbx%-%w+%); " ..
       "the create was not sent %[code budget_exceeded%]", r.stderr)
     assert.are.same({ "budget_exceeded", "sandboxes" }, { summary.errors[1].code, summary.errors[1].budget })
-    assert.are.same({ sandboxes = 2, sandbox_seconds = json.null, exceeded = json.null }, summary.budget)
+    assert.are.same({ sandboxes = 2, sandbox_seconds = json.null, exceeded = "sandboxes" }, summary.budget)
     assert.are.equal(2, #summary.sandboxes.created)
     assert.are.same(summary.sandboxes.created, summary.sandboxes.terminated)
     assert.are.same({}, runs.live(B))

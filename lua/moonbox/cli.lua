@@ -82,10 +82,7 @@ function M.print_dry_run(rep, file, want_json, code, err, budget)
     io.stdout:write(require("moonbox.trace").redact(dryrun.json(rep, {
       recipe = file, exit_code = code, error = e,
       outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",
-      budget = { sandboxes = budget.max_sandboxes or json.null,
-        sandbox_seconds = budget.max_seconds or json.null,
-        exceeded = budget.breach and budget.breach.budget or
-          (type(err) == "table" and err.code == "budget_exceeded" and err.budget) or json.null },
+      budget = budget:report(),
     })), "\n")
   else
     io.stdout:write(dryrun.text(rep, file), "\n")

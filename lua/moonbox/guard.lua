@@ -51,9 +51,12 @@ function Guard:run(err)
   return failures
 end
 
-local function describe(failures)
+--- guard.describe(failures [, key]) -> "A: error; B: error" for a list of {[key] = name,
+-- error = e} (key defaults to "label", as cleanup failures have it). Does not yield.
+local function describe(failures, key)
+  key = key or "label"
   local parts = {}
-  for _, f in ipairs(failures) do parts[#parts + 1] = f.label .. ": " .. tostring(f.error) end
+  for _, f in ipairs(failures) do parts[#parts + 1] = tostring(f[key]) .. ": " .. tostring(f.error) end
   return table.concat(parts, "; ")
 end
 M.describe = describe

@@ -58,35 +58,42 @@ local function field(obj, k)
   return nil
 end
 
-local function summary_sandbox(sb)
-  local parts = { "Sandbox", tostring(field(sb, "id")), tostring(field(sb, "status") or "?") }
-  local plan = field(sb, "plan")
-  if plan then parts[#parts + 1] = tostring(plan) end
-  local age = age_of(field(sb, "created_at"))
-  if age then parts[#parts + 1] = "age " .. age end
-  if rawget(sb, "_kept") then parts[#parts + 1] = "kept" end
-  return "<" .. table.concat(parts, " ") .. ">"
+-- The parts a summary can show, each a function(obj) -> text, or nil when obj has none; id and
+-- status always show ("?" for a status not known).
+local function optional(k)
+  return function(obj)
+    local v = field(obj, k)
+    return v and tostring(v) or nil
+  end
 end
+local PART = {
+  id = function(obj) return tostring(field(obj, "id")) end,
+  status = function(obj) return tostring(field(obj, "status") or "?") end,
+  name = function(obj)
+    local name = field(obj, "name")
+    return name and M.quote(tostring(name)) or nil
+  end,
+  kind = optional("kind"),
+  plan = optional("plan"),
+  age = function(obj)
+    local age = age_of(field(obj, "created_at"))
+    return age and "age " .. age or nil
+  end,
+  kept = function(obj) return rawget(obj, "_kept") and "kept" or nil end,
+}
 
-local function summary_snapshot(s)
-  local parts = { "Snapshot", tostring(field(s, "id")) }
-  local name = field(s, "name")
-  if name then parts[#parts + 1] = M.quote(tostring(name)) end
-  parts[#parts + 1] = tostring(field(s, "status") or "?")
-  local kind = field(s, "kind")
-  if kind then parts[#parts + 1] = tostring(kind) end
-  local plan = field(s, "plan")
-  if plan then parts[#parts + 1] = tostring(plan) end
-  local age = age_of(field(s, "created_at"))
-  if age then parts[#parts + 1] = "age " .. age end
-  return "<" .. table.concat(parts, " ") .. ">"
-end
+-- What each object's summary shows after its class name, in order.
+local SANDBOX = { "id", "status", "plan", "age", "kept" }
+local SNAPSHOT = { "id", "name", "status", "kind", "plan", "age" }
+local TASK = { "id", "name", "status" }
 
-local function summary_task(t)
-  local parts = { "Task", tostring(field(t, "id")) }
-  local name = field(t, "name")
-  if name then parts[#parts + 1] = M.quote(tostring(name)) end
-  parts[#parts + 1] = tostring(field(t, "status") or "?")
+-- "<Class part part ...>" for obj, with the parts of `shows` that obj has.
+local function summary_of(class, obj, shows)
+  local parts = { class }
+  for _, p in ipairs(shows) do
+    local text = PART[p](obj)
+    if text then parts[#parts + 1] = text end
+  end
   return "<" .. table.concat(parts, " ") .. ">"
 end
 
@@ -95,11 +102,11 @@ end
 -- moonbox.core's, Snapshot and Group by their metatables' __name, errors by core.Error.is.
 local function summary(v, mt)
   local render = package.loaded["moonbox.render"]
-  if render and mt == render.Sandbox then return summary_sandbox(v) end
+  if render and mt == render.Sandbox then return summary_of("Sandbox", v, SANDBOX) end
   local core = package.loaded["moonbox.core"]
-  if core and mt == core.Task then return summary_task(v) end
+  if core and mt == core.Task then return summary_of("Task", v, TASK) end
   local name = rawget(mt, "__name")
-  if name == "moonbox.render.Snapshot" then return summary_snapshot(v) end
+  if name == "moonbox.render.Snapshot" then return summary_of("Snapshot", v, SNAPSHOT) end
   if name == "moonbox.Error" then
     local ok, s = pcall(tostring, v)
     return ok and ("<error: " .. s .. ">") or "<error>"

@@ -18,7 +18,6 @@
 local ledger_mod = require "moonbox.ledger"
 local conn_mod = require "moonbox.render.conn"
 local api = require "moonbox.render.api"
-local core = require "moonbox.core"
 
 local M = {}
 
@@ -27,15 +26,7 @@ local function describe_backend(r)
   return r.backend
 end
 
-local function describe_error(err)
-  if type(err) == "table" and core.Error.is(err) then
-    local s = tostring(err)
-    local where = rawget(err, "where")
-    if type(where) == "string" and s:sub(1, #where + 2) == where .. ": " then s = s:sub(#where + 3) end
-    return s
-  end
-  return tostring(err)
-end
+local describe_error = api.error_text
 
 --- Every sandbox the backend lists as not terminated: by id and by name. [yields]
 local function listing(c)
@@ -64,14 +55,6 @@ local function connect_run(r)
   return conn_mod.connect { backend = r.backend, workspace = r.workspace }
 end
 
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
 --- A read-only look at run r's backend for `moonbox ps`: the listing, or nil and why not. An
 -- embedded backend is looked at only when it is already serving (ps never starts one). [yields]
 local function look(r)
@@ -79,9 +62,8 @@ local function look(r)
   if far then return nil, "its embedded backend ran on " .. far .. "; `moonbox ps` there can check it" end
   local opts = { backend = r.backend, workspace = r.workspace }
   if r.local_state then
-    local url = (read_file(r.local_state .. "/endpoint") or ""):match("^(%S+)")
-    local key = (read_file(r.local_state .. "/api-key") or ""):match("%S+")
-    if not (url and key) then
+    local url, key = require("moonbox.render.embedded").advertised(r.local_state)
+    if not url then
       return nil, "its embedded backend is not running; `moonbox reap` brings it up"
     end
     opts.backend, opts.api_key = url, key
@@ -137,13 +119,7 @@ function M.ps(out)
 end
 
 -- Terminates id on c: "terminated", or "gone" when the backend does not know it. [yields]
-local function terminate(c, id)
-  local ok, err = pcall(api.call, c, "sandboxes.terminate", "POST", "/sandboxes/" .. id .. "/terminate",
-    { idempotent = true, sandbox_id = id })
-  if ok then return "terminated" end
-  if type(err) == "table" and err.status == 404 and err.code == "not_found" then return "gone" end
-  error(err, 0)
-end
+local function terminate(c, id) return require("moonbox.render.sandbox").terminate_request(c, id) end
 
 local function new_result()
   return { terminated = 0, gone = 0, never_made = 0, failed = 0, would = 0, runs = 0, failed_runs = 0 }

@@ -97,8 +97,7 @@ function Summary:finish(info)
       kept = json.array(kept), leaked = json.array(leaked), failed_creates = self.failed_creates },
     errors = json.array(errors),
     sandbox_seconds = usage and { total = ms(usage.sandbox_seconds), by_plan = by_plan } or nil,
-    budget = b and { sandboxes = b.max_sandboxes or json.null, sandbox_seconds = b.max_seconds or json.null,
-      exceeded = b.breach and b.breach.budget or json.null } or nil,
+    budget = b and b:report() or nil,
   }
   return require("moonbox.trace").redact(line)
 end

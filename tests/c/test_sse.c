@@ -98,6 +98,30 @@ static int record_event(void *ud, const sse_event *ev)
     return r->events == r->stop_at ? r->stop_value : 0;
 }
 
+/* Starts recording: r zeroed, and p a parser of max_event_bytes `limit` whose events go to r. */
+static void record_start(sse_parser *p, recorder *r, size_t limit)
+{
+    memset(r, 0, sizeof *r);
+    r->limit = limit;
+    sse_parser_init(p, limit, record_event, r);
+}
+
+/* What r recorded so far ("" for nothing). */
+static const char *recorded(const recorder *r)
+{
+    return r->out.s ? r->out.s : "";
+}
+
+/* Ends recording: frees p and what r recorded. */
+static void record_end(sse_parser *p, recorder *r)
+{
+    sse_parser_free(p);
+    free(r->out.s);
+}
+
+/* Feeds a string literal (its length counted by the compiler). */
+#define FEED(p, lit) sse_parser_feed((p), (lit), sizeof(lit) - 1)
+
 /* Parses in[0..len) with the given limit, fed as the pieces [0,a) [a,b) [b,len) (or in pieces of
  * `step` bytes when step > 0), then finishes. Returns the recorded events followed by
  * "rc=N\n", N being the first non-zero result (or 0); the caller frees it. A result that is not
@@ -120,8 +144,7 @@ static char *parse_pieces(const char *in, size_t len, size_t limit, size_t a, si
         if (rc == 0) rc = sse_parser_feed(&p, in + b, len - b);
     }
     if (rc == 0) rc = sse_parser_finish(&p);
-    if (rc != 0 && (sse_parser_feed(&p, "data: x\n\n", 9) != rc || sse_parser_finish(&p) != rc))
-        r.broken = 1;
+    if (rc != 0 && (FEED(&p, "data: x\n\n") != rc || sse_parser_finish(&p) != rc)) r.broken = 1;
     if (r.broken) sb_puts(&r.out, "BROKEN\n");
     snprintf(tail, sizeof tail, "rc=%d\n", rc);
     sb_puts(&r.out, tail);
@@ -198,23 +221,21 @@ static void mixed_line_ends_in_one_stream(void)
 static void crlf_split_across_feeds_is_one_line_end(void)
 {
     sse_parser p;
-    recorder r = {0};
+    recorder r;
 
-    r.limit = 64;
-    sse_parser_init(&p, 64, record_event, &r);
+    record_start(&p, &r, 64);
     /* Were the LF after a chunk-final CR a second line end, "a" would be dispatched alone. */
-    CHECK_INT(0, sse_parser_feed(&p, "data: a\r", 8));
-    CHECK_INT(0, sse_parser_feed(&p, "\ndata: b\r", 9));
-    CHECK_INT(0, sse_parser_feed(&p, "\n", 1));
+    CHECK_INT(0, FEED(&p, "data: a\r"));
+    CHECK_INT(0, FEED(&p, "\ndata: b\r"));
+    CHECK_INT(0, FEED(&p, "\n"));
     CHECK_INT(0, r.events);
-    CHECK_INT(0, sse_parser_feed(&p, "\r", 1));
+    CHECK_INT(0, FEED(&p, "\r"));
     CHECK_INT(1, r.events);
-    CHECK_INT(0, sse_parser_feed(&p, "\n", 1)); /* the LF of that CRLF: no second dispatch */
-    CHECK_INT(0, sse_parser_feed(&p, "\r\n", 2));
+    CHECK_INT(0, FEED(&p, "\n")); /* the LF of that CRLF: no second dispatch */
+    CHECK_INT(0, FEED(&p, "\r\n"));
     CHECK_INT(0, sse_parser_finish(&p));
-    CHECK_STR("message|a\\nb||-1\n", r.out.s ? r.out.s : "");
-    sse_parser_free(&p);
-    free(r.out.s);
+    CHECK_STR("message|a\\nb||-1\n", recorded(&r));
+    record_end(&p, &r);
 }
 
 static void every_split_and_byte_by_byte_match_whole_feed(void)
@@ -462,20 +483,18 @@ static void finish_dispatches_final_event_without_blank_line(void)
 static void finish_readies_parser_for_a_reconnect(void)
 {
     sse_parser p;
-    recorder r = {0};
+    recorder r;
 
-    r.limit = 64;
-    sse_parser_init(&p, 64, record_event, &r);
-    CHECK_INT(0, sse_parser_feed(&p, "id: 4\ndata: a\r", 14));
+    record_start(&p, &r, 64);
+    CHECK_INT(0, FEED(&p, "id: 4\ndata: a\r"));
     CHECK_INT(0, sse_parser_finish(&p));
     /* A new stream may start with its own BOM and its own LF; the last id carries over. */
-    CHECK_INT(0, sse_parser_feed(&p, "\xEF\xBB\xBF\ndata: b\n\n", 13));
+    CHECK_INT(0, FEED(&p, "\xEF\xBB\xBF\ndata: b\n\n"));
     CHECK_INT(0, sse_parser_finish(&p));
     CHECK_STR("message|a|4|-1\n"
               "message|b|4|-1\n",
-              r.out.s ? r.out.s : "");
-    sse_parser_free(&p);
-    free(r.out.s);
+              recorded(&r));
+    record_end(&p, &r);
 }
 
 static void event_line_without_data_is_dispatched(void)
@@ -495,32 +514,27 @@ static void callback_stop_value_is_returned_and_sticky(void)
 {
     const char *in = "data: 1\n\ndata: 2\n\ndata: 3\n\n";
     sse_parser p;
-    recorder r = {0};
+    recorder r;
 
-    r.limit = 64;
+    record_start(&p, &r, 64);
     r.stop_at = 2;
     r.stop_value = 42;
-    sse_parser_init(&p, 64, record_event, &r);
     CHECK_INT(42, sse_parser_feed(&p, in, strlen(in)));
     CHECK_INT(2, r.events); /* the third event is never parsed */
-    CHECK_INT(42, sse_parser_feed(&p, "data: 4\n\n", 9));
+    CHECK_INT(42, FEED(&p, "data: 4\n\n"));
     CHECK_INT(42, sse_parser_finish(&p));
     CHECK_INT(2, r.events);
     CHECK(strstr(sse_parser_error(&p), "42") != NULL);
-    sse_parser_free(&p);
-    free(r.out.s);
+    record_end(&p, &r);
 
     /* A stop from the event that finish dispatches is returned by finish. */
-    memset(&r, 0, sizeof r);
-    r.limit = 64;
+    record_start(&p, &r, 64);
     r.stop_at = 1;
     r.stop_value = 7;
-    sse_parser_init(&p, 64, record_event, &r);
-    CHECK_INT(0, sse_parser_feed(&p, "event: exit", 11));
+    CHECK_INT(0, FEED(&p, "event: exit"));
     CHECK_INT(7, sse_parser_finish(&p));
     CHECK_INT(1, r.events);
-    sse_parser_free(&p);
-    free(r.out.s);
+    record_end(&p, &r);
 }
 
 static void size_limit_is_an_error_naming_the_limit(void)
@@ -545,10 +559,10 @@ static void size_limit_is_an_error_naming_the_limit(void)
     CHECK_STR("no error", sse_parser_error(&p));
     sse_parser_free(&p);
     sse_parser_init(&p, 8, NULL, NULL);
-    CHECK_INT(SSE_ERR_TOO_LARGE, sse_parser_feed(&p, "data: 123456789", 15));
+    CHECK_INT(SSE_ERR_TOO_LARGE, FEED(&p, "data: 123456789"));
     CHECK(strstr(sse_parser_error(&p), "8 bytes") != NULL);
     CHECK(strstr(sse_parser_error(&p), "max_event_bytes") != NULL);
-    CHECK_INT(SSE_ERR_TOO_LARGE, sse_parser_feed(&p, "\n\n", 2)); /* sticky */
+    CHECK_INT(SSE_ERR_TOO_LARGE, FEED(&p, "\n\n")); /* sticky */
     CHECK_INT(SSE_ERR_TOO_LARGE, sse_parser_finish(&p));
     sse_parser_free(&p);
 }
@@ -564,16 +578,15 @@ static void free_twice_is_safe_and_init_reuses(void)
 
     r.limit = 64;
     sse_parser_init(&p, 64, record_event, &r);
-    CHECK_INT(0, sse_parser_feed(&p, "id: 1\nevent: e\ndata: x", 22));
+    CHECK_INT(0, FEED(&p, "id: 1\nevent: e\ndata: x"));
     sse_parser_free(&p);
     sse_parser_free(&p);
     sse_parser_init(&p, 64, record_event, &r);
-    CHECK_INT(0, sse_parser_feed(&p, "data: y\n\n", 9));
+    CHECK_INT(0, FEED(&p, "data: y\n\n"));
     CHECK_INT(0, sse_parser_finish(&p));
-    CHECK_STR("message|y||-1\n", r.out.s ? r.out.s : "");
+    CHECK_STR("message|y||-1\n", recorded(&r));
     sse_parser_free(&p);
-    sse_parser_free(&p);
-    free(r.out.s);
+    record_end(&p, &r);
 }
 
 static void empty_feed_and_null_callback_are_allowed(void)
@@ -582,7 +595,7 @@ static void empty_feed_and_null_callback_are_allowed(void)
 
     sse_parser_init(&p, 64, NULL, NULL);
     CHECK_INT(0, sse_parser_feed(&p, NULL, 0));
-    CHECK_INT(0, sse_parser_feed(&p, "data: a\n\n", 9));
+    CHECK_INT(0, FEED(&p, "data: a\n\n"));
     CHECK_INT(0, sse_parser_finish(&p));
     sse_parser_free(&p);
 }
@@ -604,9 +617,8 @@ static void many_events_reuse_their_buffers(void)
     sse_parser_free(&p);
     sse_parser_init(&p, 256, record_event, &r);
     CHECK_INT(0, sse_parser_feed(&p, chunk, strlen(chunk)));
-    CHECK_STR("output|{\"stream\":\"stdout\",\"data\":\"x\"}|12|-1\n", r.out.s ? r.out.s : "");
-    sse_parser_free(&p);
-    free(r.out.s);
+    CHECK_STR("output|{\"stream\":\"stdout\",\"data\":\"x\"}|12|-1\n", recorded(&r));
+    record_end(&p, &r);
 }
 
 int main(void)

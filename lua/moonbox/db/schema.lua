@@ -16,108 +16,82 @@
 --                                          (moonbox.schedule.store), a cancel_other of a run
 local M = {}
 
-M.sqlite = {
-  [[
-  CREATE TABLE runs (
-    id INTEGER PRIMARY KEY, pid INTEGER NOT NULL, pid_start TEXT, recipe TEXT,
-    backend TEXT NOT NULL, workspace TEXT, started_at REAL NOT NULL, ended_at REAL, outcome TEXT
-  );
-  CREATE TABLE intents (
-    id INTEGER PRIMARY KEY, run_id INTEGER NOT NULL REFERENCES runs(id),
-    created_at REAL NOT NULL, label TEXT NOT NULL, sandbox_id TEXT, released_at REAL, outcome TEXT
-  );
-  CREATE INDEX intents_by_run ON intents (run_id);
-  CREATE INDEX intents_by_sandbox ON intents (sandbox_id);
-  ]],
-  [[
-  CREATE TABLE schedules (
-    name TEXT PRIMARY KEY, recipe TEXT, spec TEXT, last_slot REAL, next_fire REAL,
-    failures INTEGER NOT NULL DEFAULT 0, paused INTEGER NOT NULL DEFAULT 0, paused_reason TEXT,
-    paused_at REAL, owner_pid INTEGER, owner_pid_start TEXT, updated_at REAL
-  );
-  CREATE TABLE schedule_runs (
-    id INTEGER PRIMARY KEY, schedule TEXT NOT NULL, slot REAL NOT NULL, trigger TEXT NOT NULL,
-    due_at REAL, fired_at REAL, started_at REAL, ended_at REAL, outcome TEXT NOT NULL, error TEXT,
-    ledger_run INTEGER, pid INTEGER, pid_start TEXT
-  );
-  CREATE INDEX schedule_runs_by_schedule ON schedule_runs (schedule, id);
-  CREATE UNIQUE INDEX schedule_runs_one_per_slot ON schedule_runs (schedule, slot)
-    WHERE trigger <> 'manual';
-  ]],
-  -- Where an embedded backend keeps a run's sandboxes: its URL dies with it, its state dir does
-  -- not, so `moonbox reap` can bring it up again there.
-  [[
-  ALTER TABLE runs ADD COLUMN local_state TEXT;
-  ]],
-  [[
-  ALTER TABLE runs ADD COLUMN owner TEXT;
-  ALTER TABLE runs ADD COLUMN lease_until REAL;
-  ALTER TABLE schedule_runs ADD COLUMN owner TEXT;
-  ALTER TABLE schedule_runs ADD COLUMN lease_until REAL;
-  ]],
-  [[
-  CREATE TABLE daemons (
-    owner TEXT NOT NULL, schedule TEXT NOT NULL, recipe TEXT, started_at REAL NOT NULL,
-    lease_until REAL, command TEXT, command_by TEXT, command_at REAL, acked_at REAL,
-    stopped_at REAL, PRIMARY KEY (owner, schedule)
-  );
-  CREATE INDEX daemons_by_schedule ON daemons (schedule);
-  ALTER TABLE schedule_runs ADD COLUMN cancel_request TEXT;
-  ]],
+-- The types that differ between the stores; a migration below names them as $NAME.
+local TYPES = {
+  sqlite = { ID = "INTEGER PRIMARY KEY", BIGINT = "INTEGER", TIME = "REAL" },
+  postgres = { ID = "BIGSERIAL PRIMARY KEY", BIGINT = "BIGINT", TIME = "DOUBLE PRECISION" },
 }
 
-M.postgres = {
-  [[
+-- Each migration once: its script, and what one store adds to it (PostgreSQL's migration 4 also
+-- indexes the open schedule runs; SQLite's never did, and a migration that has shipped stays as
+-- it was).
+local MIGRATIONS = {
+  { [[
   CREATE TABLE runs (
-    id BIGSERIAL PRIMARY KEY, pid INTEGER NOT NULL, pid_start TEXT, recipe TEXT,
-    backend TEXT NOT NULL, workspace TEXT, started_at DOUBLE PRECISION NOT NULL,
-    ended_at DOUBLE PRECISION, outcome TEXT
+    id $ID, pid INTEGER NOT NULL, pid_start TEXT, recipe TEXT,
+    backend TEXT NOT NULL, workspace TEXT, started_at $TIME NOT NULL, ended_at $TIME, outcome TEXT
   );
   CREATE TABLE intents (
-    id BIGSERIAL PRIMARY KEY, run_id BIGINT NOT NULL REFERENCES runs(id),
-    created_at DOUBLE PRECISION NOT NULL, label TEXT NOT NULL, sandbox_id TEXT,
-    released_at DOUBLE PRECISION, outcome TEXT
+    id $ID, run_id $BIGINT NOT NULL REFERENCES runs(id),
+    created_at $TIME NOT NULL, label TEXT NOT NULL, sandbox_id TEXT, released_at $TIME, outcome TEXT
   );
   CREATE INDEX intents_by_run ON intents (run_id);
   CREATE INDEX intents_by_sandbox ON intents (sandbox_id);
-  ]],
-  [[
+  ]] },
+  { [[
   CREATE TABLE schedules (
-    name TEXT PRIMARY KEY, recipe TEXT, spec TEXT, last_slot DOUBLE PRECISION,
-    next_fire DOUBLE PRECISION, failures INTEGER NOT NULL DEFAULT 0,
-    paused INTEGER NOT NULL DEFAULT 0, paused_reason TEXT, paused_at DOUBLE PRECISION,
-    owner_pid INTEGER, owner_pid_start TEXT, updated_at DOUBLE PRECISION
+    name TEXT PRIMARY KEY, recipe TEXT, spec TEXT, last_slot $TIME, next_fire $TIME,
+    failures INTEGER NOT NULL DEFAULT 0, paused INTEGER NOT NULL DEFAULT 0, paused_reason TEXT,
+    paused_at $TIME, owner_pid INTEGER, owner_pid_start TEXT, updated_at $TIME
   );
   CREATE TABLE schedule_runs (
-    id BIGSERIAL PRIMARY KEY, schedule TEXT NOT NULL, slot DOUBLE PRECISION NOT NULL,
-    trigger TEXT NOT NULL, due_at DOUBLE PRECISION, fired_at DOUBLE PRECISION,
-    started_at DOUBLE PRECISION, ended_at DOUBLE PRECISION, outcome TEXT NOT NULL, error TEXT,
-    ledger_run BIGINT, pid INTEGER, pid_start TEXT
+    id $ID, schedule TEXT NOT NULL, slot $TIME NOT NULL, trigger TEXT NOT NULL,
+    due_at $TIME, fired_at $TIME, started_at $TIME, ended_at $TIME, outcome TEXT NOT NULL, error TEXT,
+    ledger_run $BIGINT, pid INTEGER, pid_start TEXT
   );
   CREATE INDEX schedule_runs_by_schedule ON schedule_runs (schedule, id);
   CREATE UNIQUE INDEX schedule_runs_one_per_slot ON schedule_runs (schedule, slot)
     WHERE trigger <> 'manual';
-  ]],
-  [[
+  ]] },
+  -- Where an embedded backend keeps a run's sandboxes: its URL dies with it, its state dir does
+  -- not, so `moonbox reap` can bring it up again there.
+  { [[
   ALTER TABLE runs ADD COLUMN local_state TEXT;
-  ]],
-  [[
+  ]] },
+  { [[
   ALTER TABLE runs ADD COLUMN owner TEXT;
-  ALTER TABLE runs ADD COLUMN lease_until DOUBLE PRECISION;
+  ALTER TABLE runs ADD COLUMN lease_until $TIME;
   ALTER TABLE schedule_runs ADD COLUMN owner TEXT;
-  ALTER TABLE schedule_runs ADD COLUMN lease_until DOUBLE PRECISION;
+  ALTER TABLE schedule_runs ADD COLUMN lease_until $TIME;
+  ]], postgres = [[
   CREATE INDEX schedule_runs_open ON schedule_runs (outcome) WHERE outcome IN ('queued', 'running');
-  ]],
-  [[
+  ]] },
+  { [[
   CREATE TABLE daemons (
-    owner TEXT NOT NULL, schedule TEXT NOT NULL, recipe TEXT, started_at DOUBLE PRECISION NOT NULL,
-    lease_until DOUBLE PRECISION, command TEXT, command_by TEXT, command_at DOUBLE PRECISION,
-    acked_at DOUBLE PRECISION, stopped_at DOUBLE PRECISION, PRIMARY KEY (owner, schedule)
+    owner TEXT NOT NULL, schedule TEXT NOT NULL, recipe TEXT, started_at $TIME NOT NULL,
+    lease_until $TIME, command TEXT, command_by TEXT, command_at $TIME, acked_at $TIME,
+    stopped_at $TIME, PRIMARY KEY (owner, schedule)
   );
   CREATE INDEX daemons_by_schedule ON daemons (schedule);
   ALTER TABLE schedule_runs ADD COLUMN cancel_request TEXT;
-  ]],
+  ]] },
 }
+
+-- The migrations of one store: each script with the store's types, then the store's additions.
+local function for_store(store)
+  local types, out = TYPES[store], {}
+  for i, m in ipairs(MIGRATIONS) do
+    out[i] = (m[1] .. (m[store] or "")):gsub("%$(%u+)", function(name)
+      return assert(types[name], "schema: no type " .. name .. " for " .. store)
+    end)
+  end
+  return out
+end
+
+--- schema.sqlite, schema.postgres: the migration scripts of each store, in order (script i
+-- takes a database from version i-1 to i).
+M.sqlite = for_store("sqlite")
+M.postgres = for_store("postgres")
 
 --- schema.statements(script) -> array of the statements of a migration script (split at the
 -- semicolons that end a line; migrations hold no semicolon inside a literal).

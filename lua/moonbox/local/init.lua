@@ -30,13 +30,7 @@ M.Backend = Backend
 local CONNECTION_LIMIT = 16384
 local IDLE_TIMEOUT = 30
 
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read_file = require("moonbox.path").read_file
 
 local function write_secret(path, content)
   local tmp = path .. ".tmp." .. ids.token():sub(1, 8)

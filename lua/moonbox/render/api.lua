@@ -151,6 +151,16 @@ local function is_interruption(e)
 end
 M.is_interruption = is_interruption
 
+--- api.error_text(err) -> the text of any error for a message that names its own context: a
+-- structured error's tostring without its leading "file:line: " (its where), anything else's
+-- tostring. Does not yield.
+function M.error_text(err)
+  local s = tostring(err)
+  local where = type(err) == "table" and rawget(err, "where")
+  if type(where) == "string" and s:sub(1, #where + 2) == where .. ": " then s = s:sub(#where + 3) end
+  return s
+end
+
 --- The one retry loop. send(attempt) makes one attempt and returns true, results... on success,
 -- or false, err after a failure (err typed; err.again says whether this request may be sent
 -- again after it). Raises the last error when no attempt is left, the next wait would pass the

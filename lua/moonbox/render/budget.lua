@@ -63,7 +63,7 @@ function M.new(limits)
   return setmetatable({
     max_sandboxes = limits.sandboxes, max_seconds = limits.sandbox_seconds,
     sent = 0, created = {}, order = {}, live = {}, spent = {}, -- spent: plan -> seconds of ended
-    cond = core.cond(), breach = nil,
+    cond = core.cond(), breach = nil, count_refused = false,
   }, Budget)
 end
 
@@ -143,6 +143,7 @@ end
 function Budget:before_create()
   if self.breach then error(self.breach, 0) end
   if self.max_sandboxes and self.sent >= self.max_sandboxes then
+    self.count_refused = true
     error(budget_error { message = string.format(
       "this run's budget of %d sandbox%s is spent (created: %s); " ..
       "the create was not sent", self.max_sandboxes, self.max_sandboxes == 1 and "" or "es", ids_text(
@@ -221,6 +222,17 @@ function Budget:exceeded(u)
   end
   if #jobs > 0 then task.all(jobs) end
   if self.owner then task.cancel(self.owner) end
+end
+
+--- b:report() -> {sandboxes = n|null, sandbox_seconds = s|null, exceeded = name|null}: the
+-- "budget" object of `moonbox run --json` and of its dry run. exceeded names the limit that
+-- refused something in this run: "sandbox_seconds" once the watchdog stopped it, "sandboxes"
+-- once a create was refused for the count (even when the recipe caught that error), else null.
+-- Does not yield.
+function Budget:report()
+  local null = require("moonbox.json").null
+  return { sandboxes = self.max_sandboxes or null, sandbox_seconds = self.max_seconds or null,
+    exceeded = self.breach and self.breach.budget or self.count_refused and "sandboxes" or null }
 end
 
 --- b:close(): stops watching (the run ended). Does not yield.

@@ -19,14 +19,7 @@ Conn.__tostring = function(c) return string.format("render connection to %s (%s)
 
 local CLOUD = "https://api.render.com/v1"
 
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
+local read_file = require("moonbox.path").read_file
 local state_home = require("moonbox.path").state_home
 
 --- conn.default_state_dir() -> the embedded backend's state directory ($XDG_STATE_HOME/moonbox/

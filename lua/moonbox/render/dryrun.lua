@@ -342,11 +342,14 @@ function Sim:group()
   return self.default_group
 end
 
+-- rec's status as of the simulated clock: "creating" becomes `ready` once ready_at has passed.
+function Sim:ripen(rec, ready)
+  if rec.status == "creating" and self.clock.t >= rec.ready_at then rec.status = ready end
+  return rec.status
+end
+
 function Sim:sandbox_wire(sb)
-  local status = sb.status
-  if status == "creating" and self.clock.t >= sb.ready_at then
-    sb.status, status = "running", "running"
-  end
+  local status = self:ripen(sb, "running")
   return { id = sb.id, status = status, plan = sb.plan, region = "oregon", name = sb.name,
     networkPolicy = sb.networkPolicy, timeoutSeconds = sb.timeoutSeconds or 86400,
     idleTimeoutSeconds = sb.idleTimeoutSeconds or 900, sandboxGroupId = sb.group,
@@ -355,10 +358,7 @@ function Sim:sandbox_wire(sb)
 end
 
 function Sim:snapshot_wire(sn)
-  local status = sn.status
-  if status == "creating" and self.clock.t >= sn.ready_at then
-    sn.status, status = "available", "available"
-  end
+  local status = self:ripen(sn, "available")
   return { id = sn.id, name = sn.name or json.null, kind = sn.kind, status = status, plan = sn.plan,
     sandboxGroupId = sn.group, sourceSandboxId = sn.source, createdAt = iso(sn.created_at),
     capturedAt = status == "available" and iso(sn.ready_at) or json.null, sizeBytes = sn.size,
@@ -425,6 +425,16 @@ end
 
 local ROUTES = {}
 local function route(method, pattern, fn) ROUTES[#ROUTES + 1] = { method, "^" .. pattern .. "$", fn } end
+
+-- A route whose first capture is a sandbox id: fn(self, sb, q, body) gets the sandbox, and an
+-- id the simulation does not know is answered 404 before fn runs.
+local function sandbox_route(method, pattern, fn)
+  route(method, pattern, function(self, q, body, id)
+    local sb, err = self:find(id)
+    if not sb then return err end
+    return fn(self, sb, q, body)
+  end)
+end
 
 -- The simulated routes: each is fn(sim, query, body, capture...) -> an answer (answer(status,
 -- value), or fail(status, message, code) for Render's error shape).
@@ -494,15 +504,11 @@ route("GET", "/v1/sandboxes", function(self, q)
   return answer(200, self:page(items, q))
 end)
 
-route("GET", "/v1/sandboxes/([^/]+)", function(self, _, _, id)
-  local sb, err = self:find(id)
-  if not sb then return err end
+sandbox_route("GET", "/v1/sandboxes/([^/]+)", function(self, sb)
   return answer(200, self:sandbox_wire(sb))
 end)
 
-route("POST", "/v1/sandboxes/([^/]+)/terminate", function(self, _, _, id)
-  local sb, err = self:find(id)
-  if not sb then return err end
+sandbox_route("POST", "/v1/sandboxes/([^/]+)/terminate", function(self, sb)
   if sb.status ~= "terminated" then
     sb.status, sb.terminated_at = "terminated", self.clock.t
     self:live_changed(-1, sb.plan)
@@ -515,9 +521,7 @@ route("POST", "/v1/sandboxes/([^/]+)/terminate", function(self, _, _, id)
   return answer(204)
 end)
 
-route("POST", "/v1/sandboxes/([^/]+)/suspend", function(self, _, _, id)
-  local sb, err = self:find(id)
-  if not sb then return err end
+sandbox_route("POST", "/v1/sandboxes/([^/]+)/suspend", function(self, sb)
   return answer(202, self:sandbox_wire(sb))
 end)
 
@@ -558,9 +562,7 @@ end)
 
 route("GET", "/v1/sandboxes/([^/]+)/execs", function() return answer(200, json.array()) end)
 
-route("GET", "/v1/sandboxes/([^/]+)/files/list", function(self, q, _, id)
-  local sb, err = self:find(id)
-  if not sb then return err end
+sandbox_route("GET", "/v1/sandboxes/([^/]+)/files/list", function(_, sb, q)
   local dir = sandbox_path(q.path):gsub("(.)/$", "%1")
   local prefix = dir == "/" and "/" or dir .. "/"
   -- The files put under dir: those directly in it, and the directories that lead to the others.
@@ -579,11 +581,9 @@ route("GET", "/v1/sandboxes/([^/]+)/files/list", function(self, q, _, id)
   return answer(200, { path = dir, entries = entries })
 end)
 
-route("POST", "/v1/sandboxes/([^/]+)/snapshots", function(self, _, body, id)
-  local sb, err = self:find(id)
-  if not sb then return err end
+sandbox_route("POST", "/v1/sandboxes/([^/]+)/snapshots", function(self, sb, _, body)
   if self:sandbox_wire(sb).status ~= "running" then
-    return fail(409, "sandbox " .. id .. " is " .. sb.status, "sandbox_not_running")
+    return fail(409, "sandbox " .. sb.id .. " is " .. sb.status, "sandbox_not_running")
   end
   local now = self.clock.t
   local sn = { id = ids.new("snp"), name = body.name, kind = body.kind or "filesystem", status = "creating",

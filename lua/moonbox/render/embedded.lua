@@ -44,13 +44,7 @@ local START_LOCK_WAIT = 300
 -- How long a stopped backend gets to end before it is killed.
 local STOP_WAIT = 60
 
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read_file = require("moonbox.path").read_file
 
 local function pid_start(pid) return require("moonbox.ledger").pid_start(pid) end
 
@@ -61,6 +55,17 @@ function M.backend_pid(dir)
   pid = tonumber(pid)
   if pid and pid_start(pid) == start then return pid, start end
   return nil
+end
+
+--- embedded.advertised(dir) -> url, key, workspace of the backend that serves dir, as its files
+-- there say (endpoint: "URL WORKSPACE", written by `moonbox local` once it listens and removed
+-- when it stops; api-key), or nil when either is missing. Nothing is asked of the backend, so a
+-- backend that died without removing its endpoint still answers here. Does not yield.
+function M.advertised(dir)
+  local key = (read_file(dir .. "/api-key") or ""):match("%S+")
+  local url, ws = (read_file(dir .. "/endpoint") or ""):match("^(%S+)%s+(%S+)")
+  if not (key and url) then return nil end
+  return url, key, ws
 end
 
 -- Polls a condition with backoff (5 ms doubling to 100 ms) until it holds or `limit` seconds
@@ -137,9 +142,8 @@ local function join_process(dir)
         "that does not hold the start lock: something else than moonbox uses that file" }, 0)
   end
   local ok, res = pcall(function()
-    local key = (read_file(dir .. "/api-key") or ""):match("%S+")
-    local url, ws = (read_file(dir .. "/endpoint") or ""):match("^(%S+)%s+(%S+)")
-    if key and url and healthy(url, key) then
+    local url, key, ws = M.advertised(dir)
+    if url and healthy(url, key) then
       local pid = M.backend_pid(dir)
       if pid then
         say("sharing the embedded local backend at %s (pid %d, state in %s) with the run that started it",

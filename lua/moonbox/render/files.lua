@@ -109,6 +109,13 @@ end
 
 -- ---- single files ---------------------------------------------------------------------------
 
+-- The upload of one file to rpath (normalised): req carries the body (body or body_file).
+-- Raises transfer errors. [yields]
+local function upload_one(sb, op, rpath, req, opts)
+  req.method, req.headers = "PUT", { ["Content-Type"] = "application/octet-stream" }
+  transfer(sb, op, "upload", rpath, req, opts)
+end
+
 --- sb:upload(path, data [, opts]): writes the string `data` (any bytes) to the file `path` in
 -- the sandbox (relative paths are under its home directory; the file lands root-owned 0600).
 -- opts: timeout (seconds for the transfer), idle_timeout (default 60). Raises "invalid_path"
@@ -116,9 +123,7 @@ end
 -- conflict when path is a directory). [yields]
 function M.upload(sb, path, data, opts)
   check_string("upload", "data", data, 2)
-  local rpath = normalize_path(path)
-  transfer(sb, "sandbox:upload", "upload", rpath, { method = "PUT", body = data,
-    headers = { ["Content-Type"] = "application/octet-stream" } }, opts)
+  upload_one(sb, "sandbox:upload", normalize_path(path), { body = data }, opts)
 end
 
 --- sb:upload_file(local_path, path [, opts]): streams the local file to `path` in the sandbox
@@ -126,9 +131,7 @@ end
 -- "sandbox:upload_file"), and http's "file_error" when local_path cannot be read. [yields]
 function M.upload_file(sb, local_path, path, opts)
   check_string("upload_file", "local_path", local_path, 2)
-  local rpath = normalize_path(path)
-  transfer(sb, "sandbox:upload_file", "upload", rpath, { method = "PUT", body_file = local_path,
-    headers = { ["Content-Type"] = "application/octet-stream" } }, opts)
+  upload_one(sb, "sandbox:upload_file", normalize_path(path), { body_file = local_path }, opts)
 end
 
 --- sb:download(path [, opts]) -> the bytes of the file `path` in the sandbox, as a string.

@@ -13,6 +13,7 @@ local sandbox = require "moonbox.render.sandbox"
 local snapshots = require "moonbox.render.snapshots"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
+local guard = require "moonbox.guard"
 
 local M = {}
 local Fleet = {}
@@ -30,11 +31,7 @@ local function terminate_all(sandboxes, concurrency)
   return failures
 end
 
-local function describe_failures(failures)
-  local parts = {}
-  for _, f in ipairs(failures) do parts[#parts + 1] = f.id .. ": " .. tostring(f.error) end
-  return table.concat(parts, "; ")
-end
+local function describe_failures(failures) return guard.describe(failures, "id") end
 
 Fleet.__close = function(fleet, err)
   if rawget(fleet, "_kept") then return end

@@ -14,6 +14,7 @@
 -- only window where a restore by name can pick an unverified snapshot is between its capture
 -- and the end of its verify (Render cannot rename a snapshot, so there is no staging name).
 local sandbox = require "moonbox.render.sandbox"
+local api = require "moonbox.render.api"
 local snapshots = require("moonbox.render.snapshots").snapshots
 local duration = require "moonbox.duration"
 local task = require "moonbox.task"
@@ -44,13 +45,7 @@ end
 --- The text of an error for messages: a moonbox error without its "file:line: " prefix.
 local function describe(err)
   if type(err) == "table" and err.op == "snapshots.rebuild" then return tostring(err.message) end
-  if type(err) == "table" and err.message ~= nil then
-    local s = tostring(err)
-    local where = rawget(err, "where")
-    if type(where) == "string" and s:sub(1, #where + 2) == where .. ": " then s = s:sub(#where + 3) end
-    return s
-  end
-  return tostring(err)
+  return api.error_text(err)
 end
 
 local function stage_begin(st, name)

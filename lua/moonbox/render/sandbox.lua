@@ -57,7 +57,9 @@ local function terminated(sb_or_id, how)
   events.emit("terminated", id)
 end
 
--- The terminate request; "gone" when the backend no longer knows the sandbox.
+--- sandbox.terminate_request(c, id) -> "terminated", or "gone" when the backend no longer knows
+-- the sandbox: the terminate request alone, over connection c (no ledger release, no event;
+-- `moonbox reap` records what it settles itself). Raises the request's error otherwise. [yields]
 local function terminate_request(c, id)
   local ok, err = pcall(api.call, c, "sandboxes.terminate", "POST", "/sandboxes/" .. id .. "/terminate",
     { idempotent = true, sandbox_id = id })
@@ -65,6 +67,7 @@ local function terminate_request(c, id)
   if type(err) == "table" and err.status == 404 and err.code == "not_found" then return "gone" end
   error(err, 0)
 end
+M.terminate_request = terminate_request
 
 --- sb:refresh() -> sb with its fields re-read from the API. [yields]
 local function refresh(sb)

@@ -17,9 +17,7 @@ end
 -- conflict (10 groups already). Does not yield.
 function M.create(backend, req)
   local body = route.body_json(req, true)
-  local owner = body.ownerId or req:query_param("ownerId")
-  if owner == nil then fail("invalid", "ownerId is required", "invalid_owner_id") end
-  if owner ~= backend.workspace then fail("not_found", "workspace not found") end
+  route.owner_in_body(backend, body.ownerId or req:query_param("ownerId"))
   local where = "POST /sandbox-groups"
   local name = field(body, "name", "string", where)
   if not name or name == "" then fail("invalid", "name is required") end
@@ -32,8 +30,7 @@ end
 --- DELETE /v1/sandbox-groups/:gid -> 204. Raises invalid invalid_sandbox_group_id, not_found,
 -- conflict (the default group, or one that still has live sandboxes, named). Does not yield.
 function M.delete(backend, req)
-  route.owner_optional(backend, req)
-  backend.svc:delete_group(backend.svc:find_group(req.captures.gid))
+  backend.svc:delete_group(route.group(backend, req))
   return 204
 end
 

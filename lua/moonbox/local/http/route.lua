@@ -316,6 +316,28 @@ function M.owner_exactly_one(backend, req)
   if all[1] ~= backend.workspace then fail("not_found", "workspace not found") end
 end
 
+--- route.owner_in_body(backend, owner): a create's ownerId (from its body): required, a string,
+-- and the workspace. Raises invalid invalid_owner_id, not_found.
+function M.owner_in_body(backend, owner)
+  if owner == nil then fail("invalid", "ownerId is required", "invalid_owner_id") end
+  if type(owner) ~= "string" then fail("invalid", "ownerId must be a string", "invalid_owner_id") end
+  if owner ~= backend.workspace then fail("not_found", "workspace not found") end
+end
+
+--- route.sandbox(backend, req) -> the record of the sandbox a /v1/sandboxes/:id route names,
+-- once its optional ownerId is the workspace (route.owner_optional). Raises invalid, not_found.
+function M.sandbox(backend, req)
+  M.owner_optional(backend, req)
+  return backend.svc:find_sandbox(req.captures.id)
+end
+
+--- route.group(backend, req) -> the group a /v1/sandbox-groups/:gid route names, once its
+-- optional ownerId is the workspace. Raises invalid invalid_sandbox_group_id, not_found.
+function M.group(backend, req)
+  M.owner_optional(backend, req)
+  return backend.svc:find_group(req.captures.gid)
+end
+
 --- route.statuses(req, allowed) -> a set of the status query values (repeated or
 -- comma-separated), or nil when there are none. Raises invalid invalid_status.
 function M.statuses(req, allowed)

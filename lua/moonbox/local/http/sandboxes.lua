@@ -67,10 +67,7 @@ end
 -- yield.
 function M.create(backend, req)
   local body = route.body_json(req, true)
-  local owner = body.ownerId
-  if owner == nil then fail("invalid", "ownerId is required", "invalid_owner_id") end
-  if type(owner) ~= "string" then fail("invalid", "ownerId must be a string", "invalid_owner_id") end
-  if owner ~= backend.workspace then fail("not_found", "workspace not found") end
+  route.owner_in_body(backend, body.ownerId)
   local where = "POST /sandboxes"
   local idle = field(body, "idleTimeoutSeconds", "integer", where, 0, 86400)
   if idle and idle ~= 0 and idle < 300 then fail("invalid",
@@ -110,15 +107,13 @@ end
 
 --- GET /v1/sandboxes/:id -> 200 sandbox. Raises not_found. Does not yield.
 function M.get(backend, req)
-  route.owner_optional(backend, req)
-  return 200, wire.sandbox(backend.svc:find_sandbox(req.captures.id))
+  return 200, wire.sandbox(route.sandbox(backend, req))
 end
 
 --- POST /v1/sandboxes/:id/terminate -> 204 (idempotent): its processes stopped, its disk freed.
 -- Raises not_found. [yields] until the sandbox is gone.
 function M.terminate(backend, req)
-  route.owner_optional(backend, req)
-  backend.svc:terminate(backend.svc:find_sandbox(req.captures.id))
+  backend.svc:terminate(route.sandbox(backend, req))
   return 204
 end
 
@@ -126,8 +121,7 @@ end
 -- Idempotent for a suspended one. Raises not_found, conflict sandbox_not_running. Does not
 -- yield.
 function M.suspend(backend, req)
-  route.owner_optional(backend, req)
-  return 202, wire.sandbox(backend.svc:suspend(backend.svc:find_sandbox(req.captures.id)))
+  return 202, wire.sandbox(backend.svc:suspend(route.sandbox(backend, req)))
 end
 
 --- sandboxes.install(api): registers the routes above through api(method, pattern, handler).

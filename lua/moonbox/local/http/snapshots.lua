@@ -13,8 +13,7 @@ local fail, field = route.fail, route.field
 -- capture runs in a task, and an injected capture fault makes it fail). Raises not_found,
 -- invalid (kind, name, expiresAt), conflict sandbox_not_running. Does not yield.
 function M.create(backend, req)
-  route.owner_optional(backend, req)
-  local rec = backend.svc:find_sandbox(req.captures.id)
+  local rec = route.sandbox(backend, req)
   local body = route.body_json(req, false) or {}
   local kind = field(body, "kind", "string", "snapshot") or "filesystem"
   if kind ~= "filesystem" and kind ~= "runtime" then fail("invalid",
@@ -37,14 +36,14 @@ function M.create(backend, req)
   return 202, wire.snapshot(snap)
 end
 
+-- The snapshot :sid of the group :gid (a deleted one too), once ownerId is the workspace.
 local function find(backend, req)
-  return backend.svc:find_snapshot(backend.svc:find_group(req.captures.gid), req.captures.sid)
+  return backend.svc:find_snapshot(route.group(backend, req), req.captures.sid)
 end
 
 --- GET /v1/sandbox-groups/:gid/snapshots/:sid -> 200 snapshot. Raises invalid (ids),
 -- not_found (group, snapshot; a deleted one too). Does not yield.
 function M.get(backend, req)
-  route.owner_optional(backend, req)
   local snap = find(backend, req)
   if snap._deleted then fail("not_found", "snapshot not found", "snapshot_not_found") end
   return 200, wire.snapshot(snap)
@@ -62,7 +61,6 @@ end
 --- DELETE /v1/sandbox-groups/:gid/snapshots/:sid -> 204 (idempotent). Raises invalid,
 -- not_found, conflict snapshot_creating. [yields] (its layers are removed).
 function M.delete(backend, req)
-  route.owner_optional(backend, req)
   backend.svc:delete_snapshot(find(backend, req))
   return 204
 end

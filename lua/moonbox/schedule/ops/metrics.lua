@@ -146,49 +146,44 @@ function Metrics:text()
     end
     return list
   end
-  family("moonbox_schedule_up", "gauge", "1 while the fire loop runs.",
-    { "moonbox_schedule_up " .. (self.loop_running and 1 or 0) })
-  family("moonbox_schedule_store_up", "gauge", "1 when the state store answered the last query.",
-    { "moonbox_schedule_store_up " .. self.store_up })
-  family("moonbox_schedule_next_fire_timestamp_seconds", "gauge",
-    "When the schedule fires next (slot plus jitter), seconds since the epoch; absent while unknown.",
-    each(function(n, p)
-      if p.next_fire and not p.paused then
-        return { string.format('moonbox_schedule_next_fire_timestamp_seconds{schedule="%s"} %s', lv(n),
-          num(p.next_fire)) }
-      end
+  -- A family of one sample per schedule: value(p) -> a number, or nil for no sample.
+  local function per_schedule(name, kind, help, value)
+    family(name, kind, help, each(function(n, p)
+      local v = value(p)
+      if v ~= nil then return { string.format('%s{schedule="%s"} %s', name, lv(n), num(v)) } end
     end))
-  family("moonbox_schedule_last_outcome", "gauge",
-    "1 for the outcome of the schedule's last finished run (skips excluded), 0 for the others.",
-    each(function(n, p)
-      if not p.last_outcome then return end
+  end
+  -- A family of one sample per schedule and outcome: value(p, outcome) -> an integer, or nil.
+  local function per_outcome(name, kind, help, value)
+    family(name, kind, help, each(function(n, p)
       local l = {}
       for _, oc in ipairs(M.OUTCOMES) do
-        if oc ~= "skipped" then
-          l[#l + 1] = string.format('moonbox_schedule_last_outcome{schedule="%s",outcome="%s"} %d', lv(n), oc,
-            p.last_outcome == oc and 1 or 0)
+        local v = value(p, oc)
+        if v ~= nil then
+          l[#l + 1] = string.format('%s{schedule="%s",outcome="%s"} %d', name, lv(n), oc, v)
         end
       end
       return l
     end))
-  family("moonbox_schedule_last_run_timestamp_seconds", "gauge",
+  end
+  family("moonbox_schedule_up", "gauge", "1 while the fire loop runs.",
+    { "moonbox_schedule_up " .. (self.loop_running and 1 or 0) })
+  family("moonbox_schedule_store_up", "gauge", "1 when the state store answered the last query.",
+    { "moonbox_schedule_store_up " .. self.store_up })
+  per_schedule("moonbox_schedule_next_fire_timestamp_seconds", "gauge",
+    "When the schedule fires next (slot plus jitter), seconds since the epoch; absent while unknown.",
+    function(p) return not p.paused and p.next_fire or nil end)
+  per_outcome("moonbox_schedule_last_outcome", "gauge",
+    "1 for the outcome of the schedule's last finished run (skips excluded), 0 for the others.",
+    function(p, oc)
+      if p.last_outcome and oc ~= "skipped" then return p.last_outcome == oc and 1 or 0 end
+    end)
+  per_schedule("moonbox_schedule_last_run_timestamp_seconds", "gauge",
     "When the schedule's last finished run ended, seconds since the epoch.",
-    each(function(n, p)
-      if p.last_at then
-        return { string.format('moonbox_schedule_last_run_timestamp_seconds{schedule="%s"} %s', lv(n),
-          num(p.last_at)) }
-      end
-    end))
-  family("moonbox_schedule_runs_total", "counter",
+    function(p) return p.last_at end)
+  per_outcome("moonbox_schedule_runs_total", "counter",
     "History records by final outcome (as `moonbox runs` lists them; skipped slots included).",
-    each(function(n, p)
-      local l = {}
-      for _, oc in ipairs(M.OUTCOMES) do
-        l[#l + 1] = string.format('moonbox_schedule_runs_total{schedule="%s",outcome="%s"} %d', lv(n), oc,
-          p.runs[oc])
-      end
-      return l
-    end))
+    function(p, oc) return p.runs[oc] end)
   family("moonbox_schedule_run_duration_seconds", "histogram",
     "Run durations from start to end, seconds of schedule time.",
     each(function(n, p)
@@ -205,20 +200,13 @@ function Metrics:text()
         p.hist.count)
       return l
     end))
-  family("moonbox_schedule_consecutive_failures", "gauge",
+  per_schedule("moonbox_schedule_consecutive_failures", "gauge",
     "Failed or timed-out runs since the last ok one (what pause_after_failures counts).",
-    each(function(n, p)
-      return { string.format('moonbox_schedule_consecutive_failures{schedule="%s"} %d', lv(n),
-        p.failures or 0) }
-    end))
-  family("moonbox_schedule_paused", "gauge", "1 while the schedule is paused.",
-    each(function(n, p)
-      return { string.format('moonbox_schedule_paused{schedule="%s"} %d', lv(n), p.paused and 1 or 0) }
-    end))
-  family("moonbox_schedule_runs_active", "gauge", "Runs of the schedule in progress now.",
-    each(function(n, p)
-      return { string.format('moonbox_schedule_runs_active{schedule="%s"} %d', lv(n), p.active) }
-    end))
+    function(p) return p.failures or 0 end)
+  per_schedule("moonbox_schedule_paused", "gauge", "1 while the schedule is paused.",
+    function(p) return p.paused and 1 or 0 end)
+  per_schedule("moonbox_schedule_runs_active", "gauge", "Runs of the schedule in progress now.",
+    function(p) return p.active end)
   family("moonbox_sandboxes_live", "gauge",
     "Sandboxes this process created and has not terminated (kept ones included).",
     { "moonbox_sandboxes_live " .. self.live })
