@@ -6,6 +6,7 @@ local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local proc = require "moonbox.proc"
 local archive = require "moonbox.archive"
+local files = require "spec.support.files"
 
 local O600, O644, O755, O777 = tonumber("600", 8), tonumber("644", 8), tonumber("755", 8),
   tonumber("777", 8)
@@ -21,18 +22,8 @@ local function exists(path)
   return proc.run { '[ -e "$1" ] || [ -L "$1" ]', path, shell = true }.code == 0
 end
 
-local function read_file(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
-local function write_file(path, data)
-  local f = assert(io.open(path, "wb"))
-  f:write(data)
-  f:close()
-end
+local read_file = files.must_read
+local write_file = files.write
 
 -- "<mode> <uid> <gid>" of path, not following a symlink.
 local function stat(path) return (sh('stat -c "%a %u %g" "$1"', path):gsub("\n$", "")) end

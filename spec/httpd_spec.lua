@@ -8,6 +8,7 @@ local httpd = require "moonbox.httpd"
 local http = require "moonbox.http"
 local json = require "moonbox.json"
 local strings = require "moonbox.strings"
+local files = require "spec.support.files"
 
 local tmp -- a private directory for this spec file
 local seq = 0
@@ -19,24 +20,9 @@ local function sh(cmd)
   return out
 end
 
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
-
-local function read_file(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
-local function write_file(path, data)
-  local f = assert(io.open(path, "wb"))
-  f:write(data)
-  f:close()
-end
+local exists = files.exists
+local read_file = files.must_read
+local write_file = files.write
 
 -- Waits (yielding to the loop) until pred() is true; fails the test after `secs`.
 local function wait_until(pred, secs, what)

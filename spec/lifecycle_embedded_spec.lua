@@ -9,14 +9,9 @@ local task = require "moonbox.task"
 local proc = require "moonbox.proc"
 local conn = require "moonbox.render.conn"
 local embedded = require "moonbox.render.embedded"
+local files = require "spec.support.files"
 
-local function read(path)
-  local f = io.open(path)
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read = files.read
 
 local function count(text, pattern)
   local n = 0

@@ -11,6 +11,7 @@ local proc = require "moonbox.proc"
 local httpd = require "moonbox.httpd"
 local Engine = require "moonbox.local.engine"
 local image = require "moonbox.local.image"
+local files = require "spec.support.files"
 
 local STATE = string.format("/tmp/moonbox-engine-spec-%d-%d", os.time(), math.random(1e6))
 local IMAGE = image.path()
@@ -41,17 +42,8 @@ local function host_file(name, content)
   return path
 end
 
-local function read_all(p)
-  local parts = {}
-  for chunk in function() return p:read("stdout") end do parts[#parts + 1] = chunk end
-  return table.concat(parts)
-end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local read_all = files.drain
+local exists = files.exists
 
 local function mounted_under(prefix)
   local f = assert(io.open("/proc/self/mountinfo"))

@@ -14,6 +14,7 @@ local sys = require "moonbox.sys"
 local image = require "moonbox.local.image"
 local L = require "spec.support.local_backend"
 local ustar = require "spec.support.ustar"
+local files = require "spec.support.files"
 
 local MiB = 1024 * 1024
 local RSS_BOUND = 64 * 1000 * 1000 -- "under 64 MB"
@@ -27,13 +28,7 @@ local BACKEND_ENV = { ASAN_OPTIONS = (os.getenv("ASAN_OPTIONS") or "") .. ":quar
 local B  -- the backend most specs share
 local SB -- a running deny-all sandbox in it
 
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read_file = files.read
 
 -- A field of /proc/<pid>/status in bytes (VmRSS, VmHWM).
 local function vm(pid, name)

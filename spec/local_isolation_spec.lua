@@ -24,6 +24,7 @@ local Engine = require "moonbox.local.engine"
 local image = require "moonbox.local.image"
 local H = require "spec.support.isolation_host"
 local L = require "spec.support.local_backend"
+local files = require "spec.support.files"
 
 local async = T.async
 local RUN = string.format("%d-%d", os.time(), math.random(1e6))
@@ -61,24 +62,9 @@ local function py(id, script, args, e)
   return run(id, "python3 - " .. table.concat(quoted, " ") .. " <<'MOONBOX_PY'\n" .. script .. "\nMOONBOX_PY", e)
 end
 
-local function read_stream(p)
-  local parts = {}
-  for chunk in function() return p:read("stdout") end do parts[#parts + 1] = chunk end
-  return table.concat(parts)
-end
-
-local function write_host_file(path, content, mode)
-  local f = assert(io.open(path, "wb"))
-  f:write(content)
-  f:close()
-  if mode then proc.run { "chmod", mode, path } end
-end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local read_stream = files.drain
+local write_host_file = files.write
+local exists = files.exists
 
 local function lines_matching(text, pattern)
   local out = {}

@@ -12,14 +12,9 @@ local http = require "moonbox.http"
 local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
 local L = require "spec.support.local_backend"
+local files = require "spec.support.files"
 
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read_file = files.read
 
 -- Every process on the host now: pid -> {start, ppid, uid, comm, mnt, user, pidns}. start is the
 -- kernel's start time, so a pid reused by a new process is not taken for the old one.

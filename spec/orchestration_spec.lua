@@ -8,25 +8,15 @@ local L = require "spec.support.local_backend"
 local proc = require "moonbox.proc"
 local json = require "moonbox.json"
 local task = require "moonbox.task"
+local files = require "spec.support.files"
 
 local SECRET_ENV = "planted-env-secret-7f3a9c"
 local SECRET_EXEC = "planted-exec-secret-2b81de"
 
 local B, tmp
 
-local function write(path, text)
-  local f = assert(io.open(path, "w"))
-  f:write(text)
-  f:close()
-end
-
-local function read(path)
-  local f = io.open(path)
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local write = files.write
+local read = files.read
 
 -- Runs `moonbox run ARGS...` with the backend's env; returns code, stdout, stderr.
 local function run(args, env)

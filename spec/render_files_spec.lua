@@ -4,6 +4,7 @@
 local T = require "moonbox.testing"
 local proc = require "moonbox.proc"
 local render = require "moonbox.render"
+local files = require "spec.support.files"
 require "moonbox.render.files"
 local L = require "spec.support.local_backend"
 
@@ -17,18 +18,8 @@ local function sh(script, ...)
   return r.stdout
 end
 
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
-local function write(path, data)
-  local f = assert(io.open(path, "wb"))
-  f:write(data)
-  f:close()
-end
+local read = files.must_read
+local write = files.write
 
 local function journal_mark()
   local _, entries = B:req("GET", "/_moonbox/journal")

@@ -16,6 +16,7 @@ local task = require "moonbox.task"
 local http = require "moonbox.http"
 local httpd = require "moonbox.httpd"
 local sys = require "moonbox.sys"
+local files = require "spec.support.files"
 
 local M = {}
 local Edge = {}
@@ -27,19 +28,8 @@ local function sh(script, ...)
   return r.stdout
 end
 
-local function write(path, text)
-  local f = assert(io.open(path, "w"))
-  f:write(text)
-  f:close()
-end
-
-local function read(path)
-  local f = io.open(path, "rb")
-  if not f then return "" end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local write = files.write
+local read = function(path) return files.read(path) or "" end
 
 --- edge.free_port() -> a TCP port free on both 127.0.0.1 and ::1 a moment ago. [yields]
 function M.free_port()

@@ -14,25 +14,15 @@
 local proc = require "moonbox.proc"
 local task = require "moonbox.task"
 local sys = require "moonbox.sys"
+local files = require "spec.support.files"
 
 local M = {}
 
 M.PYTHON = "/usr/bin/python3"
 M.IP = "/usr/sbin/ip"
 
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
-
-local function read(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local exists = files.exists
+local read = files.read
 M.read = read
 
 --- M.require_host_tools(): raises unless python3 and ip (Debian python3, iproute2) are there.

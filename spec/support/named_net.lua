@@ -20,16 +20,13 @@ local proc = require "moonbox.proc"
 local task = require "moonbox.task"
 local sys = require "moonbox.sys"
 local H = require "spec.support.isolation_host"
+local files = require "spec.support.files"
 
 local M = {}
 
 M.NGINX, M.DNSMASQ, M.OPENSSL = "/usr/sbin/nginx", "/usr/sbin/dnsmasq", "/usr/bin/openssl"
 
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local exists = files.exists
 
 local function run(argv, what)
   local r = proc.run(argv)
@@ -38,11 +35,7 @@ local function run(argv, what)
   return r.stdout
 end
 
-local function write(path, text)
-  local f = assert(io.open(path, "wb"))
-  f:write(text)
-  f:close()
-end
+local write = files.write
 
 -- Polls check() until it returns true, for at most 20 s (a server starting up). [yields]
 local function until_ready(what, check)
