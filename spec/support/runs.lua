@@ -29,6 +29,87 @@ function M.home(backend)
     Home)
 end
 
+--- runs.fixture(setup, teardown, ready, opts): the preamble of the specs that run moonbox
+-- commands against one real `moonbox local`: through the spec's own busted setup and teardown
+-- (pass them: a support module does not see a spec's environment), setup starts a backend
+-- (local_backend.start(opts)) and a fresh home pointed at it and hands both to ready(B, home);
+-- teardown destroys the home, then the backend.
+function M.fixture(setup, teardown, ready, opts)
+  local T = require "moonbox.testing"
+  local b, h
+  setup(T.async(function()
+    b = L.start(opts)
+    h = M.home(b)
+    ready(b, h)
+  end))
+  teardown(T.async(function()
+    if h then h:destroy() end
+    if b then b:destroy() end
+  end))
+end
+
+--- runs.check_clean(B, home, what, mark): after a run that began at journal seq mark, waits for
+-- the backend to finish what it still works on (a client gone is no reason for it to stop), then
+-- raises, naming what, unless it lists no live sandbox and `moonbox ps` of home succeeds
+-- holding nothing. [yields]
+function M.check_clean(b, home, what, mark)
+  M.settled(b, mark)
+  local live = M.live(b)
+  if next(live) then error(what .. ": sandboxes left running: " .. json.encode(live), 2) end
+  local ps = home:moonbox("ps")
+  if ps.code ~= 0 then error(what .. ": moonbox ps exited " .. tostring(ps.code) .. ": " .. ps.stderr, 2) end
+  if ps.stdout:find("holds", 1, true) then error(what .. ": moonbox ps still holds:\n" .. ps.stdout, 2) end
+end
+
+--- runs.repeat_failing(b, home, t) -> how many creates the backend answered over all runs: the
+-- loop of the lifecycle repros. t.times times: sets the backend's faults to t.faults, calls
+-- t.run() (-> {code, stdout, stderr} of one moonbox command), clears the faults, and raises
+-- unless that run exited 1 with stderr matching the pattern t.failure, t.check(r, what) (when
+-- given) passes, and check_clean finds nothing left. t.label names a run in errors ("run").
+-- [yields]
+function M.repeat_failing(b, home, t)
+  local answered = 0
+  for i = 1, t.times do
+    local mark = M.last_seq(b)
+    b:faults(t.faults)
+    local r = t.run()
+    b:faults("")
+    local what = string.format("%s %d of %d: %s", t.label or "run", i, t.times, r.stderr)
+    if r.code ~= 1 then error(what .. ": exited " .. tostring(r.code) .. ", not 1\n" .. r.stdout, 2) end
+    if not r.stderr:find(t.failure) then error(what .. ": stderr does not match " .. t.failure, 2) end
+    if t.check then t.check(r, what) end
+    M.check_clean(b, home, what, mark)
+    answered = answered + M.creates_answered(b, mark) -- once settled: the creates it finished too
+  end
+  return answered
+end
+
+--- runs.sibling_fails(n, after, work) -> the text of a recipe whose task.map of n items has
+-- its first item fail with error("x") — at the recipe's line 4 — `after` seconds in, while every
+-- other item runs the Lua statement(s) work: the lifecycle repros' cancellation.
+function M.sibling_fails(n, after, work)
+  local items = {}
+  for i = 1, n do items[i] = i end
+  return string.format([[
+local render = require "moonbox.render"
+local task = require "moonbox.task"
+task.map({ %s }, function(i)
+  if i == 1 then task.sleep(%s) error("x") end
+  %s
+end)
+]], table.concat(items, ", "), after, work)
+end
+
+--- runs.creates_answered(b, mark) -> how many sandbox creates (POST /v1/sandboxes) the backend
+-- answered 201 after journal seq mark. [yields]
+function M.creates_answered(b, mark)
+  local n = 0
+  for _, e in ipairs(M.journal(b, mark)) do
+    if e.method == "POST" and e.path == "/v1/sandboxes" and e.status == 201 then n = n + 1 end
+  end
+  return n
+end
+
 --- home:on(backend) -> the same home (same ledger, same recipes directory) with its commands
 -- pointed at another backend.
 function Home:on(backend)
@@ -132,6 +213,39 @@ function M.live(b)
     for _, e in ipairs(page) do out[e.sandbox.id] = e.sandbox.status end
     cursor = page[#page] and page[#page].cursor
   until #page < 100
+  return out
+end
+
+--- runs.fanout20(kind, exec_concurrency) -> the text of a recipe that fans out to 20 sandboxes
+-- and execs in each: kind "task.map" (20 creates, 8 at a time) or "render.restore" (a fleet of
+-- 20, then its execs exec_concurrency at a time): what the SIGKILL repros kill at random points.
+function M.fanout20(kind, exec_concurrency)
+  if kind == "task.map" then
+    return [[
+local render = require "moonbox.render"
+local task = require "moonbox.task"
+local items = {}
+for i = 1, 20 do items[i] = i end
+task.map(items, function(i)
+  local sb <close> = render.sandboxes.create {}
+  sb:exec("echo " .. i):check()
+end, { concurrency = 8 })
+]]
+  end
+  assert(kind == "render.restore", "no fan-out recipe of kind " .. tostring(kind))
+  return string.format([[
+local render = require "moonbox.render"
+local task = require "moonbox.task"
+local fleet <close> = render.restore(nil, { count = 20, concurrency = 8 })
+task.map(fleet, function(sb, i) sb:exec("echo " .. i):check() end, { concurrency = %d })
+]], exec_concurrency)
+end
+
+--- runs.keys(set) -> the keys of set, sorted.
+function M.keys(set)
+  local out = {}
+  for k in pairs(set) do out[#out + 1] = k end
+  table.sort(out)
   return out
 end
 
