@@ -18,12 +18,7 @@ local B, edge
 
 local run = T.async
 
-setup(run(function()
-  B = L.start { edge = true }
-  edge = B.edge
-  B:connect_render()
-end))
-teardown(run(function() if B then B:destroy() end end))
+L.fixture(setup, teardown, function(b) B, edge = b, b.edge end, { edge = true })
 
 local function faults(spec) B:req("PUT", "/_moonbox/faults", { body = spec }) end
 

@@ -10,11 +10,7 @@ local B
 
 local run = T.async
 
-setup(run(function()
-  B = L.start()
-  B:connect_render()
-end))
-teardown(run(function() if B then B:destroy() end end))
+L.fixture(setup, teardown, function(b) B = b end)
 
 local function journal_since(seq)
   local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = seq } })
