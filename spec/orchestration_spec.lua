@@ -28,11 +28,6 @@ local function run(args, env)
   return r.code, r.stdout, r.stderr
 end
 
-local function faults(spec)
-  local status = B:req("PUT", "/_moonbox/faults", { body = spec })
-  assert.are.equal(200, status)
-end
-
 local FANOUT = [[
 local render = require "moonbox.render"
 local task = require "moonbox.task"
@@ -237,10 +232,10 @@ local snap = render.snapshots.latest("orch") or error("no snapshot 'orch'")
 local fleet <close> = render.restore(snap, { count = 24, concurrency = 8 })
 assert(#fleet == 24)
 ]]))
-    faults('[{"match":"POST /v1/sandboxes","fault":"status","status":429,"retry_after":1,"count":6}]')
+    B:faults('[{"match":"POST /v1/sandboxes","fault":"status","status":429,"retry_after":1,"count":6}]')
     local trace_file = tmp .. "/aimd.trace.json"
     local code, _, err = run { "--trace", trace_file, recipe }
-    faults("[]")
+    B:faults("[]")
     assert.are.equal(0, code, err)
     local doc = json.decode(assert(read(trace_file)))
     check_schema(doc)
@@ -271,12 +266,12 @@ assert(#fleet == 24)
     B:connect_render()
     local render = require "moonbox.render"
     local sb <close> = render.sandboxes.create {}
-    faults('[{"match":"GET /v1/sandboxes/*","fault":"status","status":429,"retry_after":0,"count":4}]')
+    B:faults('[{"match":"GET /v1/sandboxes/*","fault":"status","status":429,"retry_after":0,"count":4}]')
     local items = {}
     for i = 1, 16 do items[i] = i end
     local _, stats = task.map(items, function() return render.sandboxes.get(sb.id).status end,
       { concurrency = 8 })
-    faults("[]")
+    B:faults("[]")
     assert.is_true(stats.min_window < 8, "min window " .. stats.min_window)
   end))
 end)
@@ -364,11 +359,11 @@ describe("a capture that fails", function()
   it("reaches the client as snapshot_failed with the snapshot id", T.async(function()
     B:connect_render()
     local render = require "moonbox.render"
-    faults('[{"match":"POST /v1/sandboxes/*/snapshots","fault":"capture","count":1}]')
+    B:faults('[{"match":"POST /v1/sandboxes/*/snapshots","fault":"capture","count":1}]')
     local sb <close> = render.sandboxes.create {}
     local snap = sb:snapshot { name = "doomed", wait = false }
     local err = T.errors_with("snapshot_failed", function() snap:wait_available { timeout = 30 } end)
-    faults("[]")
+    B:faults("[]")
     assert.are.equal(snap.id, err.snapshot_id)
     assert.is_truthy(tostring(err):find(snap.id, 1, true))
   end))

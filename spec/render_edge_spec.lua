@@ -20,8 +20,6 @@ local run = T.async
 
 L.fixture(setup, teardown, function(b) B, edge = b, b.edge end, { edge = true })
 
-local function faults(spec) B:req("PUT", "/_moonbox/faults", { body = spec }) end
-
 local function journal_posts(since, path)
   local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = since } })
   local n = 0
@@ -96,7 +94,7 @@ describe("through a TLS + HTTP/2 edge", function()
     local sb <close> = render.sandboxes.create {}
     local mark = journal_mark()
     local stream = "/proxy/" .. sb.id .. "/runs/stream"
-    faults("POST " .. stream .. "=latency:1500#1") -- the stream's answer is held past the timeout
+    B:faults("POST " .. stream .. "=latency:1500#1") -- the stream's answer is held past the timeout
     local ok, err = pcall(sb.exec, sb, "touch /tmp/ran; sleep 3100", { timeout = 0.5 })
     assert.is_false(ok)
     assert.is_true(task.is_timeout(err))
@@ -121,7 +119,7 @@ describe("through a TLS + HTTP/2 edge", function()
     -- connection under it by killing the edge's worker (its master starts a new one at once)
     assert.are.equal(200, (B:req("GET", "/v1/sandboxes", { query = { limit = 1 } })))
     local mark = journal_mark()
-    faults("POST /v1/sandboxes=latency:3000#1")
+    B:faults("POST /v1/sandboxes=latency:3000#1")
     local creating = task.spawn(function() return pcall(render.sandboxes.create, { name = "edge-once" }) end)
     for _ = 1, 400 do
       if journal_posts(mark, "/v1/sandboxes") == 1 then break end
