@@ -98,17 +98,7 @@ local function sandbox_pids(id)
   return pids
 end
 
--- Polls cond() (every 50 ms) until it returns a true value, for at most seconds; fails with
--- what() otherwise.
-local function wait_until(seconds, cond, what)
-  local deadline = task.now() + seconds
-  while true do
-    local v = cond()
-    if v then return v end
-    if task.now() > deadline then error("waited " .. seconds .. " s for " .. what(), 2) end
-    task.sleep(0.05)
-  end
-end
+local wait_until = require("spec.support.poll").wait
 
 -- Runs fn(b, sb) with a backend of its own and a running deny-all sandbox in it, so that what
 -- one spec measures is not hidden by memory an earlier one left resident; destroys the backend

@@ -6,7 +6,6 @@
 -- "restart" spec.) Needs root and slirp4netns (the suspended sandbox has a network: its
 -- slirp4netns must go too); CI has both.
 local T = require "moonbox.testing"
-local task = require "moonbox.task"
 local json = require "moonbox.json"
 local http = require "moonbox.http"
 local proc = require "moonbox.proc"
@@ -60,15 +59,7 @@ local function cgroup_pids(id)
   return pids
 end
 
-local function wait_until(seconds, cond, what)
-  local deadline = task.now() + seconds
-  while true do
-    local v = cond()
-    if v then return v end
-    if task.now() > deadline then error("waited " .. seconds .. " s for " .. what(), 2) end
-    task.sleep(0.05)
-  end
-end
+local wait_until = require("spec.support.poll").wait
 
 local function du(path)
   return tonumber(proc.run({ "du", "-sb", path }).stdout:match("^(%d+)")) or 0
