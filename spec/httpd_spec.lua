@@ -13,12 +13,7 @@ local files = require "spec.support.files"
 local tmp -- a private directory for this spec file
 local seq = 0
 
-local function sh(cmd)
-  local p = assert(io.popen(cmd))
-  local out = p:read("a")
-  p:close()
-  return out
-end
+local sh = files.sh
 
 local exists = files.exists
 local read_file = files.must_read
@@ -46,13 +41,7 @@ local function server(opts)
   return httpd.listen(opts or {})
 end
 
-setup(function()
-  tmp = sh("mktemp -d /tmp/moonbox-httpd-spec.XXXXXX"):gsub("%s+$", "")
-end)
-
-teardown(function()
-  if tmp and tmp:match("^/tmp/moonbox%-httpd%-spec") then os.execute("rm -rf " .. tmp) end
-end)
+files.temp_dir(setup, teardown, "httpd", function(dir) tmp = dir end)
 
 describe("httpd routing", function()
   it("captures :name segments and the rest of the path, decoded", T.async(function()

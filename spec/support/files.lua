@@ -1,6 +1,7 @@
 --- spec/support/files.lua — the small file chores specs repeat: read a file whole, write one,
--- ask whether a path exists, drain a process's stdout. Reading goes through moonbox.path's
--- read_file, so a spec's notion of "the file's content" is the program's own.
+-- ask whether a path exists, drain a process's stdout, run a shell command, own a temp dir.
+-- Reading goes through moonbox.path's read_file, so a spec's notion of "the file's content" is
+-- the program's own.
 local proc = require "moonbox.proc"
 local read_file = require("moonbox.path").read_file
 
@@ -43,6 +44,31 @@ function M.drain(p, stream)
   local parts = {}
   for chunk in function() return p:read(stream) end do parts[#parts + 1] = chunk end
   return table.concat(parts)
+end
+
+--- files.sh(cmd) -> the stdout of shell command cmd, run through io.popen: blocks the loop, for
+-- the specs that do not run on it (plain `it` functions).
+function M.sh(cmd)
+  local p = assert(io.popen(cmd))
+  local out = p:read("a")
+  p:close()
+  return out
+end
+
+--- files.temp_dir(setup, teardown, name, ready): a private directory for a spec file, through
+-- its busted setup and teardown (pass them: a support module does not see a spec's
+-- environment): setup makes /tmp/moonbox-NAME-spec.XXXXXX and hands its path to ready(dir);
+-- teardown removes it and all in it. Neither yields.
+function M.temp_dir(setup, teardown, name, ready)
+  local dir
+  setup(function()
+    dir = M.sh("mktemp -d /tmp/moonbox-" .. name .. "-spec.XXXXXX"):gsub("%s+$", "")
+    assert(dir:match("^/tmp/moonbox%-"), "mktemp failed for " .. name)
+    ready(dir)
+  end)
+  teardown(function()
+    if dir and dir:match("^/tmp/moonbox%-") then os.execute("rm -rf " .. dir) end
+  end)
 end
 
 return M
