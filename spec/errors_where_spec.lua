@@ -55,12 +55,17 @@ describe("an exec timeout", function()
 end)
 
 describe("an error raised in a spawned task", function()
-  it("names the spawning line when the task's frame is gone (a tail call)", T.async(function()
-    local t = task.spawn(function() return render.sandboxes.get("sbx-0000000000000000000000000") end); local where = here()
+  -- Joins task t, which must fail with an error of that code; -> the error.
+  local function join_error(t, code)
     local ok, err = pcall(task.join, t)
     assert.is_false(ok)
-    assert.are.equal("not_found", err.code)
-    assert_recipe_where(err, where)
+    assert.are.equal(code, err.code)
+    return err
+  end
+
+  it("names the spawning line when the task's frame is gone (a tail call)", T.async(function()
+    local t = task.spawn(function() return render.sandboxes.get("sbx-0000000000000000000000000") end); local where = here()
+    assert_recipe_where(join_error(t, "not_found"), where)
   end))
 
   it("names the line in the task's function otherwise", T.async(function()
@@ -68,9 +73,7 @@ describe("an error raised in a spawned task", function()
     local t = task.spawn(function()
       where = here(); sb:exec("echo failing >&2; exit 3"):check()
     end)
-    local ok, err = pcall(task.join, t)
-    assert.is_false(ok)
-    assert.are.equal("exit_status", err.code)
+    local err = join_error(t, "exit_status") -- the task ran, and set where, by now
     assert_recipe_where(err, where)
   end))
 

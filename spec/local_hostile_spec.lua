@@ -48,6 +48,23 @@ local function rss_growth(b, fn)
   return vm(pid, "VmHWM") - before, table.unpack(results, 1, results.n)
 end
 
+-- Calls one(i) for i = 1..total from n concurrent tasks; counts in tally[key] how often one
+-- returned each key. [yields]
+local function tally_in_workers(n, total, tally, one)
+  local next_i = 0
+  local workers = {}
+  for w = 1, n do
+    workers[w] = function()
+      while next_i < total do
+        next_i = next_i + 1
+        local key = one(next_i)
+        tally[key] = (tally[key] or 0) + 1
+      end
+    end
+  end
+  task.all(workers)
+end
+
 local function mb(bytes) return string.format("%.1f MB", bytes / 1e6) end
 
 -- Fragments that would say where on the host the backend keeps things, or which of our source
@@ -296,22 +313,12 @@ describe("unauthenticated bodies", function()
             task.sleep(0.01)
           end
         end)
-        local next_i = 0
-        local workers = {}
-        for w = 1, 8 do
-          workers[w] = function()
-            while next_i < 2000 do
-              next_i = next_i + 1
-              local t = targets[next_i % #targets + 1]
-              local ok, r = pcall(http.request, { method = t.method, url = t.url, headers = t.headers,
-                body = body,
-                timeout = 60 })
-              local key = ok and tostring(r.status) or ("error: " .. tostring(r))
-              statuses[key] = (statuses[key] or 0) + 1
-            end
-          end
-        end
-        task.all(workers)
+        tally_in_workers(8, 2000, statuses, function(i)
+          local t = targets[i % #targets + 1]
+          local ok, r = pcall(http.request, { method = t.method, url = t.url, headers = t.headers,
+            body = body, timeout = 60 })
+          return ok and tostring(r.status) or ("error: " .. tostring(r))
+        end)
         done = true
         task.join(watcher)
       end)
@@ -353,19 +360,10 @@ describe("the request journal", function()
       local query = { pad = ("q"):rep(24 * 1024) }
       local statuses = {}
       local growth = rss_growth(b, function()
-        local next_i = 0
-        local workers = {}
-        for w = 1, 4 do
-          workers[w] = function()
-            while next_i < 3000 do
-              next_i = next_i + 1
-              local s = b:req("POST", "/v1/sandboxes", { body = body, query = query,
-                headers = { ["Content-Type"] = "application/json" } })
-              statuses[tostring(s)] = (statuses[tostring(s)] or 0) + 1
-            end
-          end
-        end
-        task.all(workers)
+        tally_in_workers(4, 3000, statuses, function()
+          return tostring((b:req("POST", "/v1/sandboxes", { body = body, query = query,
+            headers = { ["Content-Type"] = "application/json" } })))
+        end)
       end)
       print(string.format("\n  3,000 journaled requests of 40 KB: %s; server RSS grew %s",
         json.encode(statuses), mb(growth)))

@@ -16,6 +16,13 @@ local SECRET_EXEC = "planted-exec-secret-2b81de"
 local B, tmp
 
 local write = files.write
+
+-- tmp/name holding text: a recipe of the spec's. -> its path.
+local function recipe_file(name, text)
+  local path = tmp .. "/" .. name
+  write(path, text)
+  return path
+end
 local read = files.read
 
 -- Runs `moonbox run ARGS...` with the backend's env; returns code, stdout, stderr.
@@ -91,8 +98,7 @@ end))
 describe("moonbox run --trace and --json", function()
   it("writes valid Chrome trace JSON with one span per API call, and a summary; no secret in either",
     T.async(function()
-      local recipe = tmp .. "/fanout.lua"
-      write(recipe, FANOUT:format(SECRET_ENV, SECRET_EXEC, 4, 4, SECRET_EXEC))
+      local recipe = recipe_file("fanout.lua", FANOUT:format(SECRET_ENV, SECRET_EXEC, 4, 4, SECRET_EXEC))
       local trace_file = tmp .. "/fanout.trace.json"
       local seq = last_seq()
       local code, out, err = run { "--trace", trace_file, "--json", "--progress", recipe }
@@ -151,8 +157,7 @@ describe("moonbox run --trace and --json", function()
     end))
 
   it("lists the error and the ids in the summary when the recipe fails", T.async(function()
-    local recipe = tmp .. "/fail.lua"
-    write(recipe, [[
+    local recipe = recipe_file("fail.lua", [[
 local render = require "moonbox.render"
 local sb <close> = render.sandboxes.create {}
 sb:exec("exit 3"):check()
@@ -172,8 +177,7 @@ sb:exec("exit 3"):check()
     local code, _, err = run { "--bogus", "x.lua" }
     assert.are.equal(2, code)
     assert.matches("unknown option '%-%-bogus'", err)
-    local recipe = tmp .. "/nop.lua"
-    write(recipe, "return 1\n")
+    local recipe = recipe_file("nop.lua", "return 1\n")
     code, _, err = run { "--trace", "/nonexistent-dir/t.json", recipe }
     assert.are.equal(1, code)
     assert.matches("cannot write the trace file", err)
@@ -183,8 +187,7 @@ end)
 describe("a --trace whose run is SIGKILLed", function()
   it("holds whole events: it parses as a Chrome trace after appending ] at most (10 kills)", T.async(function()
     local runs = require "spec.support.runs"
-    local recipe = tmp .. "/killed-trace.lua"
-    write(recipe, [[
+    local recipe = recipe_file("killed-trace.lua", [[
 local render = require "moonbox.render"
 local task = require "moonbox.task"
 local items = {}
@@ -224,9 +227,8 @@ end)
 
 describe("adaptive concurrency", function()
   it("halves the window under injected 429s, honours Retry-After, and grows back", T.async(function()
-    local recipe = tmp .. "/aimd.lua"
     -- Creates are throttled for a burst (the first 6 creates get 429, Retry-After 1), then pass.
-    write(recipe, string.format([[
+    local recipe = recipe_file("aimd.lua", string.format([[
 local render = require "moonbox.render"
 local snap = render.snapshots.latest("orch") or error("no snapshot 'orch'")
 local fleet <close> = render.restore(snap, { count = 24, concurrency = 8 })
@@ -292,8 +294,7 @@ require("moonbox.task").map(fleet, function(s) return s:exec("sleep 60") end, { 
 ]]
 
   it("SIGTERM cancels the recipe: exit 143 and every sandbox terminated", T.async(function()
-    local recipe = tmp .. "/term.lua"
-    write(recipe, SLOW)
+    local recipe = recipe_file("term.lua", SLOW)
     local seq = last_seq()
     local p = spawn_run(recipe)
     local lines = p:lines("stdout")
@@ -316,10 +317,9 @@ require("moonbox.task").map(fleet, function(s) return s:exec("sleep 60") end, { 
   end))
 
   it("a second SIGINT forces the exit; moonbox reap terminates what was left", T.async(function()
-    local recipe = tmp .. "/int2.lua"
     -- A guard that takes long to unwind (it closes before the fleet), so the second SIGINT
     -- arrives while the sandboxes still run.
-    write(recipe, [[
+    local recipe = recipe_file("int2.lua", [[
 local render = require "moonbox.render"
 local guard = require "moonbox.guard"
 local snap = render.snapshots.latest("orch")

@@ -10,7 +10,6 @@ local L = require "spec.support.local_backend"
 local S = require "spec.support.store_env"
 local SE = require "spec.support.schedule_env"
 
-
 local run = T.async
 
 -- A fresh state dir and recipe per test (spec.support.schedule_env); on PostgreSQL a fresh
@@ -20,6 +19,21 @@ local function env_new(recipe, backend)
 end
 
 teardown(run(function() S.shutdown() end))
+
+-- For a describe whose test schedules against a real `moonbox local`: setup starts one and
+-- hands it to ready(B); teardown destroys the test's env (what env() returns), then it.
+local function with_backend(ready, env)
+  local B
+  setup(run(function()
+    B = L.start()
+    ready(B)
+  end))
+  teardown(run(function()
+    local e = env()
+    if e then e:destroy() end
+    if B then B:destroy() end
+  end))
+end
 
 local function count(rows, field, value)
   local n = 0
@@ -308,11 +322,7 @@ end)
 
 describe("a schedule's budget (max_sandboxes, max_sandbox_seconds)", function()
   local B, e
-  setup(run(function() B = L.start() end))
-  teardown(run(function()
-    if e then e:destroy() end
-    if B then B:destroy() end
-  end))
+  with_backend(function(b) B = b end, function() return e end)
 
   it("holds each run to its own budget: the create beyond is refused, the run fails with budget_exceeded",
     T.async(function()
@@ -350,11 +360,7 @@ end)
 
 describe("moonbox schedule killed with -9 during a run", function()
   local B, e
-  setup(run(function() B = L.start() end))
-  teardown(run(function()
-    if e then e:destroy() end
-    if B then B:destroy() end
-  end))
+  with_backend(function(b) B = b end, function() return e end)
 
   it("records the run interrupted on restart, terminates its sandbox, and never repeats the slot", T.async(function()
     e = env_new(PRELUDE .. [[
