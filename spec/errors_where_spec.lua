@@ -12,16 +12,10 @@ local B, sb
 
 local SPEC = debug.getinfo(1, "S").short_src
 
-setup(T.async(function()
-  B = L.start()
-  B:connect_render()
-  sb = render.sandboxes.create {}:keep()
-end))
-
-teardown(T.async(function()
-  if sb then sb:terminate() end
-  if B then B:destroy() end
-end))
+L.fixture(setup, teardown, function(b)
+  B, sb = b, render.sandboxes.create {}:keep()
+  return function() sb:terminate() end
+end)
 
 -- "spec/errors_where_spec.lua:N" for the line of the caller.
 local function here()

@@ -20,19 +20,8 @@ local run = T.async
 
 L.fixture(setup, teardown, function(b) B, edge = b, b.edge end, { edge = true })
 
-local function journal_posts(since, path)
-  local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = since } })
-  local n = 0
-  for _, e in ipairs(entries) do
-    if e.method == "POST" and e.path == path then n = n + 1 end
-  end
-  return n
-end
-
-local function journal_mark()
-  local _, entries = B:req("GET", "/_moonbox/journal")
-  return entries[#entries] and entries[#entries].seq or 0
-end
+local function journal_posts(since, path) return #runs.requests(B, since, "POST", path) end
+local function journal_mark() return runs.last_seq(B) end
 
 describe("through a TLS + HTTP/2 edge", function()
   it("a 100-sandbox fan-out shares one TCP connection, every request an HTTP/2 stream", T.async(function()

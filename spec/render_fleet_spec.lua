@@ -8,16 +8,12 @@ local L = require "spec.support.local_backend"
 
 local B, snap
 
-local run = T.async
-
-setup(run(function()
-  B = L.start()
-  B:connect_render()
+L.fixture(setup, teardown, function(b)
+  B = b
   local base <close> = render.sandboxes.create {}
   base:exec("echo from-snapshot > /root/marker"):check()
   snap = base:snapshot { name = "fleet-base" }
-end))
-teardown(run(function() if B then B:destroy() end end))
+end)
 
 local function live() return B:live() end
 

@@ -5,6 +5,7 @@ local task = require "moonbox.task"
 local json = require "moonbox.json"
 local render = require "moonbox.render"
 local L = require "spec.support.local_backend"
+local runs = require "spec.support.runs"
 
 local B
 
@@ -12,15 +13,7 @@ local run = T.async
 
 L.fixture(setup, teardown, function(b) B = b end)
 
-local function journal_since(seq)
-  local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = seq } })
-  return entries
-end
-
-local function journal_mark()
-  local _, entries = B:req("GET", "/_moonbox/journal")
-  return entries[#entries].seq
-end
+local function journal_mark() return runs.last_seq(B) end
 
 describe("render.sandboxes", function()
   it("creates a running sandbox, sends only the fields given, and terminates it on scope exit", T.async(function()
@@ -32,10 +25,7 @@ describe("render.sandboxes", function()
       assert.are.equal("running", sb.status)
       assert.matches("^sbg%-", sb.sandbox_group_id)
     end
-    local creates = {}
-    for _, e in ipairs(journal_since(mark)) do
-      if e.method == "POST" and e.path == "/v1/sandboxes" then creates[#creates + 1] = e end
-    end
+    local creates = runs.requests(B, mark, "POST", "/v1/sandboxes")
     assert.are.equal(1, #creates)
     -- nothing but the owner and moonbox's label (by which a lost answer is reconciled)
     assert.matches("^mb%-x%x+$", creates[1].body.name)
@@ -98,9 +88,7 @@ describe("render.sandboxes", function()
     assert.is_true(ok_get, tostring(status))
     assert.are.equal("running", status)
     local times = {}
-    for _, e in ipairs(journal_since(mark)) do
-      if e.method == "GET" and e.path == "/v1/sandboxes/" .. sb.id then times[#times + 1] = e.t end
-    end
+    for i, e in ipairs(runs.requests(B, mark, "GET", "/v1/sandboxes/" .. sb.id)) do times[i] = e.t end
     assert.are.equal(4, #times) -- two 503s, one 429, then the answer
     assert.is_true(task.now() - t0 >= 1, "Retry-After: 1 was not honoured")
     -- spacing: the backoff after the 429 is its Retry-After (1 s)
@@ -125,11 +113,7 @@ describe("render.sandboxes", function()
     -- directly the connection breaks; through an edge, the edge answers its own 502 (non-JSON)
     assert.are.equal("unknown_outcome", err2.code)
     if B.edge then assert.are.same({ "http_502", 502 }, { err2.cause, err2.status }) end
-    local posts = 0
-    for _, e in ipairs(journal_since(mark)) do
-      if e.method == "POST" and e.path == "/v1/sandboxes" then posts = posts + 1 end
-    end
-    assert.are.equal(2, posts)
+    assert.are.equal(2, #runs.requests(B, mark, "POST", "/v1/sandboxes"))
     B:req("DELETE", "/_moonbox/faults")
     for sb in render.sandboxes.list {} do if sb.name == "maybe" then sb:terminate() end end
   end))

@@ -13,13 +13,7 @@ local B
 L.fixture(setup, teardown, function(b) B = b end)
 
 -- The requests since journal mark `mark` whose method and path match.
-local function requests(mark, method, path)
-  local n = 0
-  for _, e in ipairs(runs.journal(B, mark)) do
-    if e.method == method and e.path == path then n = n + 1 end
-  end
-  return n
-end
+local function requests(mark, method, path) return #runs.requests(B, mark, method, path) end
 
 describe("sb:wait_running", function()
   it("returns on the lifecycle event while the first poll is a minute away", T.async(function()

@@ -6,7 +6,6 @@
 local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local clock = require "moonbox.schedule.clock"
-local L = require "spec.support.local_backend"
 local S = require "spec.support.store_env"
 local SE = require "spec.support.schedule_env"
 
@@ -19,21 +18,6 @@ local function env_new(recipe, backend)
 end
 
 teardown(run(function() S.shutdown() end))
-
--- For a describe whose test schedules against a real `moonbox local`: setup starts one and
--- hands it to ready(B); teardown destroys the test's env (what env() returns), then it.
-local function with_backend(ready, env)
-  local B
-  setup(run(function()
-    B = L.start()
-    ready(B)
-  end))
-  teardown(run(function()
-    local e = env()
-    if e then e:destroy() end
-    if B then B:destroy() end
-  end))
-end
 
 local function count(rows, field, value)
   local n = 0
@@ -322,7 +306,7 @@ end)
 
 describe("a schedule's budget (max_sandboxes, max_sandbox_seconds)", function()
   local B, e
-  with_backend(function(b) B = b end, function() return e end)
+  SE.with_backend(setup, teardown, function(b) B = b end, function() return e end)
 
   it("holds each run to its own budget: the create beyond is refused, the run fails with budget_exceeded",
     T.async(function()
@@ -360,7 +344,7 @@ end)
 
 describe("moonbox schedule killed with -9 during a run", function()
   local B, e
-  with_backend(function(b) B = b end, function() return e end)
+  SE.with_backend(setup, teardown, function(b) B = b end, function() return e end)
 
   it("records the run interrupted on restart, terminates its sandbox, and never repeats the slot", T.async(function()
     e = env_new(PRELUDE .. [[

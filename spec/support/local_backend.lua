@@ -86,16 +86,20 @@ end
 --- M.fixture(setup, teardown, ready, opts): the preamble of the specs that drive moonbox.render
 -- in their own process: through the spec's busted setup and teardown (pass them: a support
 -- module does not see a spec's environment), setup starts a backend (M.start(opts)), points
--- moonbox.render at it and hands it to ready(backend); teardown destroys it.
+-- moonbox.render at it and hands it to ready(backend), which may make more (a kept sandbox)
+-- and return a function that undoes that; teardown calls it, then destroys the backend.
 function M.fixture(setup, teardown, ready, opts)
   local T = require "moonbox.testing"
-  local b
+  local b, undo
   setup(T.async(function()
     b = M.start(opts)
     b:connect_render()
-    ready(b)
+    undo = ready(b)
   end))
-  teardown(T.async(function() if b then b:destroy() end end))
+  teardown(T.async(function()
+    if undo then undo() end
+    if b then b:destroy() end
+  end))
 end
 
 --- backend:connect_render(): points moonbox.render at this backend. [yields]

@@ -104,8 +104,8 @@ end
 -- answered 201 after journal seq mark. [yields]
 function M.creates_answered(b, mark)
   local n = 0
-  for _, e in ipairs(M.journal(b, mark)) do
-    if e.method == "POST" and e.path == "/v1/sandboxes" and e.status == 201 then n = n + 1 end
+  for _, e in ipairs(M.requests(b, mark, "POST", "/v1/sandboxes")) do
+    if e.status == 201 then n = n + 1 end
   end
   return n
 end
@@ -266,6 +266,16 @@ function M.journal(b, since)
   local out = {}
   for _, e in ipairs(json.decode(r.body)) do
     if not e.path:match("^/_moonbox") then out[#out + 1] = e end
+  end
+  return out
+end
+
+--- runs.requests(b, since, method, path) -> the journal entries (runs.journal) after seq
+-- since whose method and path are those, oldest first. [yields]
+function M.requests(b, since, method, path)
+  local out = {}
+  for _, e in ipairs(M.journal(b, since)) do
+    if e.method == method and e.path == path then out[#out + 1] = e end
   end
   return out
 end
