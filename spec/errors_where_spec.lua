@@ -81,6 +81,15 @@ describe("an error raised in a spawned task", function()
 end)
 
 describe("a cancellation", function()
+  -- Cancels task t and joins it, which must fail as cancelled; -> the error.
+  local function cancelled_error(t)
+    task.cancel(t)
+    local ok, err = pcall(task.join, t)
+    assert.is_false(ok)
+    assert.is_true(task.is_cancelled(err))
+    return err
+  end
+
   it("names the recipe line the cancelled task was waiting at", T.async(function()
     local where
     local started = false
@@ -89,21 +98,14 @@ describe("a cancellation", function()
       where = here(); sb:exec("sleep 100")
     end)
     while not started do task.yield() end -- it ran up to its first wait, inside sb:exec
-    task.cancel(t)
-    local ok, err = pcall(task.join, t)
-    assert.is_false(ok)
-    assert.is_true(task.is_cancelled(err))
+    local err = cancelled_error(t)
     assert_recipe_where(err, where)
   end))
 
   it("of a task whose function tail-called names the spawning line", T.async(function()
     local t = task.spawn(function() return task.sleep(100) end); local where = here()
     task.yield()
-    task.cancel(t)
-    local ok, err = pcall(task.join, t)
-    assert.is_false(ok)
-    assert.is_true(task.is_cancelled(err))
-    assert_recipe_where(err, where)
+    assert_recipe_where(cancelled_error(t), where)
   end))
 end)
 

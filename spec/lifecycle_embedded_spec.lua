@@ -169,7 +169,7 @@ require("moonbox.task").sleep(600)
       T.async(function()
         local home = runs.home()
         local dir = home:state_dir()
-        local recipe = home:recipe(runs.fanout20(kind, 8))
+        local recipe = home:recipe(runs.fanout(kind))
         math.randomseed(SEED)
         local killed_with = {}
         for i = 1, TIMES do

@@ -25,7 +25,7 @@ end
 for _, kind in ipairs { "task.map", "render.restore" } do
   describe("a " .. kind .. " fan-out SIGKILLed at a random point", function()
     it("is listed exactly by moonbox ps and cleaned up by one moonbox reap (" .. TIMES .. " kills)", T.async(function()
-      local recipe = home:recipe(runs.fanout20(kind, 20))
+      local recipe = home:recipe(runs.fanout(kind, { exec_concurrency = 20 }))
       local whole = requests_of(recipe)
       math.randomseed(SEED)
       local killed_with, unknown = {}, 0

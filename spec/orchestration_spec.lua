@@ -187,16 +187,7 @@ end)
 describe("a --trace whose run is SIGKILLed", function()
   it("holds whole events: it parses as a Chrome trace after appending ] at most (10 kills)", T.async(function()
     local runs = require "spec.support.runs"
-    local recipe = recipe_file("killed-trace.lua", [[
-local render = require "moonbox.render"
-local task = require "moonbox.task"
-local items = {}
-for i = 1, 12 do items[i] = i end
-task.map(items, function(i)
-  local sb <close> = render.sandboxes.create {}
-  for _ = 1, 3 do sb:exec("echo " .. i):check() end
-end, { concurrency = 6 })
-]])
+    local recipe = recipe_file("killed-trace.lua", runs.fanout("task.map", { n = 12, execs = 3, concurrency = 6 }))
     math.randomseed(5)
     local env = { RENDER_LOCAL_DEV_URL = B.url, RENDER_API_KEY = B.key, RENDER_WORKSPACE_ID = B.workspace,
       XDG_STATE_HOME = tmp .. "/state", PATH = os.getenv("PATH") }

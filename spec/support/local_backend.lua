@@ -88,12 +88,13 @@ end
 -- module does not see a spec's environment), setup starts a backend (M.start(opts)), points
 -- moonbox.render at it and hands it to ready(backend), which may make more (a kept sandbox)
 -- and return a function that undoes that; teardown calls it, then destroys the backend.
+-- opts.render = false: leave moonbox.render alone (specs that only run moonbox commands).
 function M.fixture(setup, teardown, ready, opts)
   local T = require "moonbox.testing"
   local b, undo
   setup(T.async(function()
     b = M.start(opts)
-    b:connect_render()
+    if not (opts and opts.render == false) then b:connect_render() end
     undo = ready(b)
   end))
   teardown(T.async(function()

@@ -32,20 +32,17 @@ end
 --- runs.fixture(setup, teardown, ready, opts): the preamble of the specs that run moonbox
 -- commands against one real `moonbox local`: through the spec's own busted setup and teardown
 -- (pass them: a support module does not see a spec's environment), setup starts a backend
--- (local_backend.start(opts)) and a fresh home pointed at it and hands both to ready(B, home);
--- teardown destroys the home, then the backend.
+-- (local_backend.fixture, moonbox.render left alone; opts as for local_backend.start) and a
+-- fresh home pointed at it and hands both to ready(B, home); teardown destroys the home, then
+-- the backend.
 function M.fixture(setup, teardown, ready, opts)
-  local T = require "moonbox.testing"
-  local b, h
-  setup(T.async(function()
-    b = L.start(opts)
-    h = M.home(b)
+  local o = { render = false }
+  for k, v in pairs(opts or {}) do o[k] = v end
+  L.fixture(setup, teardown, function(b)
+    local h = M.home(b)
     ready(b, h)
-  end))
-  teardown(T.async(function()
-    if h then h:destroy() end
-    if b then b:destroy() end
-  end))
+    return function() h:destroy() end
+  end, o)
 end
 
 --- runs.check_clean(B, home, what, mark): after a run that began at journal seq mark, waits for
@@ -216,29 +213,31 @@ function M.live(b)
   return out
 end
 
---- runs.fanout20(kind, exec_concurrency) -> the text of a recipe that fans out to 20 sandboxes
--- and execs in each: kind "task.map" (20 creates, 8 at a time) or "render.restore" (a fleet of
--- 20, then its execs exec_concurrency at a time): what the SIGKILL repros kill at random points.
-function M.fanout20(kind, exec_concurrency)
+--- runs.fanout(kind, t) -> the text of a recipe that fans out to t.n sandboxes (20) and execs
+-- `echo` in each: kind "task.map" (t.n creates, t.concurrency at a time (8), each then t.execs
+-- execs (1)) or "render.restore" (a fleet of t.n made 8 at a time, then one exec in each,
+-- t.exec_concurrency at a time (8)): what the SIGKILL repros kill at random points.
+function M.fanout(kind, t)
+  t = t or {}
   if kind == "task.map" then
-    return [[
+    return string.format([[
 local render = require "moonbox.render"
 local task = require "moonbox.task"
 local items = {}
-for i = 1, 20 do items[i] = i end
+for i = 1, %d do items[i] = i end
 task.map(items, function(i)
   local sb <close> = render.sandboxes.create {}
-  sb:exec("echo " .. i):check()
-end, { concurrency = 8 })
-]]
+  for _ = 1, %d do sb:exec("echo " .. i):check() end
+end, { concurrency = %d })
+]], t.n or 20, t.execs or 1, t.concurrency or 8)
   end
   assert(kind == "render.restore", "no fan-out recipe of kind " .. tostring(kind))
   return string.format([[
 local render = require "moonbox.render"
 local task = require "moonbox.task"
-local fleet <close> = render.restore(nil, { count = 20, concurrency = 8 })
+local fleet <close> = render.restore(nil, { count = %d, concurrency = 8 })
 task.map(fleet, function(sb, i) sb:exec("echo " .. i):check() end, { concurrency = %d })
-]], exec_concurrency)
+]], t.n or 20, t.exec_concurrency or 8)
 end
 
 --- runs.keys(set) -> the keys of set, sorted.

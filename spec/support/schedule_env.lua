@@ -20,17 +20,13 @@ M.START = "2026-03-01T00:00:00Z"
 -- teardown destroys the test's env (whatever env() returns then: an Env, or anything with a
 -- destroy method), then the backend.
 function M.with_backend(setup, teardown, ready, env)
-  local T = require "moonbox.testing"
-  local B
-  setup(T.async(function()
-    B = L.start()
-    ready(B)
-  end))
-  teardown(T.async(function()
-    local e = env()
-    if e then e:destroy() end
-    if B then B:destroy() end
-  end))
+  L.fixture(setup, teardown, function(b)
+    ready(b)
+    return function()
+      local e = env()
+      if e then e:destroy() end
+    end
+  end, { render = false })
 end
 
 --- schedule_env.new(recipe, o) -> Env: o.scale (test clock speed, default 600), o.env (extra
