@@ -13,7 +13,7 @@ local Engine = require "moonbox.local.engine"
 local image = require "moonbox.local.image"
 local files = require "spec.support.files"
 
-local STATE = string.format("/tmp/moonbox-engine-spec-%d-%d", os.time(), math.random(1e6))
+local STATE = "/tmp/moonbox-engine-spec-" .. files.run_tag()
 local IMAGE = image.path()
 local eng = Engine.new { state_dir = STATE, image = IMAGE }
 local created = {} -- every id a spec created, terminated again in teardown

@@ -27,7 +27,7 @@ local files = require "spec.support.files"
 local poll = require "spec.support.poll"
 
 local async = T.async
-local RUN = string.format("%d-%d", os.time(), math.random(1e6))
+local RUN = files.run_tag()
 local STATE = "/tmp/moonbox-isolation-spec-" .. RUN
 local IMAGE = image.path()
 local eng = Engine.new { state_dir = STATE, image = IMAGE }

@@ -11,7 +11,7 @@ local image = require "moonbox.local.image"
 local service = require "moonbox.local.service"
 local files = require "spec.support.files"
 
-local STATE = string.format("/tmp/moonbox-limits-spec-%d-%d", os.time(), math.random(1e6))
+local STATE = "/tmp/moonbox-limits-spec-" .. files.run_tag()
 local eng = Engine.new { state_dir = STATE, image = image.path() }
 local PLAN = service.PLANS["1c-2g"]
 local ids = {}

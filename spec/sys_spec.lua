@@ -7,7 +7,7 @@ local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
 local files = require "spec.support.files"
 
-local DIR = string.format("/tmp/moonbox-sys-spec-%d-%d", os.time(), math.random(1e6))
+local DIR = "/tmp/moonbox-sys-spec-" .. files.run_tag()
 local errors_with = T.errors_with
 
 local write = files.write

@@ -46,6 +46,12 @@ function M.drain(p, stream)
   return table.concat(parts)
 end
 
+--- files.run_tag() -> "<time>-<random>": a tag that sets this spec run's names (state
+-- directories, secrets) apart from another run's on the same machine.
+function M.run_tag()
+  return string.format("%d-%d", os.time(), math.random(1e6))
+end
+
 --- files.sh(cmd) -> the stdout of shell command cmd, run through io.popen: blocks the loop, for
 -- the specs that do not run on it (plain `it` functions).
 function M.sh(cmd)
