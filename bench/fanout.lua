@@ -9,34 +9,25 @@ local render = require "moonbox.render"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local L = require "spec.support.local_backend"
+local measure = require "bench.support.measure"
 
 local count = tonumber(arg and arg[1]) or 100
 local B = L.start()
-render.connect { backend = B.url, api_key = B.key, workspace = B.workspace }
+B:connect_render()
 local base <close> = render.sandboxes.create {}
 base:exec("echo ready > /root/marker"):check()
 local snap = base:snapshot { name = "fanout-bench" }
 local latency = tonumber(os.getenv("LATENCY_MS"))
 local levels = { 1, 4, 16 }
 if latency then
-  assert(B:req("PUT", "/_moonbox/faults", { body = "*=latency:" .. latency }) == 200)
+  B:faults("*=latency:" .. latency)
   levels = { 1, 16 }
 end
 
+-- This process's CPU (utime + stime, seconds) and peak RSS (VmHWM, KiB).
 local function rusage()
-  local f = io.open("/proc/self/stat")
-  local s = f:read("a")
-  f:close()
-  local rest = s:match("%) (.*)$")
-  local fields = {}
-  for x in rest:gmatch("%S+") do fields[#fields + 1] = x end
-  local ticks = 100 -- CLK_TCK on Linux
-  local cpu = (tonumber(fields[12]) + tonumber(fields[13])) / ticks -- utime + stime
-  local rss
-  for line in io.lines("/proc/self/status") do
-    rss = rss or tonumber(line:match("^VmHWM:%s+(%d+)"))
-  end
-  return cpu, rss
+  local st = measure.proc_stat("self")
+  return st.self, st.hwm
 end
 
 -- Machine-wide busy time (all processes: the backend, its sandboxes, this client) from

@@ -4,43 +4,17 @@
 -- by MOONBOX_BIN. bench/isolation.sh runs it for the hardened backend and for the one before
 -- the hardening, alternately, and prints the ratios.
 -- Run: MOONBOX_BIN=... build/moonbox run bench/isolation.lua LABEL [N]   (needs root)
-local http = require "moonbox.http"
-local json = require "moonbox.json"
 local core = require "moonbox.core"
 local L = require "spec.support.local_backend"
+local measure = require "bench.support.measure"
 
 local label, n = arg[1] or "?", tonumber(arg[2] or "30")
 local B = L.start { stderr = "null" }
 
-local function pct(list, p)
-  table.sort(list)
-  return list[math.max(1, math.ceil(#list * p))]
-end
+local pct = measure.pct
+local function exec(id, command) return measure.exec(B, id, command) end
 
-local function token(id, command)
-  local s, tok = B:req("POST", "/v1/sandboxes/" .. id .. "/runs/stream/token", { body = { command = command } })
-  assert(s == 201, "mint failed " .. s)
-  return tok
-end
-
-local function exec(id, command)
-  local tok = token(id, command)
-  local resp <close> = http.stream { method = "POST", url = tok.uri, body = json.encode({ command = command }),
-    headers = { Authorization = "Bearer " .. tok.token, Accept = "text/event-stream" } }
-  local code
-  for ev in function() return resp:read_event() end do
-    if ev.event == "exit" then code = json.decode(ev.data).exit_code end
-  end
-  return code
-end
-
-local function create(network)
-  local t0 = core.now()
-  local s, sb = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, networkPolicy = { default = network } } })
-  assert(s == 201, "create failed: " .. s .. " " .. json.encode(sb))
-  token(sb.id, "true")
-  return sb.id, core.now() - t0
-end
+local function create(network) return measure.create(B, { networkPolicy = { default = network } }) end
 
 local out = {}
 for _, network in ipairs({ "deny-all", "allow-all" }) do

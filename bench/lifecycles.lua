@@ -10,11 +10,10 @@
 -- alike; it is only meaningful on an otherwise quiet machine, so the idle background is printed.
 -- Run: build/moonbox run bench/lifecycles.lua [N] [NETWORK]   (root; NETWORK: allow-all (the
 -- default, with slirp4netns) or deny-all). bench/lifecycle_cost.sh runs it under perf.
-local json = require "moonbox.json"
-local http = require "moonbox.http"
 local proc = require "moonbox.proc"
 local task = require "moonbox.task"
 local L = require "spec.support.local_backend"
+local measure = require "bench.support.measure"
 
 local n = tonumber(arg and arg[1]) or 200
 local network = arg and arg[2] or "allow-all"
@@ -31,30 +30,15 @@ local function busy()
   return (v[1] + v[2] + v[3] + v[6] + v[7] + (v[8] or 0)) / 100
 end
 
+-- utime + stime and cutime + cstime of process pid, in seconds.
 local function stat(pid)
-  local f = assert(io.open("/proc/" .. pid .. "/stat"))
-  local s = f:read("a")
-  f:close()
-  local fields = {}
-  for x in s:match("%) (.*)$"):gmatch("%S+") do fields[#fields + 1] = tonumber(x) or x end
-  return (fields[12] + fields[13]) / 100, (fields[14] + fields[15]) / 100
+  local st = measure.proc_stat(pid)
+  return st.self, st.children
 end
 
 local B = L.start()
 io.stderr:write("backend pid ", B.p.pid, "\n") -- for strace/perf on this backend alone
-local function life()
-  local s, sb = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, networkPolicy = { default = network } } })
-  assert(s == 201, "create failed: " .. s .. " " .. json.encode(sb))
-  local st, tok = B:req("POST", "/v1/sandboxes/" .. sb.id .. "/runs/stream/token", { body = { command = "true" } })
-  assert(st == 201, "mint failed " .. st)
-  local resp <close> = http.stream { method = "POST", url = tok.uri, body = json.encode({ command = "true" }),
-    headers = { Authorization = "Bearer " .. tok.token, Accept = "text/event-stream" } }
-  while true do
-    local ev = resp:read_event()
-    if not ev or ev.event == "exit" then break end
-  end
-  assert(B:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate") == 204)
-end
+local function life() measure.life(B, { networkPolicy = { default = network } }) end
 local function settle() proc.run { "sleep", tostring(SETTLE) } end
 local function own() return stat("self") end
 

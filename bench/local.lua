@@ -5,56 +5,25 @@
 --   exec output throughput through SSE.
 -- Run: build/moonbox run bench/local.lua [OUT.md]   (needs root, like moonbox local itself)
 local task = require "moonbox.task"
-local http = require "moonbox.http"
 local json = require "moonbox.json"
 local core = require "moonbox.core"
 local L = require "spec.support.local_backend"
+local measure = require "bench.support.measure"
 
 local out_file = arg and arg[1]
 local B = L.start()
-local rows = {}
-local function row(name, value, note)
-  rows[#rows + 1] = string.format("| %s | %s | %s |", name, value, note or "")
-  io.stderr:write(name, ": ", value, "\n")
-end
+local report = measure.report()
+local function row(...) report:row(...) end
 
-local function pct(list, p)
-  table.sort(list)
-  return list[math.max(1, math.ceil(#list * p))]
-end
+local pct = measure.pct
 
-local function token(id, command)
-  local s, tok = B:req("POST", "/v1/sandboxes/" .. id .. "/runs/stream/token", { body = { command = command } })
-  assert(s == 201, "mint failed " .. s)
-  return tok
-end
+-- Creates a sandbox and returns its id and the seconds until it could run a command.
+local function create_timed(body) return measure.create(B, body) end
 
--- Creates a sandbox and returns its id and the seconds until it could run a command (a run
--- token mint waits for the boot, so this is the create → running time a client sees).
-local function create_timed(body)
-  body = body or {}
-  body.ownerId = B.workspace
-  local t0 = core.now()
-  local s, sb = B:req("POST", "/v1/sandboxes", { body = body })
-  assert(s == 201, "create failed: " .. s .. " " .. json.encode(sb))
-  token(sb.id, "true")
-  return sb.id, core.now() - t0
-end
-
-local function terminate(id) B:req("POST", "/v1/sandboxes/" .. id .. "/terminate") end
+local function terminate(id) measure.terminate(B, id) end
 
 local function exec(id, command, on_event)
-  local tok = token(id, command)
-  local resp <close> = http.stream { method = "POST", url = tok.uri, body = json.encode({ command = command }),
-    headers = { Authorization = "Bearer " .. tok.token, Accept = "text/event-stream" }, buffer = 1024 * 1024 }
-  local code
-  while true do
-    local ev = resp:read_event()
-    if not ev then break end
-    if on_event then on_event(ev) end
-    if ev.event == "exit" then code = json.decode(ev.data).exit_code end
-  end
-  return code
+  return measure.exec(B, id, command, { on_event = on_event, buffer = 1024 * 1024 })
 end
 
 local function wait_snapshot(snap)
@@ -132,10 +101,4 @@ row("restore 1 GiB / 1 MiB", string.format("%.2f×", rb / rs), "goal ≤ 1.2×: 
 terminate(sb)
 B:destroy()
 
-local text = "| measurement | result | notes |\n|---|---:|---|\n" .. table.concat(rows, "\n") .. "\n"
-io.stdout:write(text)
-if out_file then
-  local f = assert(io.open(out_file, "w"))
-  f:write(text)
-  f:close()
-end
+report:finish(out_file)

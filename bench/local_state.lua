@@ -15,41 +15,19 @@
 local core = require "moonbox.core"
 local ids = require "moonbox.ids"
 local json = require "moonbox.json"
-local http = require "moonbox.http"
 local State = require "moonbox.local.state"
 local L = require "spec.support.local_backend"
+local measure = require "bench.support.measure"
 
 local out_file = arg and arg[1]
 local SEED = tonumber(os.getenv("SEED")) or 10000
 local LIST_N = tonumber(os.getenv("LIST_N")) or 300
 local IDLE = tonumber(os.getenv("IDLE_SECONDS")) or 60
 local LIVES = tonumber(os.getenv("LIVES")) or 1000
-local rows = {}
-local function row(name, value, note)
-  rows[#rows + 1] = string.format("| %s | %s | %s |", name, value, note or "")
-  io.stderr:write(name, ": ", value, "\n")
-end
+local report = measure.report()
+local function row(...) report:row(...) end
 
-local function median(list)
-  table.sort(list)
-  return list[math.max(1, math.ceil(#list / 2))]
-end
-
--- /proc/PID/stat: utime, stime, cutime, cstime in seconds; VmRSS in KiB.
-local function stat(pid)
-  local f = assert(io.open("/proc/" .. pid .. "/stat"))
-  local s = f:read("a")
-  f:close()
-  local fields = {}
-  for x in s:match("%) (.*)$"):gmatch("%S+") do fields[#fields + 1] = tonumber(x) or x end
-  local rss, anon
-  for line in io.lines("/proc/" .. pid .. "/status") do
-    rss = rss or tonumber(line:match("^VmRSS:%s+(%d+)"))
-    anon = anon or tonumber(line:match("^RssAnon:%s+(%d+)"))
-  end
-  return { self = (fields[12] + fields[13]) / 100, children = (fields[14] + fields[15]) / 100, rss = rss,
-    anon = anon }
-end
+local median, stat = measure.median, measure.proc_stat
 
 local function page_ms(B, query)
   local t = {}
@@ -63,19 +41,7 @@ local function page_ms(B, query)
   return median(t) * 1000
 end
 
-local function lifecycle(B)
-  local s, sb = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace } })
-  assert(s == 201, "create failed: " .. s .. " " .. json.encode(sb))
-  local st, tok = B:req("POST", "/v1/sandboxes/" .. sb.id .. "/runs/stream/token", { body = { command = "true" } })
-  assert(st == 201, "mint failed " .. st)
-  local resp <close> = http.stream { method = "POST", url = tok.uri, body = json.encode({ command = "true" }),
-    headers = { Authorization = "Bearer " .. tok.token, Accept = "text/event-stream" } }
-  while true do
-    local ev = resp:read_event()
-    if not ev or ev.event == "exit" then break end
-  end
-  assert(B:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate") == 204)
-end
+local lifecycle = measure.life
 
 local function lists(B, label)
   local a = page_ms(B, { limit = 1 })
@@ -162,10 +128,4 @@ row("ratio limit=1, real history / fresh", string.format("%.2f×", fa2 / fa), ""
 row("ratio status=terminated, real history / fresh", string.format("%.2f×", fb2 / fb), "")
 B:destroy()
 
-local text = "| measurement | result | notes |\n|---|---:|---|\n" .. table.concat(rows, "\n") .. "\n"
-io.stdout:write(text)
-if out_file then
-  local f = assert(io.open(out_file, "w"))
-  f:write(text)
-  f:close()
-end
+report:finish(out_file)

@@ -10,15 +10,13 @@ local core = require "moonbox.core"
 local task = require "moonbox.task"
 local render = require "moonbox.render"
 local L = require "spec.support.local_backend"
+local measure = require "bench.support.measure"
 
 local n = tonumber(arg and arg[1]) or 30
 local B = L.start()
 B:connect_render()
 
-local function p50(t)
-  table.sort(t)
-  return t[(#t + 1) // 2]
-end
+local p50 = measure.median
 
 local raw_create, mb_create = {}, {}
 for i = 1, n do

@@ -6,6 +6,8 @@ local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local proc = require "moonbox.proc"
 local archive = require "moonbox.archive"
+local files = require "spec.support.files"
+local ustar = require "spec.support.ustar"
 
 local O600, O644, O755, O777 = tonumber("600", 8), tonumber("644", 8), tonumber("755", 8),
   tonumber("777", 8)
@@ -21,18 +23,8 @@ local function exists(path)
   return proc.run { '[ -e "$1" ] || [ -L "$1" ]', path, shell = true }.code == 0
 end
 
-local function read_file(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
-local function write_file(path, data)
-  local f = assert(io.open(path, "wb"))
-  f:write(data)
-  f:close()
-end
+local read_file = files.must_read
+local write_file = files.write
 
 -- "<mode> <uid> <gid>" of path, not following a symlink.
 local function stat(path) return (sh('stat -c "%a %u %g" "$1"', path):gsub("\n$", "")) end
@@ -67,33 +59,20 @@ local function wait_workers_idle()
   assert.are.equal(0, archive.live_count())
 end
 
--- A ustar writer for members no well-behaved tar would produce. m: name, type ("0" file, "1"
--- hard link, "2" symlink, "3" char device, "5" directory, "6" fifo), link, data, mode, uid, gid.
-local function tar_member(m)
-  local function field(s, n)
-    s = s or ""
-    assert(#s <= n, "field too long: " .. s)
-    return s .. ("\0"):rep(n - #s)
-  end
-  local function num(v, n) return ("%0" .. (n - 1) .. "o"):format(v) .. "\0" end
-  local data = m.data or ""
-  local h = field(m.name, 100) .. num(m.mode or O644, 8) .. num(m.uid or 0, 8) .. num(m.gid or 0, 8)
-    .. num(#data, 12) .. num(m.mtime or 1700000000, 12) .. ("        ") .. (m.type or "0")
-    .. field(m.link, 100) .. "ustar\0" .. "00" .. field("root", 32) .. field("root", 32)
-    .. num(m.major or 0, 8) .. num(m.minor or 0, 8) .. field("", 155) .. field("", 12)
-  assert(#h == 512)
-  local sum = 0
-  for i = 1, 512 do sum = sum + h:byte(i) end
-  h = h:sub(1, 148) .. ("%06o\0 "):format(sum) .. h:sub(157)
-  return h .. data .. ("\0"):rep((512 - #data % 512) % 512)
+-- Writes a tar of members no well-behaved tar would produce (spec/support/ustar.lua: m: name,
+-- type, link, data, mode, uid, gid, major, minor).
+local function write_tar(path, members) write_file(path, ustar.archive(members)) end
+
+-- Packs the tree the shell snippet make_src writes below "$1/src" (base/src, made empty first)
+-- into base/name (archive.pack opts); returns the archive's bytes.
+local function packed(base, make_src, name, opts)
+  sh('mkdir "$1/src" && ' .. make_src, base)
+  archive.pack(base .. "/src", base .. "/" .. name, opts)
+  return read_file(base .. "/" .. name)
 end
 
-local function write_tar(path, members)
-  local parts = {}
-  for i, m in ipairs(members) do parts[i] = tar_member(m) end
-  parts[#parts + 1] = ("\0"):rep(1024)
-  write_file(path, table.concat(parts))
-end
+-- s with its byte at (1-based) position at changed (plus one, mod 256).
+local function flipped(s, at) return s:sub(1, at - 1) .. string.char((s:byte(at) + 1) % 256) .. s:sub(at + 1) end
 
 -- A tree with nested directories, binary, empty and UTF-8-named files, relative symlinks
 -- (one dangling), a hard link and an empty directory.
@@ -367,9 +346,7 @@ describe("archive.unpack limits and corrupt input", function()
   it("reports a damaged gzip stream, a truncated archive and garbage as corrupt_archive",
     T.async(function()
       local base, _g <close> = scratch()
-      sh('mkdir "$1/src" && head -c 200000 /dev/urandom > "$1/src/r"', base)
-      archive.pack(base .. "/src", base .. "/t.tgz")
-      local good = read_file(base .. "/t.tgz")
+      local good = packed(base, 'head -c 200000 /dev/urandom > "$1/src/r"', "t.tgz")
       write_file(base .. "/damaged.tgz", good:sub(1, 20) .. ("\255"):rep(64) .. good:sub(85))
       write_file(base .. "/short.tgz", good:sub(1, #good // 2))
       write_file(base .. "/garbage.tgz", ("not an archive\n"):rep(100))
@@ -387,12 +364,9 @@ describe("archive.unpack limits and corrupt input", function()
   it("checks the gzip CRC: one flipped byte in stored file data is corrupt_archive",
     T.async(function()
       local base, _g <close> = scratch()
-      sh('mkdir "$1/src" && head -c 300000 /dev/urandom > "$1/src/r"', base)
-      archive.pack(base .. "/src", base .. "/t.tgz")
-      local good = read_file(base .. "/t.tgz")
-      local at = 150000 -- inside a stored (incompressible) block: inflate alone cannot tell
-      write_file(base .. "/flip.tgz",
-        good:sub(1, at) .. string.char((good:byte(at + 1) + 1) % 256) .. good:sub(at + 2))
+      local good = packed(base, 'head -c 300000 /dev/urandom > "$1/src/r"', "t.tgz")
+      -- inside a stored (incompressible) block: inflate alone cannot tell
+      write_file(base .. "/flip.tgz", flipped(good, 150001))
       local err = errors_with("corrupt_archive", archive.unpack, base .. "/flip.tgz", base .. "/out")
       assert.matches("incorrect data check", err.message)
       assert.is_false(exists(base .. "/out"))
@@ -402,15 +376,13 @@ describe("archive.unpack limits and corrupt input", function()
 
   it("checks the gzip trailer even when the tar ends long before it", T.async(function()
     local base, _g <close> = scratch()
-    sh('mkdir "$1/src" && echo x > "$1/src/f"', base)
-    archive.pack(base .. "/src", base .. "/t.tar", { gzip = false })
+    packed(base, 'echo x > "$1/src/f"', "t.tar", { gzip = false })
     -- 1 MiB of zero blocks after the end-of-archive marker, as a large tar -b would leave
     sh('cd "$1" && { cat t.tar; head -c 1048576 /dev/zero; } | gzip > long.tgz', base)
     archive.unpack(base .. "/long.tgz", base .. "/ok")
     local good = read_file(base .. "/long.tgz")
     local crc_at = #good - 7 -- first byte of the CRC-32 in the trailer
-    write_file(base .. "/badcrc.tgz",
-      good:sub(1, crc_at - 1) .. string.char((good:byte(crc_at) + 1) % 256) .. good:sub(crc_at + 1))
+    write_file(base .. "/badcrc.tgz", flipped(good, crc_at))
     errors_with("corrupt_archive", archive.unpack, base .. "/badcrc.tgz", base .. "/bad")
     assert.is_false(exists(base .. "/bad"))
   end))

@@ -6,20 +6,11 @@
 -- line's limits, never raise them; `--json` reports sandbox-seconds per plan.
 local T = require "moonbox.testing"
 local json = require "moonbox.json"
-local L = require "spec.support.local_backend"
 local runs = require "spec.support.runs"
 
 local B, home
 
-setup(T.async(function()
-  B = L.start()
-  home = runs.home(B)
-end))
-
-teardown(T.async(function()
-  if home then home:destroy() end
-  if B then B:destroy() end
-end))
+runs.fixture(setup, teardown, function(b, h) B, home = b, h end)
 
 -- Runs recipe text with extra `moonbox run` arguments; returns the result, the --json summary
 -- and the POST /v1/sandboxes requests the backend received meanwhile.

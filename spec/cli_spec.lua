@@ -1,13 +1,12 @@
 -- Pins the `moonbox` command line: exit codes, errors on stderr, signals, help.
 local build = require "moonbox.build"
+local files = require "spec.support.files"
 
 local BIN = os.getenv("MOONBOX_BIN") or build.exe
 
 local function tmpfile(content)
   local path = os.tmpname()
-  local f = assert(io.open(path, "w"))
-  f:write(content)
-  f:close()
+  files.write(path, content)
   return path
 end
 
@@ -16,9 +15,7 @@ local function sh(cmd)
   local out, err = os.tmpname(), os.tmpname()
   local ok, how, code = os.execute(cmd .. " >" .. out .. " 2>" .. err)
   local function slurp(p)
-    local f = io.open(p)
-    local s = f and f:read("a") or ""
-    if f then f:close() end
+    local s = files.read(p) or ""
     os.remove(p)
     return s
   end
@@ -27,6 +24,14 @@ local function sh(cmd)
 end
 
 local function q(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+
+-- Runs recipe text with `moonbox run`; -> exit status, stdout, stderr (the recipe file removed).
+local function run_recipe(text)
+  local f = tmpfile(text)
+  local code, out, err = sh(q(BIN) .. " run " .. f)
+  os.remove(f)
+  return code, out, err
+end
 
 describe("moonbox run", function()
   it("exits 0 and passes arguments in arg like lua", function()
@@ -39,40 +44,32 @@ describe("moonbox run", function()
   end)
 
   it("exits 1 with file:line and a traceback when the recipe raises", function()
-    local f = tmpfile("local function f()\n  error('recipe broke')\nend\nf()\n")
-    local code, _, err = sh(q(BIN) .. " run " .. f)
+    local code, _, err = run_recipe("local function f()\n  error('recipe broke')\nend\nf()\n")
     assert.are.equal(1, code)
     assert.matches(":2: recipe broke", err)
     assert.matches("stack traceback", err)
-    os.remove(f)
   end)
 
   it("reports a structured error on one line plus its traceback", function()
-    local f = tmpfile("local task = require 'moonbox.task'\n" ..
+    local code, _, err = run_recipe("local task = require 'moonbox.task'\n" ..
       "task.timeout(0.01, function() task.sleep(1) end)\n")
-    local code, _, err = sh(q(BIN) .. " run " .. f)
     assert.are.equal(1, code)
     assert.matches(":2: task.timeout: timed out after 0.01 s %[code timeout%]", err)
     assert.matches("stack traceback", err)
-    os.remove(f)
   end)
 
   it("never lets a child task's error pass silently", function()
-    local f = tmpfile("local task = require 'moonbox.task'\n" ..
+    local code, _, err = run_recipe("local task = require 'moonbox.task'\n" ..
       "task.spawn(function() error('lost child') end)\ntask.sleep(0.01)\n")
-    local code, _, err = sh(q(BIN) .. " run " .. f)
     assert.are.equal(1, code)
     assert.matches("unhandled error in task", err)
     assert.matches("lost child", err)
-    os.remove(f)
   end)
 
   it("exits 1 with the loader's message for a syntax error", function()
-    local f = tmpfile("local x = = 1\n")
-    local code, _, err = sh(q(BIN) .. " run " .. f)
+    local code, _, err = run_recipe("local x = = 1\n")
     assert.are.equal(1, code)
     assert.matches("cannot load recipe: .*:1:", err)
-    os.remove(f)
   end)
 
   it("exits 2 on usage errors", function()
@@ -96,8 +93,7 @@ task.sleep(30)
       " & pid=$!; sleep 0.5; kill -INT $pid; wait $pid; exit $?"))
     assert.are.equal(130, code)
     assert.matches("ready", out)
-    local m = io.open(marker):read("a")
-    assert.are.equal("unwound", m)
+    assert.are.equal("unwound", files.must_read(marker))
     os.remove(f)
     os.remove(marker)
   end)

@@ -12,16 +12,10 @@ local B, sb
 
 local SPEC = debug.getinfo(1, "S").short_src
 
-setup(T.async(function()
-  B = L.start()
-  B:connect_render()
-  sb = render.sandboxes.create {}:keep()
-end))
-
-teardown(T.async(function()
-  if sb then sb:terminate() end
-  if B then B:destroy() end
-end))
+L.fixture(setup, teardown, function(b)
+  B, sb = b, render.sandboxes.create {}:keep()
+  return function() sb:terminate() end
+end)
 
 -- "spec/errors_where_spec.lua:N" for the line of the caller.
 local function here()
@@ -55,12 +49,17 @@ describe("an exec timeout", function()
 end)
 
 describe("an error raised in a spawned task", function()
-  it("names the spawning line when the task's frame is gone (a tail call)", T.async(function()
-    local t = task.spawn(function() return render.sandboxes.get("sbx-0000000000000000000000000") end); local where = here()
+  -- Joins task t, which must fail with an error of that code; -> the error.
+  local function join_error(t, code)
     local ok, err = pcall(task.join, t)
     assert.is_false(ok)
-    assert.are.equal("not_found", err.code)
-    assert_recipe_where(err, where)
+    assert.are.equal(code, err.code)
+    return err
+  end
+
+  it("names the spawning line when the task's frame is gone (a tail call)", T.async(function()
+    local t = task.spawn(function() return render.sandboxes.get("sbx-0000000000000000000000000") end); local where = here()
+    assert_recipe_where(join_error(t, "not_found"), where)
   end))
 
   it("names the line in the task's function otherwise", T.async(function()
@@ -68,9 +67,7 @@ describe("an error raised in a spawned task", function()
     local t = task.spawn(function()
       where = here(); sb:exec("echo failing >&2; exit 3"):check()
     end)
-    local ok, err = pcall(task.join, t)
-    assert.is_false(ok)
-    assert.are.equal("exit_status", err.code)
+    local err = join_error(t, "exit_status") -- the task ran, and set where, by now
     assert_recipe_where(err, where)
   end))
 
@@ -84,6 +81,15 @@ describe("an error raised in a spawned task", function()
 end)
 
 describe("a cancellation", function()
+  -- Cancels task t and joins it, which must fail as cancelled; -> the error.
+  local function cancelled_error(t)
+    task.cancel(t)
+    local ok, err = pcall(task.join, t)
+    assert.is_false(ok)
+    assert.is_true(task.is_cancelled(err))
+    return err
+  end
+
   it("names the recipe line the cancelled task was waiting at", T.async(function()
     local where
     local started = false
@@ -92,21 +98,14 @@ describe("a cancellation", function()
       where = here(); sb:exec("sleep 100")
     end)
     while not started do task.yield() end -- it ran up to its first wait, inside sb:exec
-    task.cancel(t)
-    local ok, err = pcall(task.join, t)
-    assert.is_false(ok)
-    assert.is_true(task.is_cancelled(err))
+    local err = cancelled_error(t)
     assert_recipe_where(err, where)
   end))
 
   it("of a task whose function tail-called names the spawning line", T.async(function()
     local t = task.spawn(function() return task.sleep(100) end); local where = here()
     task.yield()
-    task.cancel(t)
-    local ok, err = pcall(task.join, t)
-    assert.is_false(ok)
-    assert.is_true(task.is_cancelled(err))
-    assert_recipe_where(err, where)
+    assert_recipe_where(cancelled_error(t), where)
   end))
 end)
 

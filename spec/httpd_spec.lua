@@ -8,35 +8,16 @@ local httpd = require "moonbox.httpd"
 local http = require "moonbox.http"
 local json = require "moonbox.json"
 local strings = require "moonbox.strings"
+local files = require "spec.support.files"
 
 local tmp -- a private directory for this spec file
 local seq = 0
 
-local function sh(cmd)
-  local p = assert(io.popen(cmd))
-  local out = p:read("a")
-  p:close()
-  return out
-end
+local sh = files.sh
 
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
-
-local function read_file(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
-local function write_file(path, data)
-  local f = assert(io.open(path, "wb"))
-  f:write(data)
-  f:close()
-end
+local exists = files.exists
+local read_file = files.must_read
+local write_file = files.write
 
 -- Waits (yielding to the loop) until pred() is true; fails the test after `secs`.
 local function wait_until(pred, secs, what)
@@ -60,13 +41,7 @@ local function server(opts)
   return httpd.listen(opts or {})
 end
 
-setup(function()
-  tmp = sh("mktemp -d /tmp/moonbox-httpd-spec.XXXXXX"):gsub("%s+$", "")
-end)
-
-teardown(function()
-  if tmp and tmp:match("^/tmp/moonbox%-httpd%-spec") then os.execute("rm -rf " .. tmp) end
-end)
+files.temp_dir(setup, teardown, "httpd", function(dir) tmp = dir end)
 
 describe("httpd routing", function()
   it("captures :name segments and the rest of the path, decoded", T.async(function()

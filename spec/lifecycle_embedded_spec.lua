@@ -9,14 +9,9 @@ local task = require "moonbox.task"
 local proc = require "moonbox.proc"
 local conn = require "moonbox.render.conn"
 local embedded = require "moonbox.render.embedded"
+local files = require "spec.support.files"
 
-local function read(path)
-  local f = io.open(path)
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read = files.read
 
 local function count(text, pattern)
   local n = 0
@@ -140,24 +135,6 @@ local function backend_of(dir)
 end
 
 describe("a run on the embedded backend SIGKILLed", function()
-  local RECIPES = {
-    ["task.map"] = [[
-local render = require "moonbox.render"
-local task = require "moonbox.task"
-local items = {}
-for i = 1, 20 do items[i] = i end
-task.map(items, function(i)
-  local sb <close> = render.sandboxes.create {}
-  sb:exec("echo " .. i):check()
-end, { concurrency = 8 })
-]],
-    ["render.restore"] = [[
-local render = require "moonbox.render"
-local task = require "moonbox.task"
-local fleet <close> = render.restore(nil, { count = 20, concurrency = 8 })
-task.map(fleet, function(sb, i) sb:exec("echo " .. i):check() end, { concurrency = 8 })
-]],
-  }
   local SEED = tonumber(os.getenv("MOONBOX_KILL_SEED") or "") or 12
   local TIMES = runs.TIMES
 
@@ -192,7 +169,7 @@ require("moonbox.task").sleep(600)
       T.async(function()
         local home = runs.home()
         local dir = home:state_dir()
-        local recipe = home:recipe(RECIPES[kind])
+        local recipe = home:recipe(runs.fanout(kind))
         math.randomseed(SEED)
         local killed_with = {}
         for i = 1, TIMES do
@@ -220,12 +197,7 @@ require("moonbox.task").sleep(600)
             assert.are.equal(0, ps.code, ps.stderr)
             local held, unchecked = runs.ps_sandboxes(ps.stdout)
             assert.are.equal(0, unchecked, what .. ":\n" .. ps.stdout)
-            local want, got = {}, {}
-            for id in pairs(live) do want[#want + 1] = id end
-            for id in pairs(held) do got[#got + 1] = id end
-            table.sort(want)
-            table.sort(got)
-            assert.are.same(want, got, what .. ":\n" .. ps.stdout)
+            assert.are.same(runs.keys(live), runs.keys(held), what .. ":\n" .. ps.stdout)
             local reap = home:moonbox("reap")
             assert.are.equal(0, reap.code, what .. ":\n" .. reap.stdout .. reap.stderr)
             assert.are.same({}, runs.live(c), what .. ":\n" .. reap.stdout)

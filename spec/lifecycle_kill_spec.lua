@@ -4,7 +4,6 @@
 -- kill points are random (a fixed seed, printed) and counted in requests the backend received,
 -- so they fall on every stage: creates in flight, waits for `running`, execs, terminates.
 local T = require "moonbox.testing"
-local L = require "spec.support.local_backend"
 local runs = require "spec.support.runs"
 
 local B, home
@@ -12,34 +11,7 @@ local B, home
 local TIMES = runs.TIMES
 local SEED = tonumber(os.getenv("MOONBOX_KILL_SEED") or "") or 12
 
-setup(T.async(function()
-  B = L.start()
-  home = runs.home(B)
-end))
-
-teardown(T.async(function()
-  if home then home:destroy() end
-  if B then B:destroy() end
-end))
-
-local RECIPES = {
-  ["task.map"] = [[
-local render = require "moonbox.render"
-local task = require "moonbox.task"
-local items = {}
-for i = 1, 20 do items[i] = i end
-task.map(items, function(i)
-  local sb <close> = render.sandboxes.create {}
-  sb:exec("echo " .. i):check()
-end, { concurrency = 8 })
-]],
-  ["render.restore"] = [[
-local render = require "moonbox.render"
-local task = require "moonbox.task"
-local fleet <close> = render.restore(nil, { count = 20, concurrency = 8 })
-task.map(fleet, function(sb, i) sb:exec("echo " .. i):check() end, { concurrency = 20 })
-]],
-}
+runs.fixture(setup, teardown, function(b, h) B, home = b, h end)
 
 -- The number of requests a whole run of recipe makes (a run that is not killed).
 local function requests_of(recipe)
@@ -50,17 +22,10 @@ local function requests_of(recipe)
   return #runs.journal(B, mark)
 end
 
-local function keys(set)
-  local out = {}
-  for k in pairs(set) do out[#out + 1] = k end
-  table.sort(out)
-  return out
-end
-
 for _, kind in ipairs { "task.map", "render.restore" } do
   describe("a " .. kind .. " fan-out SIGKILLed at a random point", function()
     it("is listed exactly by moonbox ps and cleaned up by one moonbox reap (" .. TIMES .. " kills)", T.async(function()
-      local recipe = home:recipe(RECIPES[kind])
+      local recipe = home:recipe(runs.fanout(kind, { exec_concurrency = 20 }))
       local whole = requests_of(recipe)
       math.randomseed(SEED)
       local killed_with, unknown = {}, 0
@@ -82,7 +47,7 @@ for _, kind in ipairs { "task.map", "render.restore" } do
         local held, unchecked = runs.ps_sandboxes(ps.stdout)
         for _ in ps.stdout:gmatch("unknown create") do unknown = unknown + 1 end
         assert.are.equal(0, unchecked, what .. ":\n" .. ps.stdout)
-        assert.are.same(keys(live), keys(held), what .. ":\n" .. ps.stdout)
+        assert.are.same(runs.keys(live), runs.keys(held), what .. ":\n" .. ps.stdout)
         local reap = home:moonbox("reap")
         assert.are.equal(0, reap.code, what .. ":\n" .. reap.stdout .. reap.stderr)
         assert.are.same({}, runs.live(B), what .. ":\n" .. reap.stdout)

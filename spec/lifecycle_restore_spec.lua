@@ -4,7 +4,6 @@
 -- against a real `moonbox local` with injected latency. After every run the backend lists 0
 -- sandboxes without any reap and `moonbox ps` shows nothing held.
 local T = require "moonbox.testing"
-local L = require "spec.support.local_backend"
 local runs = require "spec.support.runs"
 local proc = require "moonbox.proc"
 
@@ -12,84 +11,25 @@ local B, home
 
 local TIMES = runs.TIMES
 
-setup(T.async(function()
-  B = L.start()
-  home = runs.home(B)
-end))
-
-teardown(T.async(function()
-  if home then home:destroy() end
-  if B then B:destroy() end
-end))
-
-local function faults(spec)
-  local status = B:req("PUT", "/_moonbox/faults", { body = spec })
-  assert.are.equal(200, status)
-end
-
-local function check_clean(what, mark)
-  runs.settled(B, mark)
-  assert.are.same({}, runs.live(B), what)
-  local ps = home:moonbox("ps")
-  assert.are.equal(0, ps.code, ps.stderr)
-  assert.is_nil(ps.stdout:find("holds", 1, true), ps.stdout)
-end
-
--- The number of sandbox creates the backend answered after `mark`.
-local function answered_since(mark)
-  local n = 0
-  for _, e in ipairs(runs.journal(B, mark)) do
-    if e.method == "POST" and e.path == "/v1/sandboxes" and e.status == 201 then n = n + 1 end
-  end
-  return n
-end
+runs.fixture(setup, teardown, function(b, h) B, home = b, h end)
 
 describe("render.restore cancelled midway", function()
   it("terminates every sandbox it made, in flight or booting (" .. TIMES .. " runs)", T.async(function()
-    local recipe = home:recipe([[
-local render = require "moonbox.render"
-local task = require "moonbox.task"
-task.map({ 1, 2 }, function(i)
-  if i == 1 then task.sleep(0.15) error("x") end
-  local fleet <close> = render.restore(nil, { count = 6, concurrency = 3 })
-end)
-]])
-    local answered = 0
-    for i = 1, TIMES do
-      local mark = runs.last_seq(B)
-      faults("GET /v1/sandboxes/*=latency:400;POST /v1/sandboxes=latency:50")
-      local r = home:moonbox("run", recipe)
-      faults("")
-      assert.are.equal(1, r.code, r.stderr)
-      assert.matches("recipe%-%d+%.lua:4: x", r.stderr)
-      answered = answered + answered_since(mark)
-      check_clean(string.format("run %d: %s", i, r.stderr), mark)
-    end
+    local recipe = home:recipe(runs.sibling_fails(2, 0.15,
+      "local fleet <close> = render.restore(nil, { count = 6, concurrency = 3 })"))
+    local answered = runs.repeat_failing(B, home, { times = TIMES, failure = "recipe%-%d+%.lua:4: x",
+      faults = "GET /v1/sandboxes/*=latency:400;POST /v1/sandboxes=latency:50",
+      run = function() return home:moonbox("run", recipe) end })
     assert.is_true(answered >= TIMES, "creates answered: " .. answered)
   end))
 end)
 
 describe("render.snapshots.rebuild cancelled while its builder boots", function()
   it("terminates the builder (" .. TIMES .. " runs)", T.async(function()
-    local recipe = home:recipe([[
-local render = require "moonbox.render"
-local task = require "moonbox.task"
-task.map({ 1, 2 }, function(i)
-  if i == 1 then task.sleep(0.15) error("x") end
-  render.snapshots.rebuild("lifecycle", function(sb) sb:exec("true"):check() end)
-end)
-]])
-    local answered = 0
-    for i = 1, TIMES do
-      local mark = runs.last_seq(B)
-      faults("GET /v1/sandboxes/*=latency:400")
-      local r = home:moonbox("run", recipe)
-      faults("")
-      assert.are.equal(1, r.code, r.stderr)
-      assert.matches("recipe%-%d+%.lua:4: x", r.stderr)
-      answered = answered + answered_since(mark)
-      check_clean(string.format("run %d: %s", i, r.stderr), mark)
-    end
+    local recipe = home:recipe(runs.sibling_fails(2, 0.15,
+      'render.snapshots.rebuild("lifecycle", function(sb) sb:exec("true"):check() end)'))
+    local answered = runs.repeat_failing(B, home, { times = TIMES, failure = "recipe%-%d+%.lua:4: x",
+      faults = "GET /v1/sandboxes/*=latency:400", run = function() return home:moonbox("run", recipe) end })
     assert.is_true(answered >= TIMES // 2, "builders made: " .. answered)
   end))
 end)
@@ -100,21 +40,17 @@ describe("a REPL chunk whose creates are cancelled", function()
 task.map({ 1, 2, 3 }, function(i) if i == 1 then task.sleep(0.15) error("x") end local sb <close> = render.sandboxes.create {} end)
 n = 0; for _ in render.sandboxes.list {} do n = n + 1 end; print("live after the chunk: " .. n)
 ]]
-    local answered = 0
-    for i = 1, TIMES do
-      local mark = runs.last_seq(B)
-      faults("GET /v1/sandboxes/*=latency:400")
-      local argv = home:argv({ "repl" })
-      argv.input = session
-      local r = proc.run(argv)
-      faults("")
-      assert.are.equal(1, r.code, r.stdout .. r.stderr) -- the failing chunk
-      assert.matches("stdin:1: x", r.stderr)
-      -- Counted by the session itself before it ended: not its exit-time cleanup's doing.
-      assert.matches("live after the chunk: 0\n", r.stdout)
-      answered = answered + answered_since(mark)
-      check_clean(string.format("session %d: %s", i, r.stderr), mark)
-    end
+    local answered = runs.repeat_failing(B, home, { times = TIMES, label = "session", failure = "stdin:1: x",
+      faults = "GET /v1/sandboxes/*=latency:400",
+      run = function()
+        local argv = home:argv({ "repl" })
+        argv.input = session
+        return proc.run(argv) -- exits 1: the failing chunk
+      end,
+      check = function(r, what)
+        -- Counted by the session itself before it ended: not its exit-time cleanup's doing.
+        assert.matches("live after the chunk: 0\n", r.stdout, 1, false, what)
+      end })
     assert.is_true(answered >= TIMES, "creates answered: " .. answered)
   end))
 end)

@@ -20,9 +20,10 @@ local image = require "moonbox.local.image"
 local H = require "spec.support.isolation_host"
 local N = require "spec.support.named_net"
 local L = require "spec.support.local_backend"
+local files = require "spec.support.files"
 
 local async = T.async
-local RUN = string.format("%d-%d", os.time(), math.random(1e6))
+local RUN = files.run_tag()
 local STATE = "/tmp/moonbox-allowlist-spec-" .. RUN
 local net, eng
 local created = {}

@@ -11,8 +11,9 @@ local proc = require "moonbox.proc"
 local httpd = require "moonbox.httpd"
 local Engine = require "moonbox.local.engine"
 local image = require "moonbox.local.image"
+local files = require "spec.support.files"
 
-local STATE = string.format("/tmp/moonbox-engine-spec-%d-%d", os.time(), math.random(1e6))
+local STATE = "/tmp/moonbox-engine-spec-" .. files.run_tag()
 local IMAGE = image.path()
 local eng = Engine.new { state_dir = STATE, image = IMAGE }
 local created = {} -- every id a spec created, terminated again in teardown
@@ -21,6 +22,16 @@ local function new_id(name)
   local id = "sbx-" .. name
   created[#created + 1] = { eng = eng, id = id }
   return id
+end
+
+-- new_id of each name, each created in eng and so running (no options): -> the ids, in order. [yields]
+local function running(...)
+  local ids = {}
+  for i, name in ipairs({ ... }) do
+    ids[i] = new_id(name)
+    eng:create(ids[i])
+  end
+  return table.unpack(ids)
 end
 
 -- Runs command in sandbox id and returns its stdout; fails the spec on a non-zero exit.
@@ -35,36 +46,21 @@ local errors_with = T.errors_with
 
 local function host_file(name, content)
   local path = STATE .. "-" .. name
-  local f = assert(io.open(path, "wb"))
-  f:write(content)
-  f:close()
+  files.write(path, content)
   return path
 end
 
-local function read_all(p)
-  local parts = {}
-  for chunk in function() return p:read("stdout") end do parts[#parts + 1] = chunk end
-  return table.concat(parts)
-end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local read_all = files.drain
+local exists = files.exists
 
 local function mounted_under(prefix)
-  local f = assert(io.open("/proc/self/mountinfo"))
-  local s = f:read("a")
-  f:close()
-  return s:find(prefix, 1, true) ~= nil
+  return files.must_read("/proc/self/mountinfo"):find(prefix, 1, true) ~= nil
 end
 
 local function gone(pid)
-  local f = io.open("/proc/" .. pid .. "/stat")
-  if not f then return true end
-  local state = f:read("a"):match("^%d+ %b() (%a)")
-  f:close()
+  local stat = files.read("/proc/" .. pid .. "/stat")
+  if not stat then return true end
+  local state = stat:match("^%d+ %b() (%a)")
   return state == "Z" or state == "X"
 end
 
@@ -120,8 +116,7 @@ describe("moonbox.local.engine", function()
     end))
 
   it("runs each command as the leader of its own session and process group", async(function()
-    local id = new_id("session")
-    eng:create(id)
+    local id = running("session")
     local out = sh(eng, id, "ps -o pid=,pgid=,sid= -p $$")
     local pid, pgid, sid = out:match("(%d+)%s+(%d+)%s+(%d+)")
     assert.are.equal(pid, pgid)
@@ -156,9 +151,7 @@ describe("moonbox.local.engine", function()
     end))
 
   it("runs as root of its own user namespace, an unprivileged id range on the host", async(function()
-    local a, b = new_id("userns-a"), new_id("userns-b")
-    eng:create(a)
-    eng:create(b)
+    local a, b = running("userns-a", "userns-b")
     local map_a = sh(eng, a, "cat /proc/self/uid_map")
     local base_a = tonumber(map_a:match("^%s*0%s+(%d+)%s+65536"))
     local base_b = tonumber(sh(eng, b, "cat /proc/self/uid_map"):match("^%s*0%s+(%d+)%s+65536"))
@@ -169,9 +162,7 @@ describe("moonbox.local.engine", function()
     assert.are.equal("0\n", sh(eng, a, "id -u"))
     -- on the host, the sandbox's processes belong to that range, never to root
     for _, pid in ipairs(eng:processes(a)) do
-      local f = io.open("/proc/" .. pid .. "/status")
-      local st = f and f:read("a") or ""
-      if f then f:close() end
+      local st = files.read("/proc/" .. pid .. "/status") or ""
       local uid = tonumber(st:match("\nUid:%s+(%d+)"))
       if uid then assert.is_true(uid >= base_a and uid < base_a + 65536, "pid " .. pid
         .. " runs as host uid " .. uid) end
@@ -185,9 +176,7 @@ describe("moonbox.local.engine", function()
 
   it("hides one sandbox's files and processes from another, and the state dir from both",
     async(function()
-      local a, b = new_id("iso-a"), new_id("iso-b")
-      eng:create(a)
-      eng:create(b)
+      local a, b = running("iso-a", "iso-b")
       local marker = "moonbox-secret-" .. math.random(1e9)
       sh(eng, a, "echo classified > /root/" .. marker .. "; setsid sleep 4242 >/dev/null 2>&1 &")
       -- B: not at the same path, not through the host-root base layer (A's upper and the whole
@@ -208,8 +197,7 @@ describe("moonbox.local.engine", function()
     end))
 
   it("shows a process started by one exec to the next exec of the same sandbox", async(function()
-    local id = new_id("shared-pid")
-    eng:create(id)
+    local id = running("shared-pid")
     sh(eng, id, "setsid nohup sleep 1000 >/dev/null 2>&1 &")
     assert.matches("^%d+\n$", sh(eng, id, "pgrep -f 'sleep 1000'"))
     -- one that keeps the exec's pipes open does not hold eng:run either: it returns while that
@@ -220,8 +208,7 @@ describe("moonbox.local.engine", function()
   end))
 
   it("survives a user killing every process inside it", async(function()
-    local id = new_id("killall")
-    eng:create(id)
+    local id = running("killall")
     sh(eng, id, "setsid sleep 1000 >/dev/null 2>&1 &")
     eng:run(id, "kill -9 -1; kill -9 1; kill -TERM 1")
     assert.is_true(eng:alive(id))
@@ -257,8 +244,7 @@ describe("moonbox.local.engine", function()
     end))
 
   it("stops progress while frozen and resumes it on thaw", async(function()
-    local id = new_id("freeze")
-    eng:create(id)
+    local id = running("freeze")
     sh(eng, id, COUNTER)
     local function count()
       -- reading works on a frozen sandbox: file helpers live in a leaf of its cgroup that is
@@ -276,8 +262,7 @@ describe("moonbox.local.engine", function()
     assert.is_false(eng:frozen(id))
     assert.is_true(wait_for(function() return count() > c1 + 5 end))
     eng:terminate(id) -- also from frozen:
-    local id2 = new_id("freeze-term")
-    eng:create(id2)
+    local id2 = running("freeze-term")
     sh(eng, id2, "setsid sleep 1000 >/dev/null 2>&1 &")
     eng:freeze(id2)
     eng:terminate(id2)
@@ -330,8 +315,7 @@ describe("moonbox.local.engine", function()
   end))
 
   it("keeps hard links within a captured layer as hard links", async(function()
-    local src = new_id("snap-links")
-    eng:create(src)
+    local src = running("snap-links")
     sh(eng, src, "mkdir -p /app && echo linked > /app/a && ln /app/a /app/b && ln /app/a /app/c")
     local layer = STATE .. "/layers/links1"
     eng:capture(src, layer, { kind = "filesystem" })
@@ -383,9 +367,7 @@ describe("moonbox.local.engine", function()
   end))
 
   it("writes, reads, stats, lists and tars files inside the sandbox", async(function()
-    local id, other = new_id("files"), new_id("files-2")
-    eng:create(id)
-    eng:create(other)
+    local id, other = running("files", "files-2")
     local body = string.rep("0123456789", 10000) .. "\n\0binary\255"
     local src = host_file("upload", body)
     eng.files:write(id, "/srv/app/data.bin", src)
@@ -445,9 +427,7 @@ describe("moonbox.local.engine", function()
   end))
 
   it("resolves a symlink to a host path inside the sandbox, never on the host", async(function()
-    local id, victim = new_id("link"), new_id("link-victim")
-    eng:create(id)
-    eng:create(victim)
+    local id, victim = running("link", "link-victim")
     local secret = host_file("host-secret", "host only\n")   -- exists on the host
     sh(eng, victim, "echo victim-data > /root/v")
     local victim_file = eng:info(victim).upper .. "/root/v"   -- another sandbox's layer
@@ -460,7 +440,7 @@ describe("moonbox.local.engine", function()
     assert.are.equal(secret, st.target)
     -- writing through the path replaces the link inside the sandbox; the host file is untouched
     eng.files:write(id, "/root/a", host_file("overwrite", "mine\n"))
-    assert.are.equal("host only\n", io.open(secret):read("a"))
+    assert.are.equal("host only\n", files.must_read(secret))
     assert.are.equal("file", eng.files:stat(id, "/root/a").type)
     -- a link to a base-image file reads the sandbox's view of it
     assert.are.equal(sh(eng, id, "cat /etc/hostname"), read_all((eng.files:read(id, "/root/c"))))
@@ -475,8 +455,7 @@ describe("moonbox.local.engine", function()
   end))
 
   it("delivers 50 MB of exec output completely", async(function()
-    local id = new_id("big")
-    eng:create(id)
+    local id = running("big")
     local h = eng:exec(id, "head -c 52428800 /dev/zero | tr '\\0' x; echo; echo done >&2")
     local n, last, errs = 0, "", {}
     task.all({
@@ -497,8 +476,7 @@ describe("moonbox.local.engine", function()
 
   it("keeps a command running after its handle is detached or dropped, and kills on request",
     async(function()
-      local id = new_id("detach")
-      eng:create(id)
+      local id = running("detach")
       local h = eng:exec(id, "seq 1 300000; echo finished > /root/done")
       h:detach() -- the caller left; 2 MB of output are drained by the engine
       eng:exec(id, "seq 1 300000; echo finished > /root/done2") -- dropped without a word
@@ -535,9 +513,7 @@ describe("moonbox.local.engine", function()
 
   it("dies with its keeper, frozen or not, leaving no process or mount; a new engine recovers",
     async(function()
-      local id, cold = new_id("recover"), new_id("recover-frozen")
-      eng:create(id)
-      eng:create(cold)
+      local id, cold = running("recover", "recover-frozen")
       sh(eng, id, "echo survived > /root/keep; setsid sleep 1000 >/dev/null 2>&1 &")
       sh(eng, cold, "setsid sleep 1000 >/dev/null 2>&1 &")
       eng:freeze(cold)

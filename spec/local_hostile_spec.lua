@@ -14,6 +14,7 @@ local sys = require "moonbox.sys"
 local image = require "moonbox.local.image"
 local L = require "spec.support.local_backend"
 local ustar = require "spec.support.ustar"
+local files = require "spec.support.files"
 
 local MiB = 1024 * 1024
 local RSS_BOUND = 64 * 1000 * 1000 -- "under 64 MB"
@@ -27,13 +28,7 @@ local BACKEND_ENV = { ASAN_OPTIONS = (os.getenv("ASAN_OPTIONS") or "") .. ":quar
 local B  -- the backend most specs share
 local SB -- a running deny-all sandbox in it
 
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read_file = files.read
 
 -- A field of /proc/<pid>/status in bytes (VmRSS, VmHWM).
 local function vm(pid, name)
@@ -51,6 +46,23 @@ local function rss_growth(b, fn)
   local before = vm(pid, "VmRSS")
   local results = table.pack(fn())
   return vm(pid, "VmHWM") - before, table.unpack(results, 1, results.n)
+end
+
+-- Calls one(i) for i = 1..total from n concurrent tasks; counts in tally[key] how often one
+-- returned each key. [yields]
+local function tally_in_workers(n, total, tally, one)
+  local next_i = 0
+  local workers = {}
+  for w = 1, n do
+    workers[w] = function()
+      while next_i < total do
+        next_i = next_i + 1
+        local key = one(next_i)
+        tally[key] = (tally[key] or 0) + 1
+      end
+    end
+  end
+  task.all(workers)
 end
 
 local function mb(bytes) return string.format("%.1f MB", bytes / 1e6) end
@@ -103,17 +115,7 @@ local function sandbox_pids(id)
   return pids
 end
 
--- Polls cond() (every 50 ms) until it returns a true value, for at most seconds; fails with
--- what() otherwise.
-local function wait_until(seconds, cond, what)
-  local deadline = task.now() + seconds
-  while true do
-    local v = cond()
-    if v then return v end
-    if task.now() > deadline then error("waited " .. seconds .. " s for " .. what(), 2) end
-    task.sleep(0.05)
-  end
-end
+local wait_until = require("spec.support.poll").wait
 
 -- Runs fn(b, sb) with a backend of its own and a running deny-all sandbox in it, so that what
 -- one spec measures is not hidden by memory an earlier one left resident; destroys the backend
@@ -311,22 +313,12 @@ describe("unauthenticated bodies", function()
             task.sleep(0.01)
           end
         end)
-        local next_i = 0
-        local workers = {}
-        for w = 1, 8 do
-          workers[w] = function()
-            while next_i < 2000 do
-              next_i = next_i + 1
-              local t = targets[next_i % #targets + 1]
-              local ok, r = pcall(http.request, { method = t.method, url = t.url, headers = t.headers,
-                body = body,
-                timeout = 60 })
-              local key = ok and tostring(r.status) or ("error: " .. tostring(r))
-              statuses[key] = (statuses[key] or 0) + 1
-            end
-          end
-        end
-        task.all(workers)
+        tally_in_workers(8, 2000, statuses, function(i)
+          local t = targets[i % #targets + 1]
+          local ok, r = pcall(http.request, { method = t.method, url = t.url, headers = t.headers,
+            body = body, timeout = 60 })
+          return ok and tostring(r.status) or ("error: " .. tostring(r))
+        end)
         done = true
         task.join(watcher)
       end)
@@ -368,19 +360,10 @@ describe("the request journal", function()
       local query = { pad = ("q"):rep(24 * 1024) }
       local statuses = {}
       local growth = rss_growth(b, function()
-        local next_i = 0
-        local workers = {}
-        for w = 1, 4 do
-          workers[w] = function()
-            while next_i < 3000 do
-              next_i = next_i + 1
-              local s = b:req("POST", "/v1/sandboxes", { body = body, query = query,
-                headers = { ["Content-Type"] = "application/json" } })
-              statuses[tostring(s)] = (statuses[tostring(s)] or 0) + 1
-            end
-          end
-        end
-        task.all(workers)
+        tally_in_workers(4, 3000, statuses, function()
+          return tostring((b:req("POST", "/v1/sandboxes", { body = body, query = query,
+            headers = { ["Content-Type"] = "application/json" } })))
+        end)
       end)
       print(string.format("\n  3,000 journaled requests of 40 KB: %s; server RSS grew %s",
         json.encode(statuses), mb(growth)))

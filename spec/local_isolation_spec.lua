@@ -17,16 +17,17 @@
 -- pair, listeners, a small tmpfs) are removed in teardown. The engine's functional behaviour is
 -- spec/local_engine_spec.lua's.
 local T = require "moonbox.testing"
-local task = require "moonbox.task"
 local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
 local Engine = require "moonbox.local.engine"
 local image = require "moonbox.local.image"
 local H = require "spec.support.isolation_host"
 local L = require "spec.support.local_backend"
+local files = require "spec.support.files"
+local poll = require "spec.support.poll"
 
 local async = T.async
-local RUN = string.format("%d-%d", os.time(), math.random(1e6))
+local RUN = files.run_tag()
 local STATE = "/tmp/moonbox-isolation-spec-" .. RUN
 local IMAGE = image.path()
 local eng = Engine.new { state_dir = STATE, image = IMAGE }
@@ -54,6 +55,15 @@ local function sh(id, command, e)
   return r.stdout
 end
 
+-- A new sandbox (new_sandbox(tag)) in which the Python program script runs in the background,
+-- writes what it took to /tmp/held and keeps it; returns once that file is there. [yields]
+local function holding(tag, script)
+  local id = new_sandbox(tag)
+  sh(id, "cat > /tmp/hold.py <<'EOF'\n" .. script .. "EOF\nsetsid python3 /tmp/hold.py </dev/null >/dev/null 2>&1 &\n")
+  poll.wait(30, function() return eng.files:stat(id, "/tmp/held") end, "the holder in the sandbox to start")
+  return id
+end
+
 -- Runs a Python program inside sandbox id (argv after the script: args) and returns the result.
 local function py(id, script, args, e)
   local quoted = {}
@@ -61,24 +71,9 @@ local function py(id, script, args, e)
   return run(id, "python3 - " .. table.concat(quoted, " ") .. " <<'MOONBOX_PY'\n" .. script .. "\nMOONBOX_PY", e)
 end
 
-local function read_stream(p)
-  local parts = {}
-  for chunk in function() return p:read("stdout") end do parts[#parts + 1] = chunk end
-  return table.concat(parts)
-end
-
-local function write_host_file(path, content, mode)
-  local f = assert(io.open(path, "wb"))
-  f:write(content)
-  f:close()
-  if mode then proc.run { "chmod", mode, path } end
-end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local read_stream = files.drain
+local write_host_file = files.write
+local exists = files.exists
 
 local function lines_matching(text, pattern)
   local out = {}
@@ -938,9 +933,7 @@ exit 0
         -- users hold (inotify instances and watches, message queue bytes, ...) to host root's
         -- own per-user counts as well: a sandbox that takes them all leaves host root's daemons,
         -- and every other sandbox, without.
-        local id = new_sandbox("ucounts")
-        sh(id, [[
-cat > /tmp/hold.py <<'EOF'
+        local id = holding("ucounts", [[
 import ctypes, os, time
 libc = ctypes.CDLL(None, use_errno=True)
 held = [libc.inotify_init() for _ in range(4096)]
@@ -951,14 +944,7 @@ a = attr(0, 10, 8192, 0)
 queues = [libc.mq_open(b"/hold%d" % i, os.O_CREAT | os.O_RDWR, 0o600, ctypes.byref(a)) for i in range(256)]
 open("/tmp/held", "w").write("%d %d" % (sum(fd >= 0 for fd in held), sum(q >= 0 for q in queues)))
 time.sleep(600)
-EOF
-setsid python3 /tmp/hold.py </dev/null >/dev/null 2>&1 &
 ]])
-        local deadline = task.now() + 30
-        while not eng.files:stat(id, "/tmp/held") do
-          assert(task.now() < deadline, "the holder in the sandbox did not start")
-          task.sleep(0.02)
-        end
         local r = proc.run { H.PYTHON, "-c", [[
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -974,7 +960,7 @@ print("mq_open", "ok" if q >= 0 else os.strerror(ctypes.get_errno()))
 if q >= 0:
     libc.mq_unlink(name)
 ]] }
-        local held = read_stream((eng.files:read(id, "/tmp/held")))
+        local held = read_stream((eng.files:read(id, "/tmp/held"))) -- what the holder took
         eng:terminate(id)
         assert.are.equal("inotify_init ok\nmq_open ok\n", r.stdout, "with a sandbox holding " .. held ..
           " (inotify instances, queues), host root got: " .. r.stdout)
@@ -985,9 +971,7 @@ if q >= 0:
         -- fs.aio-max-nr is one pool for the whole machine: a sandbox that reserved it all would
         -- make io_setup fail everywhere else. The seccomp filter refuses io_setup (Docker's
         -- allows it).
-        local id = new_sandbox("aio")
-        sh(id, [[
-cat > /tmp/aio.py <<'EOF'
+        local id = holding("aio", [[
 import ctypes, time
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -1001,14 +985,7 @@ for req in (65536, 16384, 4096, 1024, 256, 64, 16, 4, 1):
         n += req
 open("/tmp/held", "w").write(str(n))
 time.sleep(600)
-EOF
-setsid python3 /tmp/aio.py </dev/null >/dev/null 2>&1 &
 ]])
-        local deadline = task.now() + 30
-        while not eng.files:stat(id, "/tmp/held") do
-          assert(task.now() < deadline, "the holder in the sandbox did not start")
-          task.sleep(0.02)
-        end
         local r = proc.run { H.PYTHON, "-c", [[
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -1019,7 +996,7 @@ print("io_setup", "ok" if r == 0 else os.strerror(ctypes.get_errno()))
 if r == 0:
     libc.syscall(207, ctx)
 ]] }
-        local held = read_stream((eng.files:read(id, "/tmp/held")))
+        local held = read_stream((eng.files:read(id, "/tmp/held"))) -- what the holder took
         eng:terminate(id)
         assert.are.equal("io_setup ok\n", r.stdout, "with a sandbox holding " .. held .. " AIO events, " ..
           "the host got: " .. r.stdout)
@@ -1066,21 +1043,18 @@ with open(out, "wb") as f:
       return r, left
     end
 
-    it("a gzip'd file upload that inflates past the upload limit is refused as too " ..
-      "large, not inflated onto the host's disk until it is full", async(function()
-        local r, left = upload_bomb("file")
+    for _, case in ipairs {
+      { "file", "a gzip'd file upload that inflates past the upload limit is refused as too large, " ..
+        "not inflated onto the host's disk until it is full", "a 9 MB body inflating to 8 GiB" },
+      { "archive", "a gzip'd archive upload whose member says 9 GiB is refused as too large before " ..
+        "the host writes it", "a 9 MB archive inflating to 9 GiB" },
+    } do
+      it(case[2], async(function()
+        local r, left = upload_bomb(case[1])
         assert.are.same({}, left)
-        assert.are.equal(413, r.status, "a 9 MB body inflating to 8 GiB was answered " .. r.status .. ": " ..
-          r.body)
+        assert.are.equal(413, r.status, case[3] .. " was answered " .. r.status .. ": " .. r.body)
       end))
-
-    it("a gzip'd archive upload whose member says 9 GiB is refused as too large before " ..
-      "the host writes it", async(function()
-        local r, left = upload_bomb("archive")
-        assert.are.same({}, left)
-        assert.are.equal(413, r.status, "a 9 MB archive inflating to 9 GiB was answered " .. r.status .. ": " ..
-          r.body)
-      end))
+    end
 
     it("listing a tree the sandbox built to be large does not grow the server by " ..
       "hundreds of MB", async(function()

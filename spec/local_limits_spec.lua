@@ -9,8 +9,9 @@ local task = require "moonbox.task"
 local Engine = require "moonbox.local.engine"
 local image = require "moonbox.local.image"
 local service = require "moonbox.local.service"
+local files = require "spec.support.files"
 
-local STATE = string.format("/tmp/moonbox-limits-spec-%d-%d", os.time(), math.random(1e6))
+local STATE = "/tmp/moonbox-limits-spec-" .. files.run_tag()
 local eng = Engine.new { state_dir = STATE, image = image.path() }
 local PLAN = service.PLANS["1c-2g"]
 local ids = {}
@@ -22,13 +23,7 @@ local function sandbox(name)
   return id
 end
 
-local function read(path)
-  local f = io.open(path)
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read = files.read
 
 describe("plans as limits", function()
   teardown(T.async(function()

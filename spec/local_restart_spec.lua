@@ -6,20 +6,14 @@
 -- "restart" spec.) Needs root and slirp4netns (the suspended sandbox has a network: its
 -- slirp4netns must go too); CI has both.
 local T = require "moonbox.testing"
-local task = require "moonbox.task"
 local json = require "moonbox.json"
 local http = require "moonbox.http"
 local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
 local L = require "spec.support.local_backend"
+local files = require "spec.support.files"
 
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read_file = files.read
 
 -- Every process on the host now: pid -> {start, ppid, uid, comm, mnt, user, pidns}. start is the
 -- kernel's start time, so a pid reused by a new process is not taken for the old one.
@@ -65,15 +59,7 @@ local function cgroup_pids(id)
   return pids
 end
 
-local function wait_until(seconds, cond, what)
-  local deadline = task.now() + seconds
-  while true do
-    local v = cond()
-    if v then return v end
-    if task.now() > deadline then error("waited " .. seconds .. " s for " .. what(), 2) end
-    task.sleep(0.05)
-  end
-end
+local wait_until = require("spec.support.poll").wait
 
 local function du(path)
   return tonumber(proc.run({ "du", "-sb", path }).stdout:match("^(%d+)")) or 0

@@ -8,25 +8,22 @@ local L = require "spec.support.local_backend"
 local proc = require "moonbox.proc"
 local json = require "moonbox.json"
 local task = require "moonbox.task"
+local files = require "spec.support.files"
 
 local SECRET_ENV = "planted-env-secret-7f3a9c"
 local SECRET_EXEC = "planted-exec-secret-2b81de"
 
 local B, tmp
 
-local function write(path, text)
-  local f = assert(io.open(path, "w"))
-  f:write(text)
-  f:close()
-end
+local write = files.write
 
-local function read(path)
-  local f = io.open(path)
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
+-- tmp/name holding text: a recipe of the spec's. -> its path.
+local function recipe_file(name, text)
+  local path = tmp .. "/" .. name
+  write(path, text)
+  return path
 end
+local read = files.read
 
 -- Runs `moonbox run ARGS...` with the backend's env; returns code, stdout, stderr.
 local function run(args, env)
@@ -36,11 +33,6 @@ local function run(args, env)
     XDG_STATE_HOME = tmp .. "/state", PATH = os.getenv("PATH") }
   local r = proc.run(argv)
   return r.code, r.stdout, r.stderr
-end
-
-local function faults(spec)
-  local status = B:req("PUT", "/_moonbox/faults", { body = spec })
-  assert.are.equal(200, status)
 end
 
 local FANOUT = [[
@@ -106,8 +98,7 @@ end))
 describe("moonbox run --trace and --json", function()
   it("writes valid Chrome trace JSON with one span per API call, and a summary; no secret in either",
     T.async(function()
-      local recipe = tmp .. "/fanout.lua"
-      write(recipe, FANOUT:format(SECRET_ENV, SECRET_EXEC, 4, 4, SECRET_EXEC))
+      local recipe = recipe_file("fanout.lua", FANOUT:format(SECRET_ENV, SECRET_EXEC, 4, 4, SECRET_EXEC))
       local trace_file = tmp .. "/fanout.trace.json"
       local seq = last_seq()
       local code, out, err = run { "--trace", trace_file, "--json", "--progress", recipe }
@@ -166,8 +157,7 @@ describe("moonbox run --trace and --json", function()
     end))
 
   it("lists the error and the ids in the summary when the recipe fails", T.async(function()
-    local recipe = tmp .. "/fail.lua"
-    write(recipe, [[
+    local recipe = recipe_file("fail.lua", [[
 local render = require "moonbox.render"
 local sb <close> = render.sandboxes.create {}
 sb:exec("exit 3"):check()
@@ -187,8 +177,7 @@ sb:exec("exit 3"):check()
     local code, _, err = run { "--bogus", "x.lua" }
     assert.are.equal(2, code)
     assert.matches("unknown option '%-%-bogus'", err)
-    local recipe = tmp .. "/nop.lua"
-    write(recipe, "return 1\n")
+    local recipe = recipe_file("nop.lua", "return 1\n")
     code, _, err = run { "--trace", "/nonexistent-dir/t.json", recipe }
     assert.are.equal(1, code)
     assert.matches("cannot write the trace file", err)
@@ -198,17 +187,7 @@ end)
 describe("a --trace whose run is SIGKILLed", function()
   it("holds whole events: it parses as a Chrome trace after appending ] at most (10 kills)", T.async(function()
     local runs = require "spec.support.runs"
-    local recipe = tmp .. "/killed-trace.lua"
-    write(recipe, [[
-local render = require "moonbox.render"
-local task = require "moonbox.task"
-local items = {}
-for i = 1, 12 do items[i] = i end
-task.map(items, function(i)
-  local sb <close> = render.sandboxes.create {}
-  for _ = 1, 3 do sb:exec("echo " .. i):check() end
-end, { concurrency = 6 })
-]])
+    local recipe = recipe_file("killed-trace.lua", runs.fanout("task.map", { n = 12, execs = 3, concurrency = 6 }))
     math.randomseed(5)
     local env = { RENDER_LOCAL_DEV_URL = B.url, RENDER_API_KEY = B.key, RENDER_WORKSPACE_ID = B.workspace,
       XDG_STATE_HOME = tmp .. "/state", PATH = os.getenv("PATH") }
@@ -239,18 +218,17 @@ end)
 
 describe("adaptive concurrency", function()
   it("halves the window under injected 429s, honours Retry-After, and grows back", T.async(function()
-    local recipe = tmp .. "/aimd.lua"
     -- Creates are throttled for a burst (the first 6 creates get 429, Retry-After 1), then pass.
-    write(recipe, string.format([[
+    local recipe = recipe_file("aimd.lua", string.format([[
 local render = require "moonbox.render"
 local snap = render.snapshots.latest("orch") or error("no snapshot 'orch'")
 local fleet <close> = render.restore(snap, { count = 24, concurrency = 8 })
 assert(#fleet == 24)
 ]]))
-    faults('[{"match":"POST /v1/sandboxes","fault":"status","status":429,"retry_after":1,"count":6}]')
+    B:faults('[{"match":"POST /v1/sandboxes","fault":"status","status":429,"retry_after":1,"count":6}]')
     local trace_file = tmp .. "/aimd.trace.json"
     local code, _, err = run { "--trace", trace_file, recipe }
-    faults("[]")
+    B:faults("[]")
     assert.are.equal(0, code, err)
     local doc = json.decode(assert(read(trace_file)))
     check_schema(doc)
@@ -281,12 +259,12 @@ assert(#fleet == 24)
     B:connect_render()
     local render = require "moonbox.render"
     local sb <close> = render.sandboxes.create {}
-    faults('[{"match":"GET /v1/sandboxes/*","fault":"status","status":429,"retry_after":0,"count":4}]')
+    B:faults('[{"match":"GET /v1/sandboxes/*","fault":"status","status":429,"retry_after":0,"count":4}]')
     local items = {}
     for i = 1, 16 do items[i] = i end
     local _, stats = task.map(items, function() return render.sandboxes.get(sb.id).status end,
       { concurrency = 8 })
-    faults("[]")
+    B:faults("[]")
     assert.is_true(stats.min_window < 8, "min window " .. stats.min_window)
   end))
 end)
@@ -307,8 +285,7 @@ require("moonbox.task").map(fleet, function(s) return s:exec("sleep 60") end, { 
 ]]
 
   it("SIGTERM cancels the recipe: exit 143 and every sandbox terminated", T.async(function()
-    local recipe = tmp .. "/term.lua"
-    write(recipe, SLOW)
+    local recipe = recipe_file("term.lua", SLOW)
     local seq = last_seq()
     local p = spawn_run(recipe)
     local lines = p:lines("stdout")
@@ -331,10 +308,9 @@ require("moonbox.task").map(fleet, function(s) return s:exec("sleep 60") end, { 
   end))
 
   it("a second SIGINT forces the exit; moonbox reap terminates what was left", T.async(function()
-    local recipe = tmp .. "/int2.lua"
     -- A guard that takes long to unwind (it closes before the fleet), so the second SIGINT
     -- arrives while the sandboxes still run.
-    write(recipe, [[
+    local recipe = recipe_file("int2.lua", [[
 local render = require "moonbox.render"
 local guard = require "moonbox.guard"
 local snap = render.snapshots.latest("orch")
@@ -374,11 +350,11 @@ describe("a capture that fails", function()
   it("reaches the client as snapshot_failed with the snapshot id", T.async(function()
     B:connect_render()
     local render = require "moonbox.render"
-    faults('[{"match":"POST /v1/sandboxes/*/snapshots","fault":"capture","count":1}]')
+    B:faults('[{"match":"POST /v1/sandboxes/*/snapshots","fault":"capture","count":1}]')
     local sb <close> = render.sandboxes.create {}
     local snap = sb:snapshot { name = "doomed", wait = false }
     local err = T.errors_with("snapshot_failed", function() snap:wait_available { timeout = 30 } end)
-    faults("[]")
+    B:faults("[]")
     assert.are.equal(snap.id, err.snapshot_id)
     assert.is_truthy(tostring(err):find(snap.id, 1, true))
   end))

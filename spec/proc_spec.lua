@@ -3,6 +3,7 @@
 local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local proc = require "moonbox.proc"
+local files = require "spec.support.files"
 
 -- True once pid no longer runs: kill -0 fails, or it is a zombie nobody has reaped yet (it can
 -- no longer do anything; its reaper may be an init that reaps lazily).
@@ -25,11 +26,7 @@ local function wait_gone(pid, seconds)
   return false
 end
 
-local function read_all(p, stream)
-  local parts = {}
-  for chunk in function() return p:read(stream) end do parts[#parts + 1] = chunk end
-  return table.concat(parts)
-end
+local read_all = files.drain
 
 local errors_with = T.errors_with
 

@@ -10,14 +10,8 @@ local S = require "spec.support.store_env"
 
 local B, home
 
-setup(T.async(function()
-  B = L.start { args = { "--seed", "7" } }
-  home = runs.home(B)
-end))
-
+runs.fixture(setup, teardown, function(b, h) B, home = b, h end, { args = { "--seed", "7" } })
 teardown(T.async(function()
-  if home then home:destroy() end
-  if B then B:destroy() end
   S.shutdown()
 end))
 

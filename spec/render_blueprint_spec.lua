@@ -7,6 +7,7 @@
 -- variables, disks, databases), for the fields and values a moonbox Blueprint could use; a
 -- field not listed here fails the spec until it is checked against that page and added.
 local lyaml = require "lyaml"
+local files = require "spec.support.files"
 
 local function set(list)
   local s = {}
@@ -35,12 +36,7 @@ local DOCUMENTED = {
 }
 local MAX_SHUTDOWN_DELAY = 300 -- "Default: 30, Max: 300"
 
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read = files.must_read
 
 --- problems(doc, where) -> list of "where: path: what is wrong" for a parsed Blueprint.
 local function problems(doc, where)

@@ -12,6 +12,7 @@ local ids = require "moonbox.ids"
 local render = require "moonbox.render"
 local dryrun = require "moonbox.render.dryrun"
 local L = require "spec.support.local_backend"
+local files = require "spec.support.files"
 
 local run = T.async
 
@@ -29,11 +30,7 @@ local function moonbox(home, args)
   return proc.run(argv)
 end
 
-local function write(path, text)
-  local f = assert(io.open(path, "w"))
-  f:write(text)
-  f:close()
-end
+local write = files.write
 
 -- Runs recipe text under a dry run in this process (print and io.write captured); returns the
 -- report, the captured output and the recipe's error (nil when it succeeded). [yields]

@@ -18,28 +18,10 @@ local B, edge
 
 local run = T.async
 
-setup(run(function()
-  B = L.start { edge = true }
-  edge = B.edge
-  B:connect_render()
-end))
-teardown(run(function() if B then B:destroy() end end))
+L.fixture(setup, teardown, function(b) B, edge = b, b.edge end, { edge = true })
 
-local function faults(spec) B:req("PUT", "/_moonbox/faults", { body = spec }) end
-
-local function journal_posts(since, path)
-  local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = since } })
-  local n = 0
-  for _, e in ipairs(entries) do
-    if e.method == "POST" and e.path == path then n = n + 1 end
-  end
-  return n
-end
-
-local function journal_mark()
-  local _, entries = B:req("GET", "/_moonbox/journal")
-  return entries[#entries] and entries[#entries].seq or 0
-end
+local function journal_posts(since, path) return #runs.requests(B, since, "POST", path) end
+local function journal_mark() return runs.last_seq(B) end
 
 describe("through a TLS + HTTP/2 edge", function()
   it("a 100-sandbox fan-out shares one TCP connection, every request an HTTP/2 stream", T.async(function()
@@ -101,7 +83,7 @@ describe("through a TLS + HTTP/2 edge", function()
     local sb <close> = render.sandboxes.create {}
     local mark = journal_mark()
     local stream = "/proxy/" .. sb.id .. "/runs/stream"
-    faults("POST " .. stream .. "=latency:1500#1") -- the stream's answer is held past the timeout
+    B:faults("POST " .. stream .. "=latency:1500#1") -- the stream's answer is held past the timeout
     local ok, err = pcall(sb.exec, sb, "touch /tmp/ran; sleep 3100", { timeout = 0.5 })
     assert.is_false(ok)
     assert.is_true(task.is_timeout(err))
@@ -126,7 +108,7 @@ describe("through a TLS + HTTP/2 edge", function()
     -- connection under it by killing the edge's worker (its master starts a new one at once)
     assert.are.equal(200, (B:req("GET", "/v1/sandboxes", { query = { limit = 1 } })))
     local mark = journal_mark()
-    faults("POST /v1/sandboxes=latency:3000#1")
+    B:faults("POST /v1/sandboxes=latency:3000#1")
     local creating = task.spawn(function() return pcall(render.sandboxes.create, { name = "edge-once" }) end)
     for _ = 1, 400 do
       if journal_posts(mark, "/v1/sandboxes") == 1 then break end

@@ -8,17 +8,10 @@ local L = require "spec.support.local_backend"
 
 local B, sb
 
-local run = T.async
-
-setup(run(function()
-  B = L.start()
-  B:connect_render()
-  sb = render.sandboxes.create {}:keep()
-end))
-teardown(run(function()
-  if sb then sb:terminate() end
-  if B then B:destroy() end
-end))
+L.fixture(setup, teardown, function(b)
+  B, sb = b, render.sandboxes.create {}:keep()
+  return function() sb:terminate() end
+end)
 
 -- Processes in the sandbox whose command line matches; "[s]leep" so pgrep and the shell that
 -- runs it (whose own command lines hold the pattern) do not count themselves.

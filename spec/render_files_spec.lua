@@ -4,8 +4,10 @@
 local T = require "moonbox.testing"
 local proc = require "moonbox.proc"
 local render = require "moonbox.render"
+local files = require "spec.support.files"
 require "moonbox.render.files"
 local L = require "spec.support.local_backend"
+local runs = require "spec.support.runs"
 
 local B, sb, work
 
@@ -17,29 +19,15 @@ local function sh(script, ...)
   return r.stdout
 end
 
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read = files.must_read
+local write = files.write
 
-local function write(path, data)
-  local f = assert(io.open(path, "wb"))
-  f:write(data)
-  f:close()
-end
-
-local function journal_mark()
-  local _, entries = B:req("GET", "/_moonbox/journal")
-  return entries[#entries].seq
-end
+local function journal_mark() return runs.last_seq(B) end
 
 --- The file-token requests made since `seq`: {kind, path} each.
 local function token_requests_since(seq)
-  local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = seq } })
   local out = {}
-  for _, e in ipairs(entries) do
+  for _, e in ipairs(runs.journal(B, seq)) do
     local kind = e.path:match("/files/(%a+)/token$")
     if kind then
       local q = e.query
@@ -60,15 +48,14 @@ local BINARY = (function()
   return "\0\0\255\255" .. table.concat(t) .. string.rep("\0\255", 5000) .. "end\0"
 end)()
 
+L.fixture(setup, teardown, function(b)
+  B, sb = b, render.sandboxes.create {}:keep()
+  return function() sb:terminate() end
+end)
 setup(run(function()
-  B = L.start()
-  B:connect_render()
-  sb = render.sandboxes.create {}:keep()
   work = proc.run({ "mktemp", "-d", "/tmp/moonbox-files-spec.XXXXXX" }).stdout:gsub("%s+$", "")
 end))
 teardown(run(function()
-  if sb then sb:terminate() end
-  if B then B:destroy() end
   if work then proc.run { "rm", "-rf", "--one-file-system", work } end
 end))
 

@@ -8,20 +8,14 @@ local L = require "spec.support.local_backend"
 
 local B, snap
 
-local run = T.async
-
-setup(run(function()
-  B = L.start()
-  B:connect_render()
+L.fixture(setup, teardown, function(b)
+  B = b
   local base <close> = render.sandboxes.create {}
   base:exec("echo from-snapshot > /root/marker"):check()
   snap = base:snapshot { name = "fleet-base" }
-end))
-teardown(run(function() if B then B:destroy() end end))
+end)
 
 local function live() return B:live() end
-
-local function faults(spec) B:req("PUT", "/_moonbox/faults", { body = spec }) end
 
 describe("render.restore", function()
   it("restores count sandboxes, at most concurrency at a time, and terminates them on close", T.async(function()
@@ -36,9 +30,9 @@ describe("render.restore", function()
   end))
 
   it("all_or_nothing: one failed create terminates every sibling and lists each outcome", T.async(function()
-    faults("POST /v1/sandboxes=503#1")
+    B:faults("POST /v1/sandboxes=503#1")
     local ok, err = pcall(render.restore, snap, { count = 3, concurrency = 3 })
-    faults("")
+    B:faults("")
     assert.is_false(ok)
     assert.are.equal("restore_failed", err.code)
     assert.are.equal(3, #err.outcomes)
@@ -53,22 +47,22 @@ describe("render.restore", function()
   end))
 
   it("best_effort: returns what runs and lists the failures", T.async(function()
-    faults("POST /v1/sandboxes=503#1")
+    B:faults("POST /v1/sandboxes=503#1")
     local fleet <close> = render.restore(snap, { count = 3, policy = "best_effort" })
-    faults("")
+    B:faults("")
     assert.are.equal(2, #fleet)
     assert.are.equal(1, #fleet.failures)
     assert.are.equal("server_error", fleet.failures[1].error.code)
   end))
 
   it("quorum: enough is a fleet, too few is an error with nothing left running", T.async(function()
-    faults("POST /v1/sandboxes=503#1")
+    B:faults("POST /v1/sandboxes=503#1")
     local fleet = render.restore(snap, { count = 3, policy = { quorum = 2 } })
     assert.are.equal(2, #fleet)
     fleet:terminate()
-    faults("POST /v1/sandboxes=503#1")
+    B:faults("POST /v1/sandboxes=503#1")
     local ok, err = pcall(render.restore, snap, { count = 3, policy = { quorum = 3 } })
-    faults("")
+    B:faults("")
     assert.is_false(ok)
     assert.are.equal("restore_failed", err.code)
     assert.matches("needed at least 3", err.message)
@@ -76,7 +70,7 @@ describe("render.restore", function()
   end))
 
   it("terminates what it created when its task is cancelled midway", T.async(function()
-    faults("POST /v1/sandboxes=latency:150")
+    B:faults("POST /v1/sandboxes=latency:150")
     local t = task.spawn(function() return render.restore(snap, { count = 6, concurrency = 2 }) end)
     for _ = 1, 200 do
       if live() >= 2 then break end
@@ -84,7 +78,7 @@ describe("render.restore", function()
     end
     task.cancel(t)
     local ok, err = pcall(task.join, t)
-    faults("")
+    B:faults("")
     assert.is_false(ok)
     assert.is_true(task.is_cancelled(err))
     assert.are.equal(0, live())
@@ -94,10 +88,10 @@ describe("render.restore", function()
     T.async(function()
       local _, before = B:req("GET", "/_moonbox/journal")
       local mark = before[#before].seq
-      faults("POST /v1/sandboxes=drop#1")
+      B:faults("POST /v1/sandboxes=drop#1")
       do
         local fleet <close> = render.restore(snap, { count = 2 })
-        faults("")
+        B:faults("")
         assert.are.equal(2, #fleet)
         assert.are.equal(2, live())
       end
@@ -115,9 +109,9 @@ describe("render.restore", function()
 
   it("says when a lost create answer may have left a sandbox it could not find", T.async(function()
     -- The answer is lost and the listing that would find the label fails as well.
-    faults("POST /v1/sandboxes=drop#1;GET /v1/sandboxes=400#1")
+    B:faults("POST /v1/sandboxes=drop#1;GET /v1/sandboxes=400#1")
     local ok, err = pcall(render.restore, snap, { count = 2 })
-    faults("")
+    B:faults("")
     assert.is_false(ok)
     assert.matches("may exist without an id", err.message)
     assert.matches("looking for its label mb%-x%x+ failed too", err.message)

@@ -11,13 +11,7 @@ local L = require "spec.support.local_backend"
 
 local B
 
-local run = T.async
-
-setup(run(function()
-  B = L.start()
-  B:connect_render()
-end))
-teardown(run(function() if B then B:destroy() end end))
+L.fixture(setup, teardown, function(b) B = b end)
 
 local raised = T.raises
 
@@ -148,11 +142,18 @@ describe("render.snapshots.rebuild", function()
     assert_failed_cleanly(err, "build-fails", "build", previous)
   end))
 
+  -- Rebuilds name once cleanly, then again with its capture hit by the fault rule; returns the
+  -- error of the second and the snapshot of the first.
+  local function capture_faulted(name, rule)
+    local previous = good_rebuild(name)
+    B:faults(rule)
+    local err = raised(render.snapshots.rebuild, name, bump, { base = previous, verify = "true" })
+    B:faults("")
+    return err, previous
+  end
+
   it("deletes a snapshot whose capture failed (fault injection)", T.async(function()
-    local previous = good_rebuild("capture-fails")
-    B:req("PUT", "/_moonbox/faults", { body = "POST /v1/sandboxes/*/snapshots=capture#1" })
-    local err = raised(render.snapshots.rebuild, "capture-fails", bump, { base = previous, verify = "true" })
-    B:req("DELETE", "/_moonbox/faults")
+    local err, previous = capture_faulted("capture-fails", "POST /v1/sandboxes/*/snapshots=capture#1")
     assert.are.same({ "snapshot_failed", err.snapshot_id }, { err.cause.code, err.cause.snapshot_id })
     assert.matches("capture failed: .*injected capture failure", err.message)
     assert.is_nil(err.verifier_id)
@@ -160,10 +161,7 @@ describe("render.snapshots.rebuild", function()
   end))
 
   it("finds and deletes the snapshot of a capture whose answer was lost (fault injection)", T.async(function()
-    local previous = good_rebuild("capture-lost")
-    B:req("PUT", "/_moonbox/faults", { body = "POST /v1/sandboxes/*/snapshots=drop#1" })
-    local err = raised(render.snapshots.rebuild, "capture-lost", bump, { base = previous, verify = "true" })
-    B:req("DELETE", "/_moonbox/faults")
+    local err, previous = capture_faulted("capture-lost", "POST /v1/sandboxes/*/snapshots=drop#1")
     assert.are.equal("unknown_outcome", err.cause.code)
     assert.matches("^snp%-", err.snapshot_id)
     assert_failed_cleanly(err, "capture-lost", "capture", previous)

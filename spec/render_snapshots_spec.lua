@@ -4,16 +4,11 @@ local T = require "moonbox.testing"
 local render = require "moonbox.render"
 require "moonbox.render.snapshots"
 local L = require "spec.support.local_backend"
+local runs = require "spec.support.runs"
 
 local B
 
-local run = T.async
-
-setup(run(function()
-  B = L.start()
-  B:connect_render()
-end))
-teardown(run(function() if B then B:destroy() end end))
+L.fixture(setup, teardown, function(b) B = b end)
 
 local raised = T.raises
 
@@ -47,18 +42,13 @@ describe("render.groups", function()
 end)
 
 describe("render.groups.delete and list page sizes", function()
+  -- The limit= of each GET of path after journal seq since.
   local function list_queries(since, path)
-    local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = since } })
     local out = {}
-    for _, e in ipairs(entries) do
-      if e.method == "GET" and e.path == path then out[#out + 1] = (e.query or ""):match("limit=(%d+)") end
-    end
+    for i, e in ipairs(runs.requests(B, since, "GET", path)) do out[i] = (e.query or ""):match("limit=(%d+)") end
     return out
   end
-  local function mark()
-    local _, entries = B:req("GET", "/_moonbox/journal")
-    return entries[#entries] and entries[#entries].seq or 0
-  end
+  local function mark() return runs.last_seq(B) end
 
   it("deletes an empty group (g:delete() or by id); a second delete raises not_found", T.async(function()
     local g = render.groups.create { name = "to-delete" }

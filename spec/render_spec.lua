@@ -5,28 +5,15 @@ local task = require "moonbox.task"
 local json = require "moonbox.json"
 local render = require "moonbox.render"
 local L = require "spec.support.local_backend"
+local runs = require "spec.support.runs"
 
 local B
 
 local run = T.async
 
-setup(run(function()
-  B = L.start()
-  B:connect_render()
-end))
-teardown(run(function() if B then B:destroy() end end))
+L.fixture(setup, teardown, function(b) B = b end)
 
-local function journal_since(seq)
-  local _, entries = B:req("GET", "/_moonbox/journal", { query = { since = seq } })
-  return entries
-end
-
-local function journal_mark()
-  local _, entries = B:req("GET", "/_moonbox/journal")
-  return entries[#entries].seq
-end
-
-local function faults(spec) B:req("PUT", "/_moonbox/faults", { body = spec }) end
+local function journal_mark() return runs.last_seq(B) end
 
 describe("render.sandboxes", function()
   it("creates a running sandbox, sends only the fields given, and terminates it on scope exit", T.async(function()
@@ -38,10 +25,7 @@ describe("render.sandboxes", function()
       assert.are.equal("running", sb.status)
       assert.matches("^sbg%-", sb.sandbox_group_id)
     end
-    local creates = {}
-    for _, e in ipairs(journal_since(mark)) do
-      if e.method == "POST" and e.path == "/v1/sandboxes" then creates[#creates + 1] = e end
-    end
+    local creates = runs.requests(B, mark, "POST", "/v1/sandboxes")
     assert.are.equal(1, #creates)
     -- nothing but the owner and moonbox's label (by which a lost answer is reconciled)
     assert.matches("^mb%-x%x+$", creates[1].body.name)
@@ -85,7 +69,7 @@ describe("render.sandboxes", function()
 
   it("retries idempotent calls on 503 and 429, honouring Retry-After", T.async(function()
     local sb <close> = render.sandboxes.create {}
-    faults("GET /v1/sandboxes/*=503#2;GET /v1/sandboxes/*=429:1#1")
+    B:faults("GET /v1/sandboxes/*=503#2;GET /v1/sandboxes/*=429:1#1")
     local mark = journal_mark()
     local t0 = task.now()
     local trace = require "moonbox.trace"
@@ -104,9 +88,7 @@ describe("render.sandboxes", function()
     assert.is_true(ok_get, tostring(status))
     assert.are.equal("running", status)
     local times = {}
-    for _, e in ipairs(journal_since(mark)) do
-      if e.method == "GET" and e.path == "/v1/sandboxes/" .. sb.id then times[#times + 1] = e.t end
-    end
+    for i, e in ipairs(runs.requests(B, mark, "GET", "/v1/sandboxes/" .. sb.id)) do times[i] = e.t end
     assert.are.equal(4, #times) -- two 503s, one 429, then the answer
     assert.is_true(task.now() - t0 >= 1, "Retry-After: 1 was not honoured")
     -- spacing: the backoff after the 429 is its Retry-After (1 s)
@@ -120,22 +102,18 @@ describe("render.sandboxes", function()
   end))
 
   it("never re-sends a create: a 503 is raised, a lost answer is unknown_outcome", T.async(function()
-    faults("POST /v1/sandboxes=503#1")
+    B:faults("POST /v1/sandboxes=503#1")
     local mark = journal_mark()
     local ok, err = pcall(render.sandboxes.create, {})
     assert.is_false(ok)
     assert.are.equal("server_error", err.code)
-    faults("POST /v1/sandboxes=drop#1")
+    B:faults("POST /v1/sandboxes=drop#1")
     local ok2, err2 = pcall(render.sandboxes.create, { name = "maybe" })
     assert.is_false(ok2)
     -- directly the connection breaks; through an edge, the edge answers its own 502 (non-JSON)
     assert.are.equal("unknown_outcome", err2.code)
     if B.edge then assert.are.same({ "http_502", 502 }, { err2.cause, err2.status }) end
-    local posts = 0
-    for _, e in ipairs(journal_since(mark)) do
-      if e.method == "POST" and e.path == "/v1/sandboxes" then posts = posts + 1 end
-    end
-    assert.are.equal(2, posts)
+    assert.are.equal(2, #runs.requests(B, mark, "POST", "/v1/sandboxes"))
     B:req("DELETE", "/_moonbox/faults")
     for sb in render.sandboxes.list {} do if sb.name == "maybe" then sb:terminate() end end
   end))
@@ -180,7 +158,7 @@ describe("sb:exec", function()
   end))
 
   it("raises unknown_outcome when the stream ends without an exit event", T.async(function()
-    faults("POST /proxy/*/runs/stream=cut#1")
+    B:faults("POST /proxy/*/runs/stream=cut#1")
     local ok, err = pcall(sb.exec, sb, "echo x")
     assert.is_false(ok)
     assert.are.equal("unknown_outcome", err.code)
@@ -285,9 +263,9 @@ end)
 describe("snapshot errors through the client", function()
   it("raises snapshot_failed when the capture fails", T.async(function()
     local sb <close> = render.sandboxes.create {}
-    faults("POST /v1/sandboxes/*/snapshots=capture#1")
+    B:faults("POST /v1/sandboxes/*/snapshots=capture#1")
     local ok, err = pcall(sb.snapshot, sb, { name = "doomed" })
-    faults("")
+    B:faults("")
     assert.is_false(ok)
     assert.are.equal("snapshot_failed", err.code)
     assert.matches("disk full", err.message)
@@ -315,9 +293,9 @@ end)
 describe("an edge block", function()
   it("is reported as edge_blocked, not as bad credentials", T.async(function()
     local sb <close> = render.sandboxes.create {}
-    faults("POST /v1/sandboxes/*/runs/stream/token=edge#1")
+    B:faults("POST /v1/sandboxes/*/runs/stream/token=edge#1")
     local ok, err = pcall(sb.exec, sb, "curl example; echo")
-    faults("")
+    B:faults("")
     assert.is_false(ok)
     assert.are.equal("edge_blocked", err.code)
     assert.are.equal(403, err.status)

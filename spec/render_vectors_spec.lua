@@ -7,13 +7,7 @@ local L = require "spec.support.local_backend"
 
 local B
 
-local run = T.async
-
-setup(run(function()
-  B = L.start()
-  B:connect_render()
-end))
-teardown(run(function() if B then B:destroy() end end))
+L.fixture(setup, teardown, function(b) B = b end)
 
 -- Runs fn and returns the journal entries of the requests it caused.
 local function journaled(fn)

@@ -10,27 +10,10 @@ local runs = require "spec.support.runs"
 
 local B
 
-setup(T.async(function()
-  B = L.start()
-  B:connect_render()
-end))
-teardown(T.async(function()
-  if B then B:destroy() end
-end))
-
-local function faults(spec)
-  local status = B:req("PUT", "/_moonbox/faults", { body = spec })
-  assert(status == 200 or status == 204, "setting faults: " .. tostring(status))
-end
+L.fixture(setup, teardown, function(b) B = b end)
 
 -- The requests since journal mark `mark` whose method and path match.
-local function requests(mark, method, path)
-  local n = 0
-  for _, e in ipairs(runs.journal(B, mark)) do
-    if e.method == method and e.path == path then n = n + 1 end
-  end
-  return n
-end
+local function requests(mark, method, path) return #runs.requests(B, mark, method, path) end
 
 describe("sb:wait_running", function()
   it("returns on the lifecycle event while the first poll is a minute away", T.async(function()
@@ -46,24 +29,20 @@ describe("sb:wait_running", function()
     assert.are.equal(1, requests(mark, "GET", "/v1/sandboxes/" .. sb.id .. "/logs"))
   end))
 
-  it("still ends by polling when the log stream cannot be had", T.async(function()
-    faults("GET /v1/sandboxes/*/logs=503")
-    local ok, sb = pcall(render.sandboxes.create, {})
-    faults("")
-    assert.is_true(ok, tostring(sb))
-    assert.are.equal("running", sb.status)
-    sb:terminate()
-  end))
-
-  it("still ends by polling when the log stream says nothing", T.async(function()
+  for _, case in ipairs {
+    { "cannot be had", "GET /v1/sandboxes/*/logs=503" },
     -- the stream's answer is held back far beyond the wait: only the poll can end it
-    faults("GET /v1/sandboxes/*/logs=latency:30000")
-    local ok, sb = pcall(render.sandboxes.create, {})
-    faults("")
-    assert.is_true(ok, tostring(sb))
-    assert.are.equal("running", sb.status)
-    sb:terminate()
-  end))
+    { "says nothing", "GET /v1/sandboxes/*/logs=latency:30000" },
+  } do
+    it("still ends by polling when the log stream " .. case[1], T.async(function()
+      B:faults(case[2])
+      local ok, sb = pcall(render.sandboxes.create, {})
+      B:faults("")
+      assert.is_true(ok, tostring(sb))
+      assert.are.equal("running", sb.status)
+      sb:terminate()
+    end))
+  end
 
   it("raises sandbox_not_running on the terminated event", T.async(function()
     local sb = render.sandboxes.create { wait = false }
@@ -82,9 +61,9 @@ describe("snap:wait_available", function()
     sb:exec("head -c 150000000 /dev/zero > /root/fill"):check()
     -- The first capture's answer is held back 2.5 s, so the time learned from it (request to
     -- available, as this process saw it) is at least that.
-    faults("POST /v1/sandboxes/*/snapshots=latency:2500")
+    B:faults("POST /v1/sandboxes/*/snapshots=latency:2500")
     local first = sb:snapshot {}
-    faults("")
+    B:faults("")
     local learned = require("moonbox.render.snapshots").learned_capture_seconds()
     assert.is_true(learned >= 2.5, "learned " .. tostring(learned))
     -- The second wait's first look comes at 90% of the learned time, after the capture has

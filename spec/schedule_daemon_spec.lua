@@ -6,10 +6,8 @@
 local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local clock = require "moonbox.schedule.clock"
-local L = require "spec.support.local_backend"
 local S = require "spec.support.store_env"
 local SE = require "spec.support.schedule_env"
-
 
 local run = T.async
 
@@ -308,11 +306,7 @@ end)
 
 describe("a schedule's budget (max_sandboxes, max_sandbox_seconds)", function()
   local B, e
-  setup(run(function() B = L.start() end))
-  teardown(run(function()
-    if e then e:destroy() end
-    if B then B:destroy() end
-  end))
+  SE.with_backend(setup, teardown, function(b) B = b end, function() return e end)
 
   it("holds each run to its own budget: the create beyond is refused, the run fails with budget_exceeded",
     T.async(function()
@@ -350,11 +344,7 @@ end)
 
 describe("moonbox schedule killed with -9 during a run", function()
   local B, e
-  setup(run(function() B = L.start() end))
-  teardown(run(function()
-    if e then e:destroy() end
-    if B then B:destroy() end
-  end))
+  SE.with_backend(setup, teardown, function(b) B = b end, function() return e end)
 
   it("records the run interrupted on restart, terminates its sandbox, and never repeats the slot", T.async(function()
     e = env_new(PRELUDE .. [[

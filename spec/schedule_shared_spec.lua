@@ -14,6 +14,7 @@ local json = require "moonbox.json"
 local clock = require "moonbox.schedule.clock"
 local L = require "spec.support.local_backend"
 local PG = require "spec.support.postgres"
+local SE = require "spec.support.schedule_env"
 
 local START = "2026-03-01T00:00:00Z"
 local T0 = clock.parse_time(START)
@@ -299,11 +300,7 @@ end)
 
 describe("a daemon SIGKILLed during a run, with two others on the same database", function()
   local B, w
-  setup(run(function() B = L.start() end))
-  teardown(run(function()
-    if w then w:destroy() end
-    if B then B:destroy() end
-  end))
+  SE.with_backend(setup, teardown, function(b) B = b end, function() return w end)
 
   it("is recorded interrupted by another, its sandbox terminated, and the next slots fire", T.async(function()
     w = world("kill", [[

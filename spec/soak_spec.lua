@@ -8,19 +8,11 @@
 -- runs (default 200) or 240 s, whichever comes first; the counts are printed.
 local T = require "moonbox.testing"
 local core = require "moonbox.core"
-local L = require "spec.support.local_backend"
 local runs = require "spec.support.runs"
 
 local B, home
 
-setup(T.async(function()
-  B = L.start { args = { "--seed", "42" } }
-  home = runs.home(B)
-end))
-teardown(T.async(function()
-  if home then home:destroy() end
-  if B then B:destroy() end
-end))
+runs.fixture(setup, teardown, function(b, h) B, home = b, h end, { args = { "--seed", "42" } })
 
 -- The rules, in order; `fatal` marks those whose firing must fail the run; `per_run` is about
 -- how often each fires in a run (its rate times the matching requests a run makes: 4 creates,

@@ -5,16 +5,12 @@
 local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local store = require "moonbox.store"
+local files = require "spec.support.files"
 
 local tmp
 local seq = 0
 
-local function sh(cmd)
-  local p = assert(io.popen(cmd))
-  local out = p:read("a")
-  p:close()
-  return out
-end
+local sh = files.sh
 
 -- A fresh database path in the spec's temporary directory.
 local function new_path()
@@ -41,13 +37,7 @@ local function memory_db()
   return db
 end
 
-setup(function()
-  tmp = sh("mktemp -d /tmp/moonbox-store-spec.XXXXXX"):gsub("%s+$", "")
-end)
-
-teardown(function()
-  if tmp and tmp:match("^/tmp/moonbox%-store%-spec") then os.execute("rm -rf " .. tmp) end
-end)
+files.temp_dir(setup, teardown, "store", function(dir) tmp = dir end)
 
 describe("store.open", function()
   it("creates a missing database file, and its WAL files, with mode 0600", function()

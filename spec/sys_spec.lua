@@ -5,15 +5,12 @@ local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
+local files = require "spec.support.files"
 
-local DIR = string.format("/tmp/moonbox-sys-spec-%d-%d", os.time(), math.random(1e6))
+local DIR = "/tmp/moonbox-sys-spec-" .. files.run_tag()
 local errors_with = T.errors_with
 
-local function write(path, text)
-  local f = assert(io.open(path, "wb"))
-  f:write(text)
-  f:close()
-end
+local write = files.write
 
 local function mode_of(path)
   return tonumber(proc.run({ "stat", "-c", "%a", path }).stdout, 8)

@@ -16,6 +16,7 @@ local task = require "moonbox.task"
 local http = require "moonbox.http"
 local httpd = require "moonbox.httpd"
 local sys = require "moonbox.sys"
+local files = require "spec.support.files"
 
 local M = {}
 local Edge = {}
@@ -27,19 +28,8 @@ local function sh(script, ...)
   return r.stdout
 end
 
-local function write(path, text)
-  local f = assert(io.open(path, "w"))
-  f:write(text)
-  f:close()
-end
-
-local function read(path)
-  local f = io.open(path, "rb")
-  if not f then return "" end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local write = files.write
+local read = function(path) return files.read(path) or "" end
 
 --- edge.free_port() -> a TCP port free on both 127.0.0.1 and ::1 a moment ago. [yields]
 function M.free_port()
@@ -93,6 +83,17 @@ local function wait_ready(what, url, p, waiter, log, seconds)
     end
     task.sleep(0.05)
   end
+end
+
+-- Waits (wait_ready) until server self (an edge or a proxy: p, waiter, stop) answers url;
+-- -> self, or stops it and raises when it does not. [yields]
+local function started(self, what, url, log, seconds)
+  local ok, err = pcall(wait_ready, what, url, self.p, self.waiter, log, seconds)
+  if not ok then
+    self:stop()
+    error(err, 0)
+  end
+  return self
 end
 
 -- Stops a process started with spawn: TERM, then waits for its waiter.
@@ -168,13 +169,7 @@ function M.start(opts)
   local self = setmetatable({ p = p, waiter = waiter, dir = dir, ca = ca, port = port, url = "https://localhost:" .. port,
     access_log = dir .. "/access.log" }, Edge)
   if opts.trust ~= false then self:trust() end
-  local ok, err = pcall(wait_ready, "nginx (the TLS edge)", self.url .. "/_edge/health", p, waiter,
-    dir .. "/error.log", 10)
-  if not ok then
-    self:stop()
-    error(err, 0)
-  end
-  return self
+  return started(self, "nginx (the TLS edge)", self.url .. "/_edge/health", dir .. "/error.log", 10)
 end
 
 local CA_VARS = { "CURL_CA_BUNDLE", "SSL_CERT_FILE" }
@@ -252,12 +247,7 @@ function M.proxy()
   local p, waiter = spawn { "tinyproxy", "-d", "-c", dir .. "/tinyproxy.conf", stdout = "null",
     stderr = { file = dir .. "/stderr.log" } }
   local self = setmetatable({ p = p, waiter = waiter, dir = dir, port = port, url = "http://127.0.0.1:" .. port, log = log }, Proxy)
-  local ok, err = pcall(wait_ready, "tinyproxy", self.url .. "/", p, waiter, dir .. "/stderr.log", 30)
-  if not ok then
-    self:stop()
-    error(err, 0)
-  end
-  return self
+  return started(self, "tinyproxy", self.url .. "/", dir .. "/stderr.log", 30)
 end
 
 --- proxy:connects(target) -> how many CONNECT requests to target ("host:port") it logged.

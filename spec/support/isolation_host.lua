@@ -12,27 +12,16 @@
 -- from Debian (python3, iproute2); a missing one raises a sentence naming the package, because
 -- the spec must fail loudly in CI rather than skip.
 local proc = require "moonbox.proc"
-local task = require "moonbox.task"
 local sys = require "moonbox.sys"
+local files = require "spec.support.files"
 
 local M = {}
 
 M.PYTHON = "/usr/bin/python3"
 M.IP = "/usr/sbin/ip"
 
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
-
-local function read(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local exists = files.exists
+local read = files.read
 M.read = read
 
 --- M.require_host_tools(): raises unless python3 and ip (Debian python3, iproute2) are there.
@@ -43,11 +32,73 @@ function M.require_host_tools()
     "to make its test network namespace")
 end
 
+--- M.run(argv[, what]) -> stdout of a host command that must succeed; raises naming what (or
+-- the command line), its exit status and its output otherwise. [yields]
 local function run(argv, what)
   local r = proc.run(argv)
   assert(r.code == 0, (what or table.concat(argv, " ")) .. " failed (exit " .. tostring(r.code) .. "): " ..
     r.stderr .. r.stdout)
   return r.stdout
+end
+M.run = run
+
+local Link = {}
+Link.__index = Link
+
+--- M.netns(t) -> link {ns, veth, peer, net, host_addr, addrs}: a network namespace of the spec's
+-- own making, named t.ns .. "-" .. tag, joined to the host by a veth pair (t.ifname .. tag ..
+-- "h" on the host, ... "n" inside) in a /t.bits of the private range t.range ("10.213") that no
+-- interface of this machine uses yet: host side .1 (host_addr), and inside the namespace the
+-- addresses ending in each of t.inside ({ 2 } by default; addrs, in that order), lo up.
+-- link:close() removes it; link.tag is the random tag in its names. [yields]
+function M.netns(t)
+  local tag = string.format("%06x", math.random(0, 0xffffff))
+  local link = setmetatable({ tag = tag, ns = t.ns .. "-" .. tag, veth = t.ifname .. tag .. "h",
+    peer = t.ifname .. tag .. "n", addrs = {} }, Link)
+  local used = run({ M.IP, "-4", "-o", "addr", "show" }, "listing the host's addresses")
+  for _ = 1, 50 do
+    local n = math.random(0, 255)
+    if not used:find(t.range:gsub("%.", "%%.") .. "%." .. n .. "%.") then
+      link.net = t.range .. "." .. n
+      break
+    end
+  end
+  assert(link.net, "no free " .. t.range .. ".N.0/" .. t.bits .. " on this machine")
+  link.host_addr = link.net .. ".1"
+  local mask = "/" .. t.bits
+  run { M.IP, "netns", "add", link.ns }
+  link.made = true
+  local ok, err = pcall(function()
+    run { M.IP, "link", "add", link.veth, "type", "veth", "peer", "name", link.peer }
+    run { M.IP, "link", "set", link.peer, "netns", link.ns }
+    run { M.IP, "addr", "add", link.host_addr .. mask, "dev", link.veth }
+    run { M.IP, "link", "set", link.veth, "up" }
+    for i, last in ipairs(t.inside or { 2 }) do
+      link.addrs[i] = link.net .. "." .. last
+      run { M.IP, "-n", link.ns, "addr", "add", link.addrs[i] .. mask, "dev", link.peer }
+    end
+    run { M.IP, "-n", link.ns, "link", "set", link.peer, "up" }
+    run { M.IP, "-n", link.ns, "link", "set", "lo", "up" }
+  end)
+  if not ok then
+    link:close()
+    error(err, 0)
+  end
+  return link
+end
+
+--- link:close(): removes the veth pair and the namespace (what runs in it should be gone). [yields]
+function Link:close()
+  if not self.made then return end
+  self.made = false
+  proc.run { M.IP, "link", "del", self.veth }
+  proc.run { M.IP, "netns", "del", self.ns }
+end
+
+--- M.until_ready(what, check[, seconds]): polls check() until it returns true, for at most
+-- seconds (20 by default): a server starting up gives no event to wait for. [yields]
+function M.until_ready(what, check, seconds)
+  require("spec.support.poll").wait(seconds or 20, check, what .. " to come up")
 end
 
 -- Accepts connections forever; prints "conn <peer port>" for each, sends the secret and closes.
@@ -123,46 +174,22 @@ TestHost.__index = TestHost
 -- spec, joined to the host by a veth pair in 10.213.N.0/30 (host side .1, namespace side .2),
 -- with an HTTP server at http://addr:port/ that serves /marker (the text marker). [yields]
 function M.test_host()
-  local tag = string.format("%06x", math.random(0, 0xffffff))
-  local self = setmetatable({ ns = "mbiso-" .. tag, veth = "mbi" .. tag .. "h", peer = "mbi" .. tag .. "n",
-    marker = "test-host-" .. tag .. "-" .. math.random(1e9), port = 18000 + math.random(0, 999) }, TestHost)
-  -- a /30 no interface of this machine uses yet
-  local used = run({ M.IP, "-4", "-o", "addr", "show" }, "listing the host's addresses")
-  for _ = 1, 50 do
-    local n = math.random(0, 255)
-    if not used:find("10%.213%." .. n .. "%.") then
-      self.net = "10.213." .. n
-      break
-    end
-  end
-  assert(self.net, "no free 10.213.N.0/30 on this machine")
-  self.host_addr, self.addr = self.net .. ".1", self.net .. ".2"
+  local link = M.netns { ns = "mbiso", ifname = "mbi", range = "10.213", bits = 30 }
+  local tag = link.tag
+  local self = setmetatable({ link = link, ns = link.ns, net = link.net, host_addr = link.host_addr,
+    addr = link.addrs[1], marker = "test-host-" .. tag .. "-" .. math.random(1e9),
+    port = 18000 + math.random(0, 999) }, TestHost)
   self.dir = os.tmpname()
   os.remove(self.dir)
   sys.mkdir_p(self.dir, tonumber("755", 8))
-  local f = assert(io.open(self.dir .. "/marker", "wb"))
-  f:write(self.marker)
-  f:close()
-  run { M.IP, "netns", "add", self.ns }
-  self.made = true
-  run { M.IP, "link", "add", self.veth, "type", "veth", "peer", "name", self.peer }
-  run { M.IP, "link", "set", self.peer, "netns", self.ns }
-  run { M.IP, "addr", "add", self.host_addr .. "/30", "dev", self.veth }
-  run { M.IP, "link", "set", self.veth, "up" }
-  run { M.IP, "-n", self.ns, "addr", "add", self.addr .. "/30", "dev", self.peer }
-  run { M.IP, "-n", self.ns, "link", "set", self.peer, "up" }
-  run { M.IP, "-n", self.ns, "link", "set", "lo", "up" }
+  files.write(self.dir .. "/marker", self.marker)
   self.server = proc.spawn { M.IP, "netns", "exec", self.ns, M.PYTHON, "-m", "http.server", "--bind",
     self.addr, "--directory", self.dir, tostring(self.port), stdout = "null", stderr = "null" }
-  -- ready once the host can fetch the marker through the veth (polled, with a deadline)
-  local deadline = task.now() + 20
-  while true do
+  -- ready once the host can fetch the marker through the veth
+  M.until_ready("the test host in namespace " .. self.ns .. " at " .. self.addr .. ":" .. self.port, function()
     local r = proc.run { "curl", "-s", "--max-time", "2", "http://" .. self.addr .. ":" .. self.port .. "/marker" }
-    if r.stdout == self.marker then break end
-    assert(task.now() < deadline, "the test host in namespace " .. self.ns .. " did not answer at " ..
-      self.addr .. ":" .. self.port)
-    task.sleep(0.05)
-  end
+    return r.stdout == self.marker
+  end)
   return self
 end
 
@@ -171,10 +198,7 @@ function TestHost:close()
     self.server:kill("KILL")
     pcall(self.server.wait, self.server)
   end
-  if self.made then
-    proc.run { M.IP, "link", "del", self.veth }
-    proc.run { M.IP, "netns", "del", self.ns }
-  end
+  self.link:close()
   if self.dir then proc.run { "rm", "-rf", "--", self.dir } end
 end
 

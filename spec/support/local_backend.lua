@@ -83,6 +83,26 @@ function M.start(opts)
   return self
 end
 
+--- M.fixture(setup, teardown, ready, opts): the preamble of the specs that drive moonbox.render
+-- in their own process: through the spec's busted setup and teardown (pass them: a support
+-- module does not see a spec's environment), setup starts a backend (M.start(opts)), points
+-- moonbox.render at it and hands it to ready(backend), which may make more (a kept sandbox)
+-- and return a function that undoes that; teardown calls it, then destroys the backend.
+-- opts.render = false: leave moonbox.render alone (specs that only run moonbox commands).
+function M.fixture(setup, teardown, ready, opts)
+  local T = require "moonbox.testing"
+  local b, undo
+  setup(T.async(function()
+    b = M.start(opts)
+    if not (opts and opts.render == false) then b:connect_render() end
+    undo = ready(b)
+  end))
+  teardown(T.async(function()
+    if undo then undo() end
+    if b then b:destroy() end
+  end))
+end
+
 --- backend:connect_render(): points moonbox.render at this backend. [yields]
 function Backend:connect_render()
   require("moonbox.render").connect { backend = self.url, api_key = self.key, workspace = self.workspace }
@@ -107,6 +127,13 @@ function Backend:stop()
   self.p:kill("TERM")
   self.p:wait()
   if self.edge then self.edge:stop() end
+end
+
+--- backend:faults(spec): replaces the backend's injected faults with spec (the --faults rule
+-- text, or a table of rules; "" clears them); raises unless the backend took them. [yields]
+function Backend:faults(spec)
+  local status, body = self:req("PUT", "/_moonbox/faults", { body = spec })
+  if status ~= 200 then error("PUT /_moonbox/faults answered " .. tostring(status) .. ": " .. json.encode(body), 2) end
 end
 
 --- backend:destroy(): stop and remove the state directory. [yields]

@@ -17,41 +17,21 @@
 -- programs come from Debian (nginx-light, dnsmasq-base, openssl, python3, iproute2); a missing
 -- one raises a sentence naming its package.
 local proc = require "moonbox.proc"
-local task = require "moonbox.task"
 local sys = require "moonbox.sys"
 local H = require "spec.support.isolation_host"
+local files = require "spec.support.files"
 
 local M = {}
 
 M.NGINX, M.DNSMASQ, M.OPENSSL = "/usr/sbin/nginx", "/usr/sbin/dnsmasq", "/usr/bin/openssl"
 
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local exists = files.exists
 
-local function run(argv, what)
-  local r = proc.run(argv)
-  assert(r.code == 0, (what or table.concat(argv, " ")) .. " failed (exit " .. tostring(r.code) .. "): " ..
-    r.stderr .. r.stdout)
-  return r.stdout
-end
+local run = H.run
 
-local function write(path, text)
-  local f = assert(io.open(path, "wb"))
-  f:write(text)
-  f:close()
-end
+local write = files.write
 
--- Polls check() until it returns true, for at most 20 s (a server starting up). [yields]
-local function until_ready(what, check)
-  local deadline = task.now() + 20
-  while not check() do
-    assert(task.now() < deadline, what .. " did not come up within 20 s")
-    task.sleep(0.05)
-  end
-end
+local until_ready = H.until_ready
 
 local NGINX_CONF = [[
 daemon off;
@@ -136,31 +116,12 @@ function M.start(opts)
     assert(exists(path), "the allow-list spec needs " .. path .. " on the host (Debian package " .. pkg .. ")")
   end
   H.require_host_tools()
-  local tag = string.format("%06x", math.random(0, 0xffffff))
-  local self = setmetatable({ ns = "mbal-" .. tag, veth = "mba" .. tag .. "h", peer = "mba" .. tag .. "n",
-    procs = {} }, Net)
-  local used = run({ H.IP, "-4", "-o", "addr", "show" }, "listing the host's addresses")
-  for _ = 1, 50 do
-    local n = math.random(0, 255)
-    if not used:find("10%.214%." .. n .. "%.") then
-      self.net = "10.214." .. n
-      break
-    end
-  end
-  assert(self.net, "no free 10.214.N.0/24 on this machine")
-  self.host_addr, self.addr, self.far = self.net .. ".1", self.net .. ".2", self.net .. ".3"
+  local link = H.netns { ns = "mbal", ifname = "mba", range = "10.214", bits = 24, inside = { 2, 3 } }
+  local tag = link.tag
+  local self = setmetatable({ link = link, ns = link.ns, net = link.net, host_addr = link.host_addr,
+    addr = link.addrs[1], far = link.addrs[2], procs = {} }, Net)
   self.dir = run({ "mktemp", "-d", "/tmp/moonbox-named-net.XXXXXX" }):gsub("%s+$", "")
   sys.mkdir_p(self.dir .. "/tmp", tonumber("755", 8))
-  run { H.IP, "netns", "add", self.ns }
-  self.made = true
-  run { H.IP, "link", "add", self.veth, "type", "veth", "peer", "name", self.peer }
-  run { H.IP, "link", "set", self.peer, "netns", self.ns }
-  run { H.IP, "addr", "add", self.host_addr .. "/24", "dev", self.veth }
-  run { H.IP, "link", "set", self.veth, "up" }
-  run { H.IP, "-n", self.ns, "addr", "add", self.addr .. "/24", "dev", self.peer }
-  run { H.IP, "-n", self.ns, "addr", "add", self.far .. "/24", "dev", self.peer }
-  run { H.IP, "-n", self.ns, "link", "set", self.peer, "up" }
-  run { H.IP, "-n", self.ns, "link", "set", "lo", "up" }
 
   -- a CA and a server certificate for every name the servers answer to
   local d = self.dir
@@ -230,10 +191,7 @@ function Net:close()
     pcall(p.kill, p, "KILL")
     pcall(p.wait, p)
   end
-  if self.made then
-    proc.run { H.IP, "link", "del", self.veth }
-    proc.run { H.IP, "netns", "del", self.ns }
-  end
+  self.link:close()
   if self.dir then proc.run { "rm", "-rf", "--", self.dir } end
 end
 

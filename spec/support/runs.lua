@@ -29,6 +29,84 @@ function M.home(backend)
     Home)
 end
 
+--- runs.fixture(setup, teardown, ready, opts): the preamble of the specs that run moonbox
+-- commands against one real `moonbox local`: through the spec's own busted setup and teardown
+-- (pass them: a support module does not see a spec's environment), setup starts a backend
+-- (local_backend.fixture, moonbox.render left alone; opts as for local_backend.start) and a
+-- fresh home pointed at it and hands both to ready(B, home); teardown destroys the home, then
+-- the backend.
+function M.fixture(setup, teardown, ready, opts)
+  local o = { render = false }
+  for k, v in pairs(opts or {}) do o[k] = v end
+  L.fixture(setup, teardown, function(b)
+    local h = M.home(b)
+    ready(b, h)
+    return function() h:destroy() end
+  end, o)
+end
+
+--- runs.check_clean(B, home, what, mark): after a run that began at journal seq mark, waits for
+-- the backend to finish what it still works on (a client gone is no reason for it to stop), then
+-- raises, naming what, unless it lists no live sandbox and `moonbox ps` of home succeeds
+-- holding nothing. [yields]
+function M.check_clean(b, home, what, mark)
+  M.settled(b, mark)
+  local live = M.live(b)
+  if next(live) then error(what .. ": sandboxes left running: " .. json.encode(live), 2) end
+  local ps = home:moonbox("ps")
+  if ps.code ~= 0 then error(what .. ": moonbox ps exited " .. tostring(ps.code) .. ": " .. ps.stderr, 2) end
+  if ps.stdout:find("holds", 1, true) then error(what .. ": moonbox ps still holds:\n" .. ps.stdout, 2) end
+end
+
+--- runs.repeat_failing(b, home, t) -> how many creates the backend answered over all runs: the
+-- loop of the lifecycle repros. t.times times: sets the backend's faults to t.faults, calls
+-- t.run() (-> {code, stdout, stderr} of one moonbox command), clears the faults, and raises
+-- unless that run exited 1 with stderr matching the pattern t.failure, t.check(r, what) (when
+-- given) passes, and check_clean finds nothing left. t.label names a run in errors ("run").
+-- [yields]
+function M.repeat_failing(b, home, t)
+  local answered = 0
+  for i = 1, t.times do
+    local mark = M.last_seq(b)
+    b:faults(t.faults)
+    local r = t.run()
+    b:faults("")
+    local what = string.format("%s %d of %d: %s", t.label or "run", i, t.times, r.stderr)
+    if r.code ~= 1 then error(what .. ": exited " .. tostring(r.code) .. ", not 1\n" .. r.stdout, 2) end
+    if not r.stderr:find(t.failure) then error(what .. ": stderr does not match " .. t.failure, 2) end
+    if t.check then t.check(r, what) end
+    M.check_clean(b, home, what, mark)
+    answered = answered + M.creates_answered(b, mark) -- once settled: the creates it finished too
+  end
+  return answered
+end
+
+--- runs.sibling_fails(n, after, work) -> the text of a recipe whose task.map of n items has
+-- its first item fail with error("x") — at the recipe's line 4 — `after` seconds in, while every
+-- other item runs the Lua statement(s) work: the lifecycle repros' cancellation.
+function M.sibling_fails(n, after, work)
+  local items = {}
+  for i = 1, n do items[i] = i end
+  return string.format([[
+local render = require "moonbox.render"
+local task = require "moonbox.task"
+task.map({ %s }, function(i)
+  if i == 1 then task.sleep(%s) error("x") end
+  %s
+end)
+]], table.concat(items, ", "), after, work)
+end
+
+--- runs.creates_answered(b, mark) -> how many sandbox creates (POST /v1/sandboxes) the backend
+-- answered 201 after journal seq mark. [yields]
+function M.creates_answered(b, mark)
+  local n = 0
+  for _, e in ipairs(M.requests(b, mark, "POST", "/v1/sandboxes")) do
+    if e.status == 201 then n = n + 1 end
+  end
+  return n
+end
+
 --- home:on(backend) -> the same home (same ledger, same recipes directory) with its commands
 -- pointed at another backend.
 function Home:on(backend)
@@ -135,6 +213,41 @@ function M.live(b)
   return out
 end
 
+--- runs.fanout(kind, t) -> the text of a recipe that fans out to t.n sandboxes (20) and execs
+-- `echo` in each: kind "task.map" (t.n creates, t.concurrency at a time (8), each then t.execs
+-- execs (1)) or "render.restore" (a fleet of t.n made 8 at a time, then one exec in each,
+-- t.exec_concurrency at a time (8)): what the SIGKILL repros kill at random points.
+function M.fanout(kind, t)
+  t = t or {}
+  if kind == "task.map" then
+    return string.format([[
+local render = require "moonbox.render"
+local task = require "moonbox.task"
+local items = {}
+for i = 1, %d do items[i] = i end
+task.map(items, function(i)
+  local sb <close> = render.sandboxes.create {}
+  for _ = 1, %d do sb:exec("echo " .. i):check() end
+end, { concurrency = %d })
+]], t.n or 20, t.execs or 1, t.concurrency or 8)
+  end
+  assert(kind == "render.restore", "no fan-out recipe of kind " .. tostring(kind))
+  return string.format([[
+local render = require "moonbox.render"
+local task = require "moonbox.task"
+local fleet <close> = render.restore(nil, { count = %d, concurrency = 8 })
+task.map(fleet, function(sb, i) sb:exec("echo " .. i):check() end, { concurrency = %d })
+]], t.n or 20, t.exec_concurrency or 8)
+end
+
+--- runs.keys(set) -> the keys of set, sorted.
+function M.keys(set)
+  local out = {}
+  for k in pairs(set) do out[#out + 1] = k end
+  table.sort(out)
+  return out
+end
+
 --- runs.count(set) -> number of keys.
 function M.count(set)
   local n = 0
@@ -152,6 +265,16 @@ function M.journal(b, since)
   local out = {}
   for _, e in ipairs(json.decode(r.body)) do
     if not e.path:match("^/_moonbox") then out[#out + 1] = e end
+  end
+  return out
+end
+
+--- runs.requests(b, since, method, path) -> the journal entries (runs.journal) after seq
+-- since whose method and path are those, oldest first. [yields]
+function M.requests(b, since, method, path)
+  local out = {}
+  for _, e in ipairs(M.journal(b, since)) do
+    if e.method == method and e.path == path then out[#out + 1] = e end
   end
   return out
 end

@@ -14,6 +14,21 @@ Env.__index = Env
 
 M.START = "2026-03-01T00:00:00Z"
 
+--- schedule_env.with_backend(setup, teardown, ready, env): for a describe whose test schedules
+-- against a real `moonbox local`, through its busted setup and teardown (pass them: a support
+-- module does not see a spec's environment): setup starts one and hands it to ready(B);
+-- teardown destroys the test's env (whatever env() returns then: an Env, or anything with a
+-- destroy method), then the backend.
+function M.with_backend(setup, teardown, ready, env)
+  L.fixture(setup, teardown, function(b)
+    ready(b)
+    return function()
+      local e = env()
+      if e then e:destroy() end
+    end
+  end, { render = false })
+end
+
 --- schedule_env.new(recipe, o) -> Env: o.scale (test clock speed, default 600), o.env (extra
 -- NAME=VALUE strings, e.g. a PostgreSQL store's), o.backend (a spec.support.local_backend whose
 -- key, workspace and URL the commands get; default: an address nothing listens on),

@@ -8,7 +8,8 @@ M.O755 = tonumber("755", 8)
 
 --- ustar.member(m) -> the bytes of one member. m: name, type ("0" file, "1" hard link, "2"
 -- symlink, "3" character device, "4" block device, "5" directory, "6" fifo), link, data, mode,
--- major, minor. Raises when a name does not fit its header field.
+-- uid, gid (0), mtime (1700000000), major, minor. Raises when a name does not fit its header
+-- field.
 function M.member(m)
   local function field(s, n)
     s = s or ""
@@ -17,8 +18,8 @@ function M.member(m)
   end
   local function num(v, n) return ("%0" .. (n - 1) .. "o"):format(v) .. "\0" end
   local data = m.data or ""
-  local h = field(m.name, 100) .. num(m.mode or M.O644, 8) .. num(0, 8) .. num(0, 8)
-    .. num(#data, 12) .. num(1700000000, 12) .. ("        ") .. (m.type or "0")
+  local h = field(m.name, 100) .. num(m.mode or M.O644, 8) .. num(m.uid or 0, 8) .. num(m.gid or 0, 8)
+    .. num(#data, 12) .. num(m.mtime or 1700000000, 12) .. ("        ") .. (m.type or "0")
     .. field(m.link, 100) .. "ustar\0" .. "00" .. field("root", 32) .. field("root", 32)
     .. num(m.major or 0, 8) .. num(m.minor or 0, 8) .. field("", 155) .. field("", 12)
   assert(#h == 512)
