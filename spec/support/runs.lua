@@ -116,16 +116,10 @@ end
 --- home:state_dir() -> the embedded backend's state dir of this home.
 function Home:state_dir() return self.dir .. "/.local/state/moonbox/local" end
 
---- runs.images() -> where the local backend's base images are cached for this process
--- ($MOONBOX_IMAGES, else $XDG_CACHE_HOME or ~/.cache, then /moonbox/images). A home of its own
--- must not move that cache: building an image takes minutes.
-function M.images()
-  local d = os.getenv("MOONBOX_IMAGES")
-  if d and d ~= "" then return d end
-  local cache = os.getenv("XDG_CACHE_HOME")
-  if not cache or cache == "" then cache = (os.getenv("HOME") or "/root") .. "/.cache" end
-  return cache .. "/moonbox/images"
-end
+--- runs.images() -> where the local backend's base images are cached for this process (the
+-- backend's own rule, moonbox.local.image.dir). A home of its own must not move that cache:
+-- building an image takes minutes.
+M.images = require("moonbox.local.image").dir
 
 --- home:argv(args) -> argv of `env ... moonbox ARGS...` for this home.
 function Home:argv(args)
