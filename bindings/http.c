@@ -112,6 +112,15 @@ static const char *opt_string(lua_State *L, int t, const char *k)
     return s;
 }
 
+/* Copies src into dst (n bytes), cut to fit and NUL-terminated (snprintf "%s", minus the
+ * format parsing: this runs twice per request). */
+static void copy_cut(char *dst, size_t n, const char *src)
+{
+    size_t len = strnlen(src, n - 1);
+    memcpy(dst, src, len);
+    dst[len] = '\0';
+}
+
 static int valid_header_text(const char *s, size_t n)
 {
     for (size_t i = 0; i < n; i++)
@@ -296,8 +305,8 @@ static http_op *start_op(lua_State *L, http_op *op, int stream)
         spec.max_body = (size_t)luaL_checkinteger(L, -1);
     lua_pop(L, 1);
 
-    snprintf(op->method, sizeof op->method, "%s", spec.method ? spec.method : "GET");
-    snprintf(op->url, sizeof op->url, "%s", spec.url);
+    copy_cut(op->method, sizeof op->method, spec.method ? spec.method : "GET");
+    copy_cut(op->url, sizeof op->url, spec.url);
     op->stream = stream;
     char err[512];
     op->req = http_request_start(get_client(L), &spec, notify_cb, op, err, sizeof err);
@@ -370,7 +379,7 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
         free(op);
         return lua_error(L);
     }
-    lua_createtable(L, 0, 4);
+    lua_createtable(L, 0, 5); /* status, http_version, remote_ip, headers, body */
     mb_setfield_int(L, -1, "status", http_request_status(op->req));
     int hv = http_request_http_version(op->req);
     if (hv) {

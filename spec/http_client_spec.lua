@@ -109,6 +109,53 @@ describe("http.request", function()
   end))
 end)
 
+describe("http.request on a reused handle", function()
+  -- Requests one after the other reuse one easy handle and, when it was set up for the same
+  -- options, keep its options (runtime/http_client.c, "handle reuse"): nothing of the request
+  -- before may carry over.
+  it("carries no option of the request before it", with_server(function(srv)
+    local seen
+    srv:route("*", "/echo", function(req)
+      seen = { method = req.method, body = req.body, a = req.headers["x-a"],
+        enc = req.headers["accept-encoding"] }
+      return 200, "body"
+    end)
+    srv:route("GET", "/slow", function()
+      task.sleep(0.5)
+      return 200, "late"
+    end)
+    local url = srv.url .. "/echo"
+    local function get(opts)
+      opts.url = opts.url or url
+      local r = http.request(opts)
+      assert.are.equal(200, r.status)
+      return r
+    end
+    get { headers = { ["X-A"] = "1" } }
+    assert.are.equal("1", seen.a)
+    get {}
+    assert.is_nil(seen.a)
+    assert.are.equal("", get { method = "HEAD" }.body)
+    assert.are.equal("body", get {}.body)
+    assert.are.equal("GET", seen.method)
+    get { method = "PUT", body = "put body" }
+    assert.are.same({ "PUT", "put body" }, { seen.method, seen.body })
+    get {}
+    assert.are.same({ "GET", "" }, { seen.method, seen.body })
+    get { method = "DELETE" }
+    assert.are.equal("DELETE", seen.method)
+    get {}
+    assert.are.equal("GET", seen.method)
+    get { accept_encoding = "gzip" }
+    assert.are.equal("gzip", seen.enc)
+    get {}
+    assert.is_nil(seen.enc)
+    -- a timeout of the request before does not cut this one short
+    get { timeout = 0.2 }
+    assert.are.equal("late", get { url = srv.url .. "/slow" }.body)
+  end))
+end)
+
 describe("http.request failures", function()
   it("makes connection refused a retryable connect_failed error", T.async(function()
     local ok, err = pcall(http.request, { url = "http://127.0.0.1:1/x" })
