@@ -19,7 +19,6 @@
 #include <string.h>
 
 #define RESPONSE_MT "moonbox.http.Response"
-#define OP_GUARD_MT "moonbox.http.OpGuard"
 #define CLIENT_KEY  "moonbox.http.client"
 
 #define DEFAULT_MAX_BODY   (256u * 1024 * 1024)
@@ -140,8 +139,20 @@ static struct {
     size_t n, cap_n;
 } g_hdr;
 
-/* Frees g_hdr's buffers; the __gc of a registry sentinel made by luaopen_moonbox_http, so they
- * go when the state closes (before the module itself may be unloaded). */
+/* The ops of whole-body requests: a few finished ones kept for the next (like g_hdr, for the one
+ * Lua state that drives the client), so a request allocates none. op_next hands out the op the
+ * next request will use, zeroed, while it stays here: if reading the options raises, nothing
+ * needs freeing; op_take then takes it once the request started. */
+#define OPS_KEEP 16
+static struct {
+    http_op *spare[OPS_KEEP];
+    int n;
+    int closed; /* the state is closing (hdr_gc ran): ops are freed, not kept */
+} g_ops;
+
+/* Frees g_hdr's buffers and the kept ops; the __gc of a registry sentinel made by
+ * luaopen_moonbox_http, so they go when the state closes (before the module itself may be
+ * unloaded). */
 static int hdr_gc(lua_State *L)
 {
     (void)L;
@@ -149,6 +160,9 @@ static int hdr_gc(lua_State *L)
     free(g_hdr.offs);
     free(g_hdr.lines);
     memset(&g_hdr, 0, sizeof g_hdr);
+    while (g_ops.n > 0)
+        free(g_ops.spare[--g_ops.n]);
+    g_ops.closed = 1;
     return 0;
 }
 
@@ -254,6 +268,54 @@ static void notify_cb(http_request *r, void *ud, int events)
     if (op->waiter && (op->stream || (events & HTTP_EV_DONE))) mb_task_wake(op->waiter);
 }
 
+/* The options start_op reads, in the order it reads them; a bit each in options_present. */
+static const char *const option_names[] = {
+    "url",           "method",          "headers",         "body",    "body_file",
+    "output_file",   "accept_encoding", "connect_timeout", "timeout", "idle_timeout",
+    "fresh_connect", "no_resend",       "resolve",         "buffer",  "max_body",
+};
+enum {
+    OPT_METHOD = 1 << 1,
+    OPT_HEADERS = 1 << 2,
+    OPT_BODY = 1 << 3,
+    OPT_BODY_FILE = 1 << 4,
+    OPT_OUTPUT_FILE = 1 << 5,
+    OPT_ACCEPT_ENCODING = 1 << 6,
+    OPT_CONNECT_TIMEOUT = 1 << 7,
+    OPT_TIMEOUT = 1 << 8,
+    OPT_IDLE_TIMEOUT = 1 << 9,
+    OPT_FRESH_CONNECT = 1 << 10,
+    OPT_NO_RESEND = 1 << 11,
+    OPT_RESOLVE = 1 << 12,
+    OPT_BUFFER = 1 << 13,
+    OPT_MAX_BODY = 1 << 14,
+};
+
+/* Which of option_names the table at t has (bit i for option_names[i]): one pass over its
+ * keys instead of a look-up per option, most of them absent in most requests. Every bit when
+ * the table has a metatable (its __index may supply any option). */
+static unsigned options_present(lua_State *L, int t)
+{
+    if (lua_getmetatable(L, t)) {
+        lua_pop(L, 1);
+        return ~0u;
+    }
+    unsigned bits = 0;
+    lua_pushnil(L);
+    while (lua_next(L, t)) {
+        lua_pop(L, 1);
+        if (lua_type(L, -1) != LUA_TSTRING) continue;
+        size_t n;
+        const char *k = lua_tolstring(L, -1, &n);
+        for (size_t i = 0; i < sizeof option_names / sizeof option_names[0]; i++)
+            if (strncmp(k, option_names[i], n + 1) == 0) {
+                bits |= 1u << i;
+                break;
+            }
+    }
+    return bits;
+}
+
 /* Starts the request described by the options table at index 1 (url required; method, headers,
  * body or body_file, output_file, accept_encoding, the three timeouts in seconds,
  * fresh_connect, no_resend, resolve, buffer, max_body) on the state's client, with op as the
@@ -265,45 +327,57 @@ static void notify_cb(http_request *r, void *ud, int events)
 static http_op *start_op(lua_State *L, http_op *op, int stream)
 {
     luaL_checktype(L, 1, LUA_TTABLE);
+    unsigned has = options_present(L, 1);
     http_request_spec spec;
     memset(&spec, 0, sizeof spec);
     spec.url = opt_string(L, 1, "url");
     if (!spec.url) luaL_error(L, "http: option 'url' is required");
-    spec.method = opt_string(L, 1, "method");
+    if (has & OPT_METHOD) spec.method = opt_string(L, 1, "method");
     int top = lua_gettop(L);
-    spec.headers = collect_headers(L, 1);
-    if (lua_getfield(L, 1, "body") != LUA_TNIL) {
+    if (has & OPT_HEADERS) spec.headers = collect_headers(L, 1);
+    if ((has & OPT_BODY) && lua_getfield(L, 1, "body") != LUA_TNIL) {
         if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "http: option 'body' must be a string");
         spec.body = lua_tolstring(L, -1, &spec.body_len);
         spec.has_body = 1;
     }
-    lua_pop(L, 1);
-    spec.body_file = opt_string(L, 1, "body_file");
-    spec.output_file = opt_string(L, 1, "output_file");
-    spec.accept_encoding = opt_string(L, 1, "accept_encoding");
-    spec.connect_timeout_ms = (long)(opt_seconds(L, 1, "connect_timeout") * 1000);
-    spec.timeout_ms = (long)(opt_seconds(L, 1, "timeout") * 1000);
-    spec.idle_timeout_ms = (long)(opt_seconds(L, 1, "idle_timeout") * 1000);
-    lua_getfield(L, 1, "fresh_connect");
-    spec.fresh_connect = lua_toboolean(L, -1);
-    lua_pop(L, 1);
-    if (lua_getfield(L, 1, "no_resend") == LUA_TSTRING) {
-        if (strcmp(lua_tostring(L, -1), "reuse") != 0)
-            luaL_error(L, "http: option 'no_resend' must be true, false or \"reuse\"");
-        spec.no_resend = HTTP_NO_RESEND_REUSE;
-    } else {
-        spec.no_resend = lua_toboolean(L, -1) ? HTTP_NO_RESEND : 0;
+    if (has & OPT_BODY) lua_pop(L, 1);
+    if (has & OPT_BODY_FILE) spec.body_file = opt_string(L, 1, "body_file");
+    if (has & OPT_OUTPUT_FILE) spec.output_file = opt_string(L, 1, "output_file");
+    if (has & OPT_ACCEPT_ENCODING) spec.accept_encoding = opt_string(L, 1, "accept_encoding");
+    if (has & OPT_CONNECT_TIMEOUT)
+        spec.connect_timeout_ms = (long)(opt_seconds(L, 1, "connect_timeout") * 1000);
+    if (has & OPT_TIMEOUT) spec.timeout_ms = (long)(opt_seconds(L, 1, "timeout") * 1000);
+    if (has & OPT_IDLE_TIMEOUT)
+        spec.idle_timeout_ms = (long)(opt_seconds(L, 1, "idle_timeout") * 1000);
+    if (has & OPT_FRESH_CONNECT) {
+        lua_getfield(L, 1, "fresh_connect");
+        spec.fresh_connect = lua_toboolean(L, -1);
+        lua_pop(L, 1);
     }
-    lua_pop(L, 1);
-    spec.resolve = collect_resolve(L, 1); /* left on the stack above anchor until the start */
+    if (has & OPT_NO_RESEND) {
+        if (lua_getfield(L, 1, "no_resend") == LUA_TSTRING) {
+            if (strcmp(lua_tostring(L, -1), "reuse") != 0)
+                luaL_error(L, "http: option 'no_resend' must be true, false or \"reuse\"");
+            spec.no_resend = HTTP_NO_RESEND_REUSE;
+        } else {
+            spec.no_resend = lua_toboolean(L, -1) ? HTTP_NO_RESEND : 0;
+        }
+        lua_pop(L, 1);
+    }
+    /* left on the stack above top until the start */
+    if (has & OPT_RESOLVE) spec.resolve = collect_resolve(L, 1);
     spec.stream = stream;
-    if (lua_getfield(L, 1, "buffer") != LUA_TNIL)
-        spec.stream_buffer = (size_t)luaL_checkinteger(L, -1);
-    lua_pop(L, 1);
+    if (has & OPT_BUFFER) {
+        if (lua_getfield(L, 1, "buffer") != LUA_TNIL)
+            spec.stream_buffer = (size_t)luaL_checkinteger(L, -1);
+        lua_pop(L, 1);
+    }
     spec.max_body = DEFAULT_MAX_BODY;
-    if (lua_getfield(L, 1, "max_body") != LUA_TNIL)
-        spec.max_body = (size_t)luaL_checkinteger(L, -1);
-    lua_pop(L, 1);
+    if (has & OPT_MAX_BODY) {
+        if (lua_getfield(L, 1, "max_body") != LUA_TNIL)
+            spec.max_body = (size_t)luaL_checkinteger(L, -1);
+        lua_pop(L, 1);
+    }
 
     copy_cut(op->method, sizeof op->method, spec.method ? spec.method : "GET");
     copy_cut(op->url, sizeof op->url, spec.url);
@@ -356,12 +430,40 @@ static void push_headers(lua_State *L, http_request *r)
 
 /* ---- http.request ---------------------------------------------------------------------------- */
 
+/* The op the next request will use (still kept in g_ops), zeroed; raises when out of memory. */
+static http_op *op_next(lua_State *L)
+{
+    if (g_ops.n == 0) {
+        http_op *op = (http_op *)malloc(sizeof *op);
+        if (!op) luaL_error(L, "http.request: out of memory");
+        g_ops.spare[g_ops.n++] = op;
+    }
+    http_op *op = g_ops.spare[g_ops.n - 1];
+    memset(op, 0, sizeof *op);
+    return op;
+}
+
+/* Takes the op op_next handed out. */
+static void op_take(void)
+{
+    g_ops.n--;
+}
+
+/* Gives a finished op back (or frees it when enough are kept). */
+static void op_release(http_op *op)
+{
+    if (g_ops.n < OPS_KEEP && !g_ops.closed)
+        g_ops.spare[g_ops.n++] = op;
+    else
+        free(op);
+}
+
 static void whole_abort(mb_task *t, void *ud)
 {
     http_op *op = (http_op *)ud;
     (void)t;
     http_request_free(op->req);
-    free(op);
+    op_release(op);
 }
 
 static int whole_k(lua_State *L, int status, lua_KContext ctx)
@@ -376,7 +478,7 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
     if (http_request_result(op->req) != HTTP_OK) {
         push_transfer_error(L, op);
         http_request_free(op->req);
-        free(op);
+        op_release(op);
         return lua_error(L);
     }
     lua_createtable(L, 0, 5); /* status, http_version, remote_ip, headers, body */
@@ -395,7 +497,7 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
     lua_pushlstring(L, body, len);
     lua_setfield(L, -2, "body");
     http_request_free(op->req);
-    free(op);
+    op_release(op);
     return 1;
 }
 
@@ -418,15 +520,11 @@ static int l_request(lua_State *L)
     mb_task *t = mb_task_check_yieldable(L, "http.request");
     luaL_checktype(L, 1, LUA_TTABLE);
     lua_settop(L, 1);
-    /* Until the park owns op, a guard frees it if reading the options raises. */
-    http_op **guard = (http_op **)lua_newuserdatauv(L, sizeof *guard, 0);
-    *guard = NULL;
-    luaL_setmetatable(L, OP_GUARD_MT);
-    http_op *op = (http_op *)calloc(1, sizeof *op);
-    if (!op) return luaL_error(L, "http.request: out of memory");
-    *guard = op;
-    if (!start_op(L, op, 0)) return lua_error(L); /* the guard frees op */
-    *guard = NULL;
+    /* op stays in g_ops until the request started: a raise while reading the options, or a
+     * request that cannot start, leaves nothing to free. */
+    http_op *op = op_next(L);
+    if (!start_op(L, op, 0)) return lua_error(L);
+    op_take();
     op->waiter = t;
     return mb_task_park(L, t, whole_abort, op, (lua_KContext)op, whole_k);
 }
@@ -878,14 +976,6 @@ static int resp_index(lua_State *L)
     return 1;
 }
 
-static int op_guard_gc(lua_State *L)
-{
-    http_op **guard = (http_op **)lua_touserdata(L, 1);
-    free(*guard);
-    *guard = NULL;
-    return 0;
-}
-
 /* http.curl_version() -> "7.88.1". */
 static int l_curl_version(lua_State *L)
 {
@@ -919,11 +1009,6 @@ int luaopen_moonbox_http(lua_State *L)
         lua_setfield(L, -2, "__close");
     }
     lua_pop(L, 1);
-    if (luaL_newmetatable(L, OP_GUARD_MT)) {
-        lua_pushcfunction(L, op_guard_gc);
-        lua_setfield(L, -2, "__gc");
-    }
-    lua_pop(L, 1);
     if (lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.http.scratch") == LUA_TNIL) {
         lua_newuserdatauv(L, 1, 0);
         lua_createtable(L, 0, 1);
@@ -931,6 +1016,7 @@ int luaopen_moonbox_http(lua_State *L)
         lua_setfield(L, -2, "__gc");
         lua_setmetatable(L, -2);
         lua_setfield(L, LUA_REGISTRYINDEX, "moonbox.http.scratch");
+        g_ops.closed = 0;
     }
     lua_pop(L, 1);
     luaL_newlib(L, funcs);
