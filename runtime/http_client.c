@@ -648,30 +648,34 @@ static void req_recycle(http_client *c, http_request *r)
     c->spare[c->nspare++] = r;
 }
 
-/* Points r->headers_out at "Expect:" (which stops curl waiting a second for 100-continue
- * before large uploads) followed by the lines of `headers`, reusing the list r already holds
- * (from the request it was before) when it has exactly those lines. Returns 0, or -1 when out of
- * memory. */
-static int set_headers(http_request *r, const char *const *headers)
+/* Points r->headers_out at the request's header list: "Expect:" when it has a body (which stops
+ * curl waiting a second for 100-continue before a large upload; without a body curl sends no
+ * Expect, and an empty list spares it looking through one), then the lines of `headers`; NULL
+ * when that is nothing. Reuses the list r already holds (from the request it was before) when it
+ * has exactly those lines. Returns 0, or -1 when out of memory. */
+static int set_headers(http_request *r, const char *const *headers, int expect)
 {
-    struct curl_slist *l = r->headers_out;
-    if (l) {
-        const struct curl_slist *n = l->next;
-        const char *const *h = headers;
-        while (n && h && *h && strcmp(n->data, *h) == 0) {
-            n = n->next;
+    const struct curl_slist *n = r->headers_out;
+    const char *const *h = headers;
+    int e = expect;
+    for (; n; n = n->next) {
+        const char *want = e ? "Expect:" : h && *h ? *h : NULL;
+        if (!want || strcmp(n->data, want) != 0) break;
+        if (e)
+            e = 0;
+        else
             h++;
-        }
-        if (!n && (!h || !*h)) return 0;
-        curl_slist_free_all(l);
-        r->headers_out = NULL;
     }
-    r->headers_out = curl_slist_append(NULL, "Expect:");
-    if (!r->headers_out) return -1;
-    struct curl_slist *tail = r->headers_out;
-    for (const char *const *h = headers; h && *h; h++) {
-        if (!curl_slist_append(tail, *h)) return -1;
-        tail = tail->next;
+    if (!n && !e && (!h || !*h)) return 0;
+    curl_slist_free_all(r->headers_out);
+    r->headers_out = NULL;
+    struct curl_slist *tail = NULL;
+    if (expect && !(tail = r->headers_out = curl_slist_append(NULL, "Expect:"))) return -1;
+    for (h = headers; h && *h; h++) {
+        struct curl_slist *l = curl_slist_append(tail, *h);
+        if (!l) return -1;
+        if (!tail) r->headers_out = l;
+        tail = tail ? tail->next : l;
     }
     return 0;
 }
@@ -1115,7 +1119,7 @@ http_request *http_request_start(http_client *c, const http_request_spec *spec,
     }
     pe->setup.owner = r;
 
-    if (set_headers(r, spec->headers) != 0) {
+    if (set_headers(r, spec->headers, spec->has_body || spec->body_file) != 0) {
         snprintf(err, errlen, "out of memory building request headers");
         http_request_free(r);
         return NULL;
