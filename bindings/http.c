@@ -405,6 +405,19 @@ static void push_transfer_error(lua_State *L, http_op *op)
         mb_setfield_int(L, -1, "status", http_request_status(op->req));
 }
 
+/* Whether a header before the i-th has the same name (only asked for the first few: beyond them
+ * the table itself is asked, as a quadratic scan would cost more). */
+static int header_seen(http_request *r, size_t i, const char *name, size_t nl)
+{
+    for (size_t j = 0; j < i; j++) {
+        const char *n, *v;
+        size_t l, vl;
+        http_request_header(r, j, &n, &l, &v, &vl);
+        if (l == nl && memcmp(n, name, nl) == 0) return 1;
+    }
+    return 0;
+}
+
 /* Pushes {name = value} of the response headers (repeated names joined with ", "). */
 static void push_headers(lua_State *L, http_request *r)
 {
@@ -415,14 +428,18 @@ static void push_headers(lua_State *L, http_request *r)
         size_t nl, vl;
         http_request_header(r, i, &name, &nl, &value, &vl);
         lua_pushlstring(L, name, nl);
-        lua_pushvalue(L, -1);
-        if (lua_rawget(L, -3) == LUA_TSTRING) {
-            lua_pushliteral(L, ", ");
+        if (i < 32 && !header_seen(r, i, name, nl)) {
             lua_pushlstring(L, value, vl);
-            lua_concat(L, 3);
         } else {
-            lua_pop(L, 1);
-            lua_pushlstring(L, value, vl);
+            lua_pushvalue(L, -1);
+            if (lua_rawget(L, -3) == LUA_TSTRING) {
+                lua_pushliteral(L, ", ");
+                lua_pushlstring(L, value, vl);
+                lua_concat(L, 3);
+            } else {
+                lua_pop(L, 1);
+                lua_pushlstring(L, value, vl);
+            }
         }
         lua_rawset(L, -3);
     }

@@ -386,8 +386,15 @@ static size_t header_cb(char *data, size_t size, size_t nitems, void *ud)
         /* A new response (after 1xx or a redirect): forget the previous one's headers. */
         r->nhdrs = 0;
         r->hlen = 0;
-        const char *sp = memchr(data, ' ', end);
-        r->status = sp ? strtol(sp + 1, NULL, 10) : 0;
+        const char *p = memchr(data, ' ', end), *e = data + end;
+        long status = 0; /* the digits after the version (strtol was a tenth of this callback) */
+        if (p) {
+            while (p < e && *p == ' ')
+                p++;
+            for (int d = 0; d < 5 && p < e && isdigit((unsigned char)*p); d++, p++)
+                status = status * 10 + (*p - '0');
+        }
+        r->status = status;
         return n;
     }
     if (end == 0) {
@@ -415,8 +422,10 @@ static size_t header_cb(char *data, size_t size, size_t nitems, void *ud)
     header *h = &r->hdrs[r->nhdrs++];
     h->name_off = r->hlen;
     h->name_len = name_len;
-    for (size_t i = 0; i < name_len; i++)
-        r->hbuf[r->hlen + i] = (char)tolower((unsigned char)data[i]);
+    for (size_t i = 0; i < name_len; i++) { /* ASCII only, as HTTP names are: no locale */
+        unsigned char ch = (unsigned char)data[i];
+        r->hbuf[r->hlen + i] = (char)((unsigned)(ch - 'A') < 26u ? ch + 32 : ch);
+    }
     r->hlen += name_len;
     h->value_off = r->hlen;
     h->value_len = value_len;

@@ -45,6 +45,15 @@ describe("http.request", function()
     assert.are.equal("text/plain", r.headers["content-type"])
   end))
 
+  it("joins the values of a repeated response header with a comma", with_server(function(srv)
+    srv:route("GET", "/many", function()
+      return 200, "", { ["X-Many"] = { "a", "b", "c" }, ["X-One"] = "1" }
+    end)
+    local r = http.request { url = srv.url .. "/many" }
+    assert.are.equal("a, b, c", r.headers["x-many"])
+    assert.are.equal("1", r.headers["x-one"])
+  end))
+
   it("sends the method, headers and a binary body as given", with_server(function(srv)
     local seen
     srv:route("*", "/echo", function(req)
