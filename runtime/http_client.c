@@ -876,8 +876,13 @@ static int connection_use(http_client *c, http_request *r, CURL *e, const http_r
     }
     if (r->resolve) curl_easy_setopt(e, CURLOPT_RESOLVE, r->resolve);
     /* A local backend (plain HTTP on loopback) is never asked for through http_proxy: the
-     * proxy's loopback is not ours. An empty CURLOPT_PROXY overrides the environment. */
-    if (ch->no_proxy) curl_easy_setopt(e, CURLOPT_PROXY, "");
+     * proxy's loopback is not ours. An empty CURLOPT_PROXY overrides the environment; the empty
+     * CURLOPT_NOPROXY beside it only spares curl reading no_proxy and NO_PROXY for every
+     * transfer (with no proxy there is nothing for them to exempt). */
+    if (ch->no_proxy) {
+        curl_easy_setopt(e, CURLOPT_PROXY, "");
+        curl_easy_setopt(e, CURLOPT_NOPROXY, "");
+    }
     if (spec->no_resend == HTTP_NO_RESEND) {
         int mux = origin_multiplexed(c, r->origin);
         int body = (spec->has_body && spec->body_len > 0) || spec->body_file;
