@@ -645,44 +645,89 @@ static int l_stream(lua_State *L)
     return mb_task_park(L, t, stream_open_abort, op, (lua_KContext)op, stream_open_k);
 }
 
-static int read_k(lua_State *L, int status, lua_KContext ctx);
+/* What a reader of a streamed response has next (body_next). */
+enum body_state { BODY_BYTES, BODY_END, BODY_WAIT };
 
-/* Returns 1 with a chunk pushed, 0 at the end, or raises; parks while nothing is buffered. */
-static int read_k(lua_State *L, int status, lua_KContext ctx)
+/* The start of resp:read, read_event and read_output and of their continuations: the response
+ * at index 1, no task waiting on it any more; raises if it was closed. */
+static http_op *reader_enter(lua_State *L, const char *what)
 {
     http_op *op = check_response(L, 1);
+    op->waiter = NULL;
+    if (op->closed) luaL_error(L, "%s: the response was closed", what);
+    return op;
+}
+
+/* The step the readers share: the body bytes buffered now (BODY_BYTES, *data and *len: the
+ * reader consumes them), the end of a body that arrived whole (BODY_END), or nothing yet with
+ * the transfer still running (BODY_WAIT: the reader parks with reader_park). Raises the
+ * transfer's structured error when it failed, with op->sse.fn reset first so that no later
+ * feed calls into a stack that is gone. */
+static enum body_state body_next(lua_State *L, http_op *op, const char **data, size_t *len)
+{
+    *data = http_request_peek(op->req, len);
+    if (*len > 0) return BODY_BYTES;
+    if (!http_request_done(op->req)) return BODY_WAIT;
+    if (http_request_result(op->req) != HTTP_OK) {
+        op->sse.fn = NULL;
+        push_transfer_error(L, op);
+        lua_error(L);
+    }
+    return BODY_END;
+}
+
+/* Parks the reading task until the transfer delivers more; k then runs again. [yields] */
+static int reader_park(lua_State *L, http_op *op, lua_KFunction k)
+{
+    mb_task *t = mb_task_of(L);
+    op->waiter = t;
+    return mb_task_park(L, t, stream_abort, op, 0, k);
+}
+
+/* Raises malformed_response for the event stream of op, as reader `what`, because of `why`. */
+static int raise_malformed(lua_State *L, http_op *op, const char *what, const char *why)
+{
+    mb_error_new(L, what, "malformed_response", "%s %s: event stream: %s", op->method, op->url,
+                 why);
+    return lua_error(L);
+}
+
+/* Runs reader k (read_k, read_event_k, read_output_k) on the response at index 1 for a task
+ * that can wait. [yields] */
+static int reader_start(lua_State *L, const char *what, lua_KFunction k)
+{
+    check_response(L, 1);
+    mb_task_check_yieldable(L, what);
+    lua_settop(L, 1);
+    return k(L, LUA_OK, 0);
+}
+
+/* Returns 1 with a chunk pushed, or nil at the end; raises; parks while nothing is buffered. */
+static int read_k(lua_State *L, int status, lua_KContext ctx)
+{
     (void)status;
     (void)ctx;
-    op->waiter = NULL;
-    if (op->closed) return luaL_error(L, "response:read: the response was closed");
+    http_op *op = reader_enter(L, "response:read");
+    const char *data;
     size_t len;
-    const char *data = http_request_peek(op->req, &len);
-    if (len > 0) {
+    switch (body_next(L, op, &data, &len)) {
+    case BODY_BYTES:
         lua_pushlstring(L, data, len);
         http_request_consume(op->req, len);
         return 1;
-    }
-    if (http_request_done(op->req)) {
-        if (http_request_result(op->req) != HTTP_OK) {
-            push_transfer_error(L, op);
-            return lua_error(L);
-        }
+    case BODY_END:
         lua_pushnil(L);
         return 1;
+    default:
+        return reader_park(L, op, read_k);
     }
-    mb_task *t = mb_task_of(L);
-    op->waiter = t;
-    return mb_task_park(L, t, stream_abort, op, 0, read_k);
 }
 
 /* resp:read() -> the next chunk of the body (a string), or nil at its end. Raises the
  * transfer's structured error if it failed midway (e.g. connection_reset). [yields] */
 static int resp_read(lua_State *L)
 {
-    check_response(L, 1);
-    mb_task_check_yieldable(L, "response:read");
-    lua_settop(L, 1);
-    return read_k(L, LUA_OK, 0);
+    return reader_start(L, "response:read", read_k);
 }
 
 typedef struct event_sink {
@@ -724,11 +769,9 @@ static int dequeue_event(lua_State *L, http_op *op, int queue)
  * later feed never calls into a dead stack. [yields] */
 static int read_event_k(lua_State *L, int status, lua_KContext ctx)
 {
-    http_op *op = check_response(L, 1);
     (void)status;
     (void)ctx;
-    op->waiter = NULL;
-    if (op->closed) return luaL_error(L, "response:read_event: the response was closed");
+    http_op *op = reader_enter(L, "response:read_event");
     lua_getiuservalue(L, 1, 1);
     if (lua_getfield(L, -1, "events") == LUA_TNIL) {
         lua_pop(L, 1);
@@ -741,18 +784,14 @@ static int read_event_k(lua_State *L, int status, lua_KContext ctx)
     event_sink sink = {L, queue, op};
     op->sse.fn = push_event;
     op->sse.ud = &sink;
+    const char *data;
     size_t len;
-    const char *data = http_request_peek(op->req, &len);
     int rc = 0;
-    if (len > 0) {
+    enum body_state st = body_next(L, op, &data, &len);
+    if (st == BODY_BYTES) {
         rc = sse_parser_feed(&op->sse, data, len);
         http_request_consume(op->req, len);
-    } else if (http_request_done(op->req)) {
-        if (http_request_result(op->req) != HTTP_OK) {
-            op->sse.fn = NULL;
-            push_transfer_error(L, op);
-            return lua_error(L);
-        }
+    } else if (st == BODY_END) {
         lua_getfield(L, queue - 1, "finished");
         int finished = lua_toboolean(L, -1);
         lua_pop(L, 1);
@@ -768,17 +807,12 @@ static int read_event_k(lua_State *L, int status, lua_KContext ctx)
         }
     }
     op->sse.fn = NULL;
-    if (rc < 0) {
-        mb_error_new(L, "response:read_event", "malformed_response", "%s %s: event stream: %s",
-                     op->method, op->url, sse_parser_error(&op->sse));
-        return lua_error(L);
-    }
+    if (rc < 0) return raise_malformed(L, op, "response:read_event", sse_parser_error(&op->sse));
     if (dequeue_event(L, op, queue)) return 1;
     lua_settop(L, 1);
-    if (len > 0) return read_event_k(L, LUA_OK, 0); /* consumed bytes without a whole event */
-    mb_task *t = mb_task_of(L);
-    op->waiter = t;
-    return mb_task_park(L, t, stream_abort, op, 0, read_event_k);
+    /* bytes consumed without a whole event: look again */
+    if (st == BODY_BYTES) return read_event_k(L, LUA_OK, 0);
+    return reader_park(L, op, read_event_k);
 }
 
 /* resp:read_event() -> {event=, data=, id=, retry=} for the next Server-Sent Event, or nil at
@@ -786,10 +820,7 @@ static int read_event_k(lua_State *L, int status, lua_KContext ctx)
  * Raises a structured error for a failed transfer or malformed framing. [yields] */
 static int resp_read_event(lua_State *L)
 {
-    check_response(L, 1);
-    mb_task_check_yieldable(L, "response:read_event");
-    lua_settop(L, 1);
-    return read_event_k(L, LUA_OK, 0);
+    return reader_start(L, "response:read_event", read_event_k);
 }
 
 /* ---- resp:read_output ---------------------------------------------------------------------- */
@@ -883,51 +914,37 @@ static int outq_pop(lua_State *L, out_queue *q)
  * not grow (out of memory), and a plain error if the response was closed. [yields] */
 static int read_output_k(lua_State *L, int status, lua_KContext ctx)
 {
-    http_op *op = check_response(L, 1);
     (void)status;
     (void)ctx;
-    op->waiter = NULL;
-    if (op->closed) return luaL_error(L, "response:read_output: the response was closed");
+    http_op *op = reader_enter(L, "response:read_output");
     out_queue *q = op->outq;
     for (;;) {
         int n = outq_pop(L, q);
         if (n) return n;
+        const char *data;
         size_t len;
-        const char *data = http_request_peek(op->req, &len);
         int rc = 0;
         op->sse.fn = queue_output;
         op->sse.ud = q;
-        if (len > 0) {
+        enum body_state st = body_next(L, op, &data, &len);
+        if (st == BODY_BYTES) {
             rc = sse_parser_feed(&op->sse, data, len);
             http_request_consume(op->req, len);
-        } else if (http_request_done(op->req)) {
-            if (http_request_result(op->req) != HTTP_OK) {
-                op->sse.fn = NULL;
-                push_transfer_error(L, op);
-                return lua_error(L);
-            }
-            if (op->sse_ready == 1) {
-                rc = sse_parser_finish(&op->sse);
-                op->sse_ready = 2; /* finished: the next read ends the stream */
-            } else if (rc == 0) {
-                op->sse.fn = NULL;
-                if ((n = outq_pop(L, q))) return n;
-                lua_pushnil(L);
-                return 1;
-            }
+        } else if (st == BODY_END && op->sse_ready == 1) {
+            rc = sse_parser_finish(&op->sse);
+            op->sse_ready = 2; /* finished: the next read ends the stream */
         } else {
             op->sse.fn = NULL;
-            mb_task *t = mb_task_of(L);
-            op->waiter = t;
-            return mb_task_park(L, t, stream_abort, op, 0, read_output_k);
+            if (st == BODY_WAIT) return reader_park(L, op, read_output_k);
+            if ((n = outq_pop(L, q))) return n;
+            lua_pushnil(L);
+            return 1;
         }
         op->sse.fn = NULL;
-        if (rc != 0) {
-            mb_error_new(L, "response:read_output", "malformed_response", "%s %s: event stream: %s",
-                         op->method, op->url,
-                         q->failed ? "out of memory queueing events" : sse_parser_error(&op->sse));
-            return lua_error(L);
-        }
+        if (rc != 0)
+            return raise_malformed(L, op, "response:read_output",
+                                   q->failed ? "out of memory queueing events"
+                                             : sse_parser_error(&op->sse));
     }
 }
 
