@@ -40,7 +40,8 @@ cpu_ms() {
 if perf stat -x, -e instructions:u true 2>&1 | grep -q '^[0-9]'; then
   user_ir() { perf stat -x, -e instructions:u "$@" 2>&1 >/dev/null | awk -F, '/instructions/ {print $1}'; }
 elif command -v valgrind >/dev/null; then
-  user_ir() { valgrind --tool=callgrind --callgrind-out-file=/dev/null "$@" 2>&1 >/dev/null | awk '/Collected/ {print $4}'; }
+  # through `env` (the "before" rows) too: the children are counted, and summed
+  user_ir() { valgrind --tool=callgrind --trace-children=yes --callgrind-out-file=/dev/null "$@" 2>&1 >/dev/null | awk '/Collected/ {n += $4} END {print n}'; }
 else
   IR=0
 fi
