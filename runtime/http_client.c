@@ -54,7 +54,10 @@ typedef struct easy_setup {
 /* An easy handle and what is set on it; pooled by the client, lent to one request at a time. */
 typedef struct pooled_easy {
     CURL *curl;
-    int dirty; /* options were set since curl_easy_init or curl_easy_reset */
+    int dirty;   /* options were set since curl_easy_init or curl_easy_reset */
+    int has_url; /* url is the CURLOPT_URL the handle has (easy_set_url) */
+    char *url;
+    size_t url_cap;
     easy_setup setup;
 } pooled_easy;
 
@@ -913,12 +916,12 @@ static void set_body(http_request *r, CURL *e, const http_request_spec *spec, co
  * no_resend, no resolve list: a GET, HEAD or DELETE as the API client makes them) records on
  * its handle what it set (easy_setup), and the next plain request that asks for the same
  * method, timeouts, encoding, connection choices and CA files keeps all of it and sets only its
- * URL, plus the pointers to itself when the handle last served another request struct, plus the
- * header list when it is another list. Any other request resets the handle and sets everything
- * (easy_setup_all), as does a plain one after a failed transfer, an aborted one, or one that
- * opened a connection (curl counts its silent retries on the handle until a reset; every retry
- * opens a connection, so a kept handle never carries a count). libcurl supports reusing a
- * handle this way; it is what a curl_easy_perform loop does.
+ * URL (when it is another URL), plus the pointers to itself when the handle last served another
+ * request struct, plus the header list when it is another list. Any other request resets the handle
+ * and sets everything (easy_setup_all), as does a plain one after a failed transfer, an aborted
+ * one, or one that opened a connection (curl counts its silent retries on the handle until a reset;
+ * every retry opens a connection, so a kept handle never carries a count). libcurl supports reusing
+ * a handle this way; it is what a curl_easy_perform loop does.
  */
 
 /* Takes a handle from the pool, or a new one; NULL when out of memory. */
@@ -938,7 +941,26 @@ static pooled_easy *easy_take(http_client *c)
 static void easy_destroy(pooled_easy *pe)
 {
     curl_easy_cleanup(pe->curl);
+    free(pe->url);
     free(pe);
+}
+
+/* Sets CURLOPT_URL unless the handle has exactly this URL already: curl starts every transfer
+ * from the URL set, so a request polling one URL need not have curl copy it each time. */
+static void easy_set_url(pooled_easy *pe, const char *url)
+{
+    if (pe->has_url && strcmp(pe->url, url) == 0) return;
+    curl_easy_setopt(pe->curl, CURLOPT_URL, url);
+    size_t n = strlen(url) + 1;
+    pe->has_url = 0;
+    if (n > pe->url_cap) {
+        char *p = (char *)realloc(pe->url, n);
+        if (!p) return; /* not remembered: the next request sets its URL again */
+        pe->url = p;
+        pe->url_cap = n;
+    }
+    memcpy(pe->url, url, n);
+    pe->has_url = 1;
 }
 
 /* The options that point at the request: its struct for the callbacks, its error buffer. */
@@ -1010,7 +1032,7 @@ static void setup_record(easy_setup *s, const http_request_spec *spec, const cha
 static int easy_setup_all(http_client *c, http_request *r, CURL *e, const http_request_spec *spec,
                           const char *method, const conn_choice *ch, char *err, size_t errlen)
 {
-    curl_easy_setopt(e, CURLOPT_URL, spec->url);
+    easy_set_url(r->pe, spec->url);
     easy_point_at(e, r);
     curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, header_cb);
@@ -1118,11 +1140,12 @@ http_request *http_request_start(http_client *c, const http_request_spec *spec,
     connection_choose(r, spec, &ch);
     int plain = setup_plain(spec, method, &ch);
     if (plain && setup_matches(&pe->setup, spec, method, &ch)) {
-        curl_easy_setopt(e, CURLOPT_URL, spec->url);
+        easy_set_url(pe, spec->url);
         if (pe->setup.owner != r) easy_point_at(e, r);
     } else {
         if (pe->dirty) curl_easy_reset(e);
         pe->dirty = 1;
+        pe->has_url = 0;
         pe->setup.reusable = 0;
         pe->setup.headers = NULL;
         if (easy_setup_all(c, r, e, spec, method, &ch, err, errlen) < 0) {
