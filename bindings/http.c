@@ -405,8 +405,8 @@ static void push_transfer_error(lua_State *L, http_op *op)
         mb_setfield_int(L, -1, "status", http_request_status(op->req));
 }
 
-/* Whether a header before the i-th has the same name (only asked for the first few: beyond them
- * the table itself is asked, as a quadratic scan would cost more). */
+/* Whether a header before the i-th has the same name (only asked for the first HDR_CACHE: beyond
+ * them the table itself is asked, as a quadratic scan would cost more). */
 static int header_seen(http_request *r, size_t i, const char *name, size_t nl)
 {
     for (size_t j = 0; j < i; j++) {
@@ -418,18 +418,50 @@ static int header_seen(http_request *r, size_t i, const char *name, size_t nl)
     return 0;
 }
 
+/* push_headers' strings of the last response: the name and value of header i at 2i+1 and 2i+2
+ * of a table in the registry (under &hdr_cache_key), for the first HDR_CACHE headers. The
+ * responses of one client mostly repeat each other's headers; their strings are then taken from
+ * here instead of Lua hashing and looking up each one again. */
+#define HDR_CACHE 32
+static const char hdr_cache_key = 0;
+
+/* Pushes the string s (n bytes): the one in slot of the table at index cache when it has the
+ * same bytes, else a new one, which is stored there. */
+static void push_cached(lua_State *L, int cache, int slot, const char *s, size_t n)
+{
+    if (lua_rawgeti(L, cache, slot) == LUA_TSTRING) {
+        size_t cl;
+        const char *cs = lua_tolstring(L, -1, &cl);
+        if (cl == n && memcmp(cs, s, n) == 0) return;
+    }
+    lua_pop(L, 1);
+    lua_pushlstring(L, s, n);
+    lua_pushvalue(L, -1);
+    lua_rawseti(L, cache, slot);
+}
+
 /* Pushes {name = value} of the response headers (repeated names joined with ", "). */
 static void push_headers(lua_State *L, http_request *r)
 {
     size_t n = http_request_header_count(r);
+    if (lua_rawgetp(L, LUA_REGISTRYINDEX, &hdr_cache_key) != LUA_TTABLE) {
+        lua_pop(L, 1);
+        lua_createtable(L, 2 * HDR_CACHE, 0);
+        lua_pushvalue(L, -1);
+        lua_rawsetp(L, LUA_REGISTRYINDEX, &hdr_cache_key);
+    }
+    int cache = lua_gettop(L);
     lua_createtable(L, 0, (int)n);
     for (size_t i = 0; i < n; i++) {
         const char *name, *value;
         size_t nl, vl;
         http_request_header(r, i, &name, &nl, &value, &vl);
-        lua_pushlstring(L, name, nl);
-        if (i < 32 && !header_seen(r, i, name, nl)) {
-            lua_pushlstring(L, value, vl);
+        if (i < HDR_CACHE)
+            push_cached(L, cache, (int)(2 * i + 1), name, nl);
+        else
+            lua_pushlstring(L, name, nl);
+        if (i < HDR_CACHE && !header_seen(r, i, name, nl)) {
+            push_cached(L, cache, (int)(2 * i + 2), value, vl);
         } else {
             lua_pushvalue(L, -1);
             if (lua_rawget(L, -3) == LUA_TSTRING) {
@@ -443,6 +475,7 @@ static void push_headers(lua_State *L, http_request *r)
         }
         lua_rawset(L, -3);
     }
+    lua_remove(L, cache);
 }
 
 /* ---- http.request ---------------------------------------------------------------------------- */

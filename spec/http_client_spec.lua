@@ -175,6 +175,18 @@ describe("http.request on a reused handle", function()
   end))
 end)
 
+describe("http.request response headers", function()
+  it("gives each response its own header values, however alike", with_server(function(srv)
+    srv:route("GET", "/n/:i", function(req)
+      return 200, "", { ["X-N"] = req.captures.i, ["X-Same"] = "s" }
+    end)
+    for i = 1, 9 do
+      local r = http.request { url = srv.url .. "/n/" .. i }
+      assert.are.same({ tostring(i), "s" }, { r.headers["x-n"], r.headers["x-same"] })
+    end
+  end))
+end)
+
 describe("http.request failures", function()
   it("makes connection refused a retryable connect_failed error", T.async(function()
     local err = request_error { url = "http://127.0.0.1:1/x" }
