@@ -6,8 +6,9 @@
  * armed as a 0 s timer, never acted on inside curl's callback). After every
  * curl_multi_socket_action we drain curl_multi_info_read and then deliver the events that
  * curl's write/header callbacks recorded on each request: notify callbacks therefore never run
- * inside curl. Easy handles are pooled; connections live in the multi handle's cache, so
- * keep-alive and HTTP/2 multiplexing are reused across requests.
+ * inside curl. Easy handles are pooled, and keep their options for the next request that asks
+ * for the same ("handle reuse"); connections live in the multi handle's cache, so keep-alive and
+ * HTTP/2 multiplexing are reused across requests.
  *
  * Streaming bodies go through a per-request buffer bounded by stream_buffer: when a write would
  * overflow it, the write callback returns CURL_WRITEFUNC_PAUSE (curl keeps the bytes and offers
