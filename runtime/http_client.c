@@ -89,7 +89,6 @@ struct http_request {
     http_client *c;
     pooled_easy *pe; /* the easy handle lent to this request while it runs */
     CURL *easy;      /* pe->curl */
-    struct curl_slist *headers_out;
     char *body_copy;
     FILE *in_file;
     FILE *out_file;
@@ -115,21 +114,27 @@ struct http_request {
     char primary_ip[48]; /* the address the connection went to */
     struct curl_slist *resolve;
 
-    /* Headers of the current response: text in hbuf, spans in hdrs. */
-    char *hbuf;
-    size_t hlen, hcap;
-    header *hdrs;
-    size_t nhdrs, chdrs;
+    /* Headers of the current response: text in hbuf[0..hlen), spans in hdrs[0..nhdrs). */
+    size_t hlen, nhdrs;
 
     /* Body: memory mode uses buf[0..len); stream mode buf[off..len). */
-    char *buf;
-    size_t len, cap, off;
+    size_t len, off;
     size_t peak;
     unsigned long pauses;
 
     int events; /* recorded by curl callbacks, delivered after socket_action */
     http_request *next_pending;
     int is_pending;
+
+    /* Kept from one request to the next by the request pool, with their capacities (req_alloc
+     * zeroes everything above headers_out and nothing from it on). */
+    struct curl_slist *headers_out;
+    char *hbuf;
+    size_t hcap;
+    header *hdrs;
+    size_t chdrs;
+    char *buf;
+    size_t cap;
 };
 
 static void deliver_pending(http_client *c);
@@ -630,18 +635,7 @@ static http_request *req_alloc(http_client *c)
 {
     if (c->nspare == 0) return (http_request *)calloc(1, sizeof(http_request));
     http_request *r = c->spare[--c->nspare];
-    struct curl_slist *headers = r->headers_out;
-    char *hbuf = r->hbuf, *buf = r->buf;
-    size_t hcap = r->hcap, cap = r->cap, chdrs = r->chdrs;
-    header *hdrs = r->hdrs;
-    memset(r, 0, sizeof *r);
-    r->headers_out = headers;
-    r->hbuf = hbuf;
-    r->hcap = hcap;
-    r->hdrs = hdrs;
-    r->chdrs = chdrs;
-    r->buf = buf;
-    r->cap = cap;
+    memset(r, 0, offsetof(http_request, headers_out));
     return r;
 }
 
