@@ -19,6 +19,18 @@ static size_t sink(char *p, size_t s, size_t n, void *ud)
     return s * n;
 }
 
+/* A handle that GETs url, adding the body's size to *bytes, with the header lines hdrs (none when
+ * NULL). */
+static CURL *get_handle(const char *url, size_t *bytes, struct curl_slist *hdrs)
+{
+    CURL *e = curl_easy_init();
+    curl_easy_setopt(e, CURLOPT_URL, url);
+    if (hdrs) curl_easy_setopt(e, CURLOPT_HTTPHEADER, hdrs);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, bytes);
+    return e;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 4) {
@@ -38,11 +50,7 @@ int main(int argc, char **argv)
         hdrs = curl_slist_append(NULL, line);
     }
     if (strcmp(argv[1], "seq") == 0) {
-        CURL *e = curl_easy_init();
-        curl_easy_setopt(e, CURLOPT_URL, url);
-        if (hdrs) curl_easy_setopt(e, CURLOPT_HTTPHEADER, hdrs);
-        curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
-        curl_easy_setopt(e, CURLOPT_WRITEDATA, &bytes);
+        CURL *e = get_handle(url, &bytes, hdrs);
         for (long i = 0; i < n; i++) {
             long code = 0;
             if (curl_easy_perform(e) == CURLE_OK &&
@@ -55,13 +63,8 @@ int main(int argc, char **argv)
         CURLM *m = curl_multi_init();
         curl_multi_setopt(m, CURLMOPT_MAXCONNECTS, (long)INFLIGHT);
         long started = 0;
-        for (; started < n && started < INFLIGHT; started++) {
-            CURL *e = curl_easy_init();
-            curl_easy_setopt(e, CURLOPT_URL, url);
-            curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
-            curl_easy_setopt(e, CURLOPT_WRITEDATA, &bytes);
-            curl_multi_add_handle(m, e);
-        }
+        for (; started < n && started < INFLIGHT; started++)
+            curl_multi_add_handle(m, get_handle(url, &bytes, NULL));
         int running = 1;
         while (running) {
             curl_multi_perform(m, &running);
@@ -87,13 +90,8 @@ int main(int argc, char **argv)
         curl_multi_cleanup(m);
     } else {
         CURLM *m = curl_multi_init();
-        for (long i = 0; i < n; i++) {
-            CURL *e = curl_easy_init();
-            curl_easy_setopt(e, CURLOPT_URL, url);
-            curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, sink);
-            curl_easy_setopt(e, CURLOPT_WRITEDATA, &bytes);
-            curl_multi_add_handle(m, e);
-        }
+        for (long i = 0; i < n; i++)
+            curl_multi_add_handle(m, get_handle(url, &bytes, NULL));
         int running = 1;
         while (running) {
             curl_multi_perform(m, &running);

@@ -19,7 +19,6 @@
 #include <string.h>
 
 #define RESPONSE_MT "moonbox.http.Response"
-#define OP_GUARD_MT "moonbox.http.OpGuard"
 #define CLIENT_KEY  "moonbox.http.client"
 
 #define DEFAULT_MAX_BODY   (256u * 1024 * 1024)
@@ -112,6 +111,15 @@ static const char *opt_string(lua_State *L, int t, const char *k)
     return s;
 }
 
+/* Copies src into dst (n bytes), cut to fit and NUL-terminated (snprintf "%s", minus the
+ * format parsing: this runs twice per request). */
+static void copy_cut(char *dst, size_t n, const char *src)
+{
+    size_t len = strnlen(src, n - 1);
+    memcpy(dst, src, len);
+    dst[len] = '\0';
+}
+
 static int valid_header_text(const char *s, size_t n)
 {
     for (size_t i = 0; i < n; i++)
@@ -131,8 +139,20 @@ static struct {
     size_t n, cap_n;
 } g_hdr;
 
-/* Frees g_hdr's buffers; the __gc of a registry sentinel made by luaopen_moonbox_http, so they
- * go when the state closes (before the module itself may be unloaded). */
+/* The ops of whole-body requests: a few finished ones kept for the next (like g_hdr, for the one
+ * Lua state that drives the client), so a request allocates none. op_next hands out the op the
+ * next request will use, zeroed, while it stays here: if reading the options raises, nothing
+ * needs freeing; op_take then takes it once the request started. */
+#define OPS_KEEP 16
+static struct {
+    http_op *spare[OPS_KEEP];
+    int n;
+    int closed; /* the state is closing (hdr_gc ran): ops are freed, not kept */
+} g_ops;
+
+/* Frees g_hdr's buffers and the kept ops; the __gc of a registry sentinel made by
+ * luaopen_moonbox_http, so they go when the state closes (before the module itself may be
+ * unloaded). */
 static int hdr_gc(lua_State *L)
 {
     (void)L;
@@ -140,6 +160,9 @@ static int hdr_gc(lua_State *L)
     free(g_hdr.offs);
     free(g_hdr.lines);
     memset(&g_hdr, 0, sizeof g_hdr);
+    while (g_ops.n > 0)
+        free(g_ops.spare[--g_ops.n]);
+    g_ops.closed = 1;
     return 0;
 }
 
@@ -245,6 +268,54 @@ static void notify_cb(http_request *r, void *ud, int events)
     if (op->waiter && (op->stream || (events & HTTP_EV_DONE))) mb_task_wake(op->waiter);
 }
 
+/* The options start_op reads, in the order it reads them; a bit each in options_present. */
+static const char *const option_names[] = {
+    "url",           "method",          "headers",         "body",    "body_file",
+    "output_file",   "accept_encoding", "connect_timeout", "timeout", "idle_timeout",
+    "fresh_connect", "no_resend",       "resolve",         "buffer",  "max_body",
+};
+enum {
+    OPT_METHOD = 1 << 1,
+    OPT_HEADERS = 1 << 2,
+    OPT_BODY = 1 << 3,
+    OPT_BODY_FILE = 1 << 4,
+    OPT_OUTPUT_FILE = 1 << 5,
+    OPT_ACCEPT_ENCODING = 1 << 6,
+    OPT_CONNECT_TIMEOUT = 1 << 7,
+    OPT_TIMEOUT = 1 << 8,
+    OPT_IDLE_TIMEOUT = 1 << 9,
+    OPT_FRESH_CONNECT = 1 << 10,
+    OPT_NO_RESEND = 1 << 11,
+    OPT_RESOLVE = 1 << 12,
+    OPT_BUFFER = 1 << 13,
+    OPT_MAX_BODY = 1 << 14,
+};
+
+/* Which of option_names the table at t has (bit i for option_names[i]): one pass over its
+ * keys instead of a look-up per option, most of them absent in most requests. Every bit when
+ * the table has a metatable (its __index may supply any option). */
+static unsigned options_present(lua_State *L, int t)
+{
+    if (lua_getmetatable(L, t)) {
+        lua_pop(L, 1);
+        return ~0u;
+    }
+    unsigned bits = 0;
+    lua_pushnil(L);
+    while (lua_next(L, t)) {
+        lua_pop(L, 1);
+        if (lua_type(L, -1) != LUA_TSTRING) continue;
+        size_t n;
+        const char *k = lua_tolstring(L, -1, &n);
+        for (size_t i = 0; i < sizeof option_names / sizeof option_names[0]; i++)
+            if (strncmp(k, option_names[i], n + 1) == 0) {
+                bits |= 1u << i;
+                break;
+            }
+    }
+    return bits;
+}
+
 /* Starts the request described by the options table at index 1 (url required; method, headers,
  * body or body_file, output_file, accept_encoding, the three timeouts in seconds,
  * fresh_connect, no_resend, resolve, buffer, max_body) on the state's client, with op as the
@@ -256,48 +327,60 @@ static void notify_cb(http_request *r, void *ud, int events)
 static http_op *start_op(lua_State *L, http_op *op, int stream)
 {
     luaL_checktype(L, 1, LUA_TTABLE);
+    unsigned has = options_present(L, 1);
     http_request_spec spec;
     memset(&spec, 0, sizeof spec);
     spec.url = opt_string(L, 1, "url");
     if (!spec.url) luaL_error(L, "http: option 'url' is required");
-    spec.method = opt_string(L, 1, "method");
+    if (has & OPT_METHOD) spec.method = opt_string(L, 1, "method");
     int top = lua_gettop(L);
-    spec.headers = collect_headers(L, 1);
-    if (lua_getfield(L, 1, "body") != LUA_TNIL) {
+    if (has & OPT_HEADERS) spec.headers = collect_headers(L, 1);
+    if ((has & OPT_BODY) && lua_getfield(L, 1, "body") != LUA_TNIL) {
         if (lua_type(L, -1) != LUA_TSTRING) luaL_error(L, "http: option 'body' must be a string");
         spec.body = lua_tolstring(L, -1, &spec.body_len);
         spec.has_body = 1;
     }
-    lua_pop(L, 1);
-    spec.body_file = opt_string(L, 1, "body_file");
-    spec.output_file = opt_string(L, 1, "output_file");
-    spec.accept_encoding = opt_string(L, 1, "accept_encoding");
-    spec.connect_timeout_ms = (long)(opt_seconds(L, 1, "connect_timeout") * 1000);
-    spec.timeout_ms = (long)(opt_seconds(L, 1, "timeout") * 1000);
-    spec.idle_timeout_ms = (long)(opt_seconds(L, 1, "idle_timeout") * 1000);
-    lua_getfield(L, 1, "fresh_connect");
-    spec.fresh_connect = lua_toboolean(L, -1);
-    lua_pop(L, 1);
-    if (lua_getfield(L, 1, "no_resend") == LUA_TSTRING) {
-        if (strcmp(lua_tostring(L, -1), "reuse") != 0)
-            luaL_error(L, "http: option 'no_resend' must be true, false or \"reuse\"");
-        spec.no_resend = HTTP_NO_RESEND_REUSE;
-    } else {
-        spec.no_resend = lua_toboolean(L, -1) ? HTTP_NO_RESEND : 0;
+    if (has & OPT_BODY) lua_pop(L, 1);
+    if (has & OPT_BODY_FILE) spec.body_file = opt_string(L, 1, "body_file");
+    if (has & OPT_OUTPUT_FILE) spec.output_file = opt_string(L, 1, "output_file");
+    if (has & OPT_ACCEPT_ENCODING) spec.accept_encoding = opt_string(L, 1, "accept_encoding");
+    if (has & OPT_CONNECT_TIMEOUT)
+        spec.connect_timeout_ms = (long)(opt_seconds(L, 1, "connect_timeout") * 1000);
+    if (has & OPT_TIMEOUT) spec.timeout_ms = (long)(opt_seconds(L, 1, "timeout") * 1000);
+    if (has & OPT_IDLE_TIMEOUT)
+        spec.idle_timeout_ms = (long)(opt_seconds(L, 1, "idle_timeout") * 1000);
+    if (has & OPT_FRESH_CONNECT) {
+        lua_getfield(L, 1, "fresh_connect");
+        spec.fresh_connect = lua_toboolean(L, -1);
+        lua_pop(L, 1);
     }
-    lua_pop(L, 1);
-    spec.resolve = collect_resolve(L, 1); /* left on the stack above anchor until the start */
+    if (has & OPT_NO_RESEND) {
+        if (lua_getfield(L, 1, "no_resend") == LUA_TSTRING) {
+            if (strcmp(lua_tostring(L, -1), "reuse") != 0)
+                luaL_error(L, "http: option 'no_resend' must be true, false or \"reuse\"");
+            spec.no_resend = HTTP_NO_RESEND_REUSE;
+        } else {
+            spec.no_resend = lua_toboolean(L, -1) ? HTTP_NO_RESEND : 0;
+        }
+        lua_pop(L, 1);
+    }
+    /* left on the stack above top until the start */
+    if (has & OPT_RESOLVE) spec.resolve = collect_resolve(L, 1);
     spec.stream = stream;
-    if (lua_getfield(L, 1, "buffer") != LUA_TNIL)
-        spec.stream_buffer = (size_t)luaL_checkinteger(L, -1);
-    lua_pop(L, 1);
+    if (has & OPT_BUFFER) {
+        if (lua_getfield(L, 1, "buffer") != LUA_TNIL)
+            spec.stream_buffer = (size_t)luaL_checkinteger(L, -1);
+        lua_pop(L, 1);
+    }
     spec.max_body = DEFAULT_MAX_BODY;
-    if (lua_getfield(L, 1, "max_body") != LUA_TNIL)
-        spec.max_body = (size_t)luaL_checkinteger(L, -1);
-    lua_pop(L, 1);
+    if (has & OPT_MAX_BODY) {
+        if (lua_getfield(L, 1, "max_body") != LUA_TNIL)
+            spec.max_body = (size_t)luaL_checkinteger(L, -1);
+        lua_pop(L, 1);
+    }
 
-    snprintf(op->method, sizeof op->method, "%s", spec.method ? spec.method : "GET");
-    snprintf(op->url, sizeof op->url, "%s", spec.url);
+    copy_cut(op->method, sizeof op->method, spec.method ? spec.method : "GET");
+    copy_cut(op->url, sizeof op->url, spec.url);
     op->stream = stream;
     char err[512];
     op->req = http_request_start(get_client(L), &spec, notify_cb, op, err, sizeof err);
@@ -322,37 +405,115 @@ static void push_transfer_error(lua_State *L, http_op *op)
         mb_setfield_int(L, -1, "status", http_request_status(op->req));
 }
 
+/* Whether a header before the i-th has the same name (only asked for the first HDR_CACHE: beyond
+ * them the table itself is asked, as a quadratic scan would cost more). */
+static int header_seen(http_request *r, size_t i, const char *name, size_t nl)
+{
+    for (size_t j = 0; j < i; j++) {
+        const char *n, *v;
+        size_t l, vl;
+        http_request_header(r, j, &n, &l, &v, &vl);
+        if (l == nl && memcmp(n, name, nl) == 0) return 1;
+    }
+    return 0;
+}
+
+/* push_headers' strings of the last response: the name and value of header i at 2i+1 and 2i+2
+ * of a table in the registry (under &hdr_cache_key), for the first HDR_CACHE headers. The
+ * responses of one client mostly repeat each other's headers; their strings are then taken from
+ * here instead of Lua hashing and looking up each one again. */
+#define HDR_CACHE 32
+static const char hdr_cache_key = 0;
+
+/* Pushes the string s (n bytes): the one in slot of the table at index cache when it has the
+ * same bytes, else a new one, which is stored there. */
+static void push_cached(lua_State *L, int cache, int slot, const char *s, size_t n)
+{
+    if (lua_rawgeti(L, cache, slot) == LUA_TSTRING) {
+        size_t cl;
+        const char *cs = lua_tolstring(L, -1, &cl);
+        if (cl == n && memcmp(cs, s, n) == 0) return;
+    }
+    lua_pop(L, 1);
+    lua_pushlstring(L, s, n);
+    lua_pushvalue(L, -1);
+    lua_rawseti(L, cache, slot);
+}
+
 /* Pushes {name = value} of the response headers (repeated names joined with ", "). */
 static void push_headers(lua_State *L, http_request *r)
 {
     size_t n = http_request_header_count(r);
+    if (lua_rawgetp(L, LUA_REGISTRYINDEX, &hdr_cache_key) != LUA_TTABLE) {
+        lua_pop(L, 1);
+        lua_createtable(L, 2 * HDR_CACHE, 0);
+        lua_pushvalue(L, -1);
+        lua_rawsetp(L, LUA_REGISTRYINDEX, &hdr_cache_key);
+    }
+    int cache = lua_gettop(L);
     lua_createtable(L, 0, (int)n);
     for (size_t i = 0; i < n; i++) {
         const char *name, *value;
         size_t nl, vl;
         http_request_header(r, i, &name, &nl, &value, &vl);
-        lua_pushlstring(L, name, nl);
-        lua_pushvalue(L, -1);
-        if (lua_rawget(L, -3) == LUA_TSTRING) {
-            lua_pushliteral(L, ", ");
-            lua_pushlstring(L, value, vl);
-            lua_concat(L, 3);
+        if (i < HDR_CACHE)
+            push_cached(L, cache, (int)(2 * i + 1), name, nl);
+        else
+            lua_pushlstring(L, name, nl);
+        if (i < HDR_CACHE && !header_seen(r, i, name, nl)) {
+            push_cached(L, cache, (int)(2 * i + 2), value, vl);
         } else {
-            lua_pop(L, 1);
-            lua_pushlstring(L, value, vl);
+            lua_pushvalue(L, -1);
+            if (lua_rawget(L, -3) == LUA_TSTRING) {
+                lua_pushliteral(L, ", ");
+                lua_pushlstring(L, value, vl);
+                lua_concat(L, 3);
+            } else {
+                lua_pop(L, 1);
+                lua_pushlstring(L, value, vl);
+            }
         }
         lua_rawset(L, -3);
     }
+    lua_remove(L, cache);
 }
 
 /* ---- http.request ---------------------------------------------------------------------------- */
+
+/* The op the next request will use (still kept in g_ops), zeroed; raises when out of memory. */
+static http_op *op_next(lua_State *L)
+{
+    if (g_ops.n == 0) {
+        http_op *op = (http_op *)malloc(sizeof *op);
+        if (!op) luaL_error(L, "http.request: out of memory");
+        g_ops.spare[g_ops.n++] = op;
+    }
+    http_op *op = g_ops.spare[g_ops.n - 1];
+    memset(op, 0, sizeof *op);
+    return op;
+}
+
+/* Takes the op op_next handed out. */
+static void op_take(void)
+{
+    g_ops.n--;
+}
+
+/* Gives a finished op back (or frees it when enough are kept). */
+static void op_release(http_op *op)
+{
+    if (g_ops.n < OPS_KEEP && !g_ops.closed)
+        g_ops.spare[g_ops.n++] = op;
+    else
+        free(op);
+}
 
 static void whole_abort(mb_task *t, void *ud)
 {
     http_op *op = (http_op *)ud;
     (void)t;
     http_request_free(op->req);
-    free(op);
+    op_release(op);
 }
 
 static int whole_k(lua_State *L, int status, lua_KContext ctx)
@@ -367,10 +528,10 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
     if (http_request_result(op->req) != HTTP_OK) {
         push_transfer_error(L, op);
         http_request_free(op->req);
-        free(op);
+        op_release(op);
         return lua_error(L);
     }
-    lua_createtable(L, 0, 4);
+    lua_createtable(L, 0, 5); /* status, http_version, remote_ip, headers, body */
     mb_setfield_int(L, -1, "status", http_request_status(op->req));
     int hv = http_request_http_version(op->req);
     if (hv) {
@@ -386,7 +547,7 @@ static int whole_k(lua_State *L, int status, lua_KContext ctx)
     lua_pushlstring(L, body, len);
     lua_setfield(L, -2, "body");
     http_request_free(op->req);
-    free(op);
+    op_release(op);
     return 1;
 }
 
@@ -409,15 +570,11 @@ static int l_request(lua_State *L)
     mb_task *t = mb_task_check_yieldable(L, "http.request");
     luaL_checktype(L, 1, LUA_TTABLE);
     lua_settop(L, 1);
-    /* Until the park owns op, a guard frees it if reading the options raises. */
-    http_op **guard = (http_op **)lua_newuserdatauv(L, sizeof *guard, 0);
-    *guard = NULL;
-    luaL_setmetatable(L, OP_GUARD_MT);
-    http_op *op = (http_op *)calloc(1, sizeof *op);
-    if (!op) return luaL_error(L, "http.request: out of memory");
-    *guard = op;
-    if (!start_op(L, op, 0)) return lua_error(L); /* the guard frees op */
-    *guard = NULL;
+    /* op stays in g_ops until the request started: a raise while reading the options, or a
+     * request that cannot start, leaves nothing to free. */
+    http_op *op = op_next(L);
+    if (!start_op(L, op, 0)) return lua_error(L);
+    op_take();
     op->waiter = t;
     return mb_task_park(L, t, whole_abort, op, (lua_KContext)op, whole_k);
 }
@@ -521,44 +678,89 @@ static int l_stream(lua_State *L)
     return mb_task_park(L, t, stream_open_abort, op, (lua_KContext)op, stream_open_k);
 }
 
-static int read_k(lua_State *L, int status, lua_KContext ctx);
+/* What a reader of a streamed response has next (body_next). */
+enum body_state { BODY_BYTES, BODY_END, BODY_WAIT };
 
-/* Returns 1 with a chunk pushed, 0 at the end, or raises; parks while nothing is buffered. */
-static int read_k(lua_State *L, int status, lua_KContext ctx)
+/* The start of resp:read, read_event and read_output and of their continuations: the response
+ * at index 1, no task waiting on it any more; raises if it was closed. */
+static http_op *reader_enter(lua_State *L, const char *what)
 {
     http_op *op = check_response(L, 1);
+    op->waiter = NULL;
+    if (op->closed) luaL_error(L, "%s: the response was closed", what);
+    return op;
+}
+
+/* The step the readers share: the body bytes buffered now (BODY_BYTES, *data and *len: the
+ * reader consumes them), the end of a body that arrived whole (BODY_END), or nothing yet with
+ * the transfer still running (BODY_WAIT: the reader parks with reader_park). Raises the
+ * transfer's structured error when it failed, with op->sse.fn reset first so that no later
+ * feed calls into a stack that is gone. */
+static enum body_state body_next(lua_State *L, http_op *op, const char **data, size_t *len)
+{
+    *data = http_request_peek(op->req, len);
+    if (*len > 0) return BODY_BYTES;
+    if (!http_request_done(op->req)) return BODY_WAIT;
+    if (http_request_result(op->req) != HTTP_OK) {
+        op->sse.fn = NULL;
+        push_transfer_error(L, op);
+        lua_error(L);
+    }
+    return BODY_END;
+}
+
+/* Parks the reading task until the transfer delivers more; k then runs again. [yields] */
+static int reader_park(lua_State *L, http_op *op, lua_KFunction k)
+{
+    mb_task *t = mb_task_of(L);
+    op->waiter = t;
+    return mb_task_park(L, t, stream_abort, op, 0, k);
+}
+
+/* Raises malformed_response for the event stream of op, as reader `what`, because of `why`. */
+static int raise_malformed(lua_State *L, http_op *op, const char *what, const char *why)
+{
+    mb_error_new(L, what, "malformed_response", "%s %s: event stream: %s", op->method, op->url,
+                 why);
+    return lua_error(L);
+}
+
+/* Runs reader k (read_k, read_event_k, read_output_k) on the response at index 1 for a task
+ * that can wait. [yields] */
+static int reader_start(lua_State *L, const char *what, lua_KFunction k)
+{
+    check_response(L, 1);
+    mb_task_check_yieldable(L, what);
+    lua_settop(L, 1);
+    return k(L, LUA_OK, 0);
+}
+
+/* Returns 1 with a chunk pushed, or nil at the end; raises; parks while nothing is buffered. */
+static int read_k(lua_State *L, int status, lua_KContext ctx)
+{
     (void)status;
     (void)ctx;
-    op->waiter = NULL;
-    if (op->closed) return luaL_error(L, "response:read: the response was closed");
+    http_op *op = reader_enter(L, "response:read");
+    const char *data;
     size_t len;
-    const char *data = http_request_peek(op->req, &len);
-    if (len > 0) {
+    switch (body_next(L, op, &data, &len)) {
+    case BODY_BYTES:
         lua_pushlstring(L, data, len);
         http_request_consume(op->req, len);
         return 1;
-    }
-    if (http_request_done(op->req)) {
-        if (http_request_result(op->req) != HTTP_OK) {
-            push_transfer_error(L, op);
-            return lua_error(L);
-        }
+    case BODY_END:
         lua_pushnil(L);
         return 1;
+    default:
+        return reader_park(L, op, read_k);
     }
-    mb_task *t = mb_task_of(L);
-    op->waiter = t;
-    return mb_task_park(L, t, stream_abort, op, 0, read_k);
 }
 
 /* resp:read() -> the next chunk of the body (a string), or nil at its end. Raises the
  * transfer's structured error if it failed midway (e.g. connection_reset). [yields] */
 static int resp_read(lua_State *L)
 {
-    check_response(L, 1);
-    mb_task_check_yieldable(L, "response:read");
-    lua_settop(L, 1);
-    return read_k(L, LUA_OK, 0);
+    return reader_start(L, "response:read", read_k);
 }
 
 typedef struct event_sink {
@@ -600,11 +802,9 @@ static int dequeue_event(lua_State *L, http_op *op, int queue)
  * later feed never calls into a dead stack. [yields] */
 static int read_event_k(lua_State *L, int status, lua_KContext ctx)
 {
-    http_op *op = check_response(L, 1);
     (void)status;
     (void)ctx;
-    op->waiter = NULL;
-    if (op->closed) return luaL_error(L, "response:read_event: the response was closed");
+    http_op *op = reader_enter(L, "response:read_event");
     lua_getiuservalue(L, 1, 1);
     if (lua_getfield(L, -1, "events") == LUA_TNIL) {
         lua_pop(L, 1);
@@ -617,18 +817,14 @@ static int read_event_k(lua_State *L, int status, lua_KContext ctx)
     event_sink sink = {L, queue, op};
     op->sse.fn = push_event;
     op->sse.ud = &sink;
+    const char *data;
     size_t len;
-    const char *data = http_request_peek(op->req, &len);
     int rc = 0;
-    if (len > 0) {
+    enum body_state st = body_next(L, op, &data, &len);
+    if (st == BODY_BYTES) {
         rc = sse_parser_feed(&op->sse, data, len);
         http_request_consume(op->req, len);
-    } else if (http_request_done(op->req)) {
-        if (http_request_result(op->req) != HTTP_OK) {
-            op->sse.fn = NULL;
-            push_transfer_error(L, op);
-            return lua_error(L);
-        }
+    } else if (st == BODY_END) {
         lua_getfield(L, queue - 1, "finished");
         int finished = lua_toboolean(L, -1);
         lua_pop(L, 1);
@@ -644,17 +840,12 @@ static int read_event_k(lua_State *L, int status, lua_KContext ctx)
         }
     }
     op->sse.fn = NULL;
-    if (rc < 0) {
-        mb_error_new(L, "response:read_event", "malformed_response", "%s %s: event stream: %s",
-                     op->method, op->url, sse_parser_error(&op->sse));
-        return lua_error(L);
-    }
+    if (rc < 0) return raise_malformed(L, op, "response:read_event", sse_parser_error(&op->sse));
     if (dequeue_event(L, op, queue)) return 1;
     lua_settop(L, 1);
-    if (len > 0) return read_event_k(L, LUA_OK, 0); /* consumed bytes without a whole event */
-    mb_task *t = mb_task_of(L);
-    op->waiter = t;
-    return mb_task_park(L, t, stream_abort, op, 0, read_event_k);
+    /* bytes consumed without a whole event: look again */
+    if (st == BODY_BYTES) return read_event_k(L, LUA_OK, 0);
+    return reader_park(L, op, read_event_k);
 }
 
 /* resp:read_event() -> {event=, data=, id=, retry=} for the next Server-Sent Event, or nil at
@@ -662,10 +853,7 @@ static int read_event_k(lua_State *L, int status, lua_KContext ctx)
  * Raises a structured error for a failed transfer or malformed framing. [yields] */
 static int resp_read_event(lua_State *L)
 {
-    check_response(L, 1);
-    mb_task_check_yieldable(L, "response:read_event");
-    lua_settop(L, 1);
-    return read_event_k(L, LUA_OK, 0);
+    return reader_start(L, "response:read_event", read_event_k);
 }
 
 /* ---- resp:read_output ---------------------------------------------------------------------- */
@@ -759,51 +947,37 @@ static int outq_pop(lua_State *L, out_queue *q)
  * not grow (out of memory), and a plain error if the response was closed. [yields] */
 static int read_output_k(lua_State *L, int status, lua_KContext ctx)
 {
-    http_op *op = check_response(L, 1);
     (void)status;
     (void)ctx;
-    op->waiter = NULL;
-    if (op->closed) return luaL_error(L, "response:read_output: the response was closed");
+    http_op *op = reader_enter(L, "response:read_output");
     out_queue *q = op->outq;
     for (;;) {
         int n = outq_pop(L, q);
         if (n) return n;
+        const char *data;
         size_t len;
-        const char *data = http_request_peek(op->req, &len);
         int rc = 0;
         op->sse.fn = queue_output;
         op->sse.ud = q;
-        if (len > 0) {
+        enum body_state st = body_next(L, op, &data, &len);
+        if (st == BODY_BYTES) {
             rc = sse_parser_feed(&op->sse, data, len);
             http_request_consume(op->req, len);
-        } else if (http_request_done(op->req)) {
-            if (http_request_result(op->req) != HTTP_OK) {
-                op->sse.fn = NULL;
-                push_transfer_error(L, op);
-                return lua_error(L);
-            }
-            if (op->sse_ready == 1) {
-                rc = sse_parser_finish(&op->sse);
-                op->sse_ready = 2; /* finished: the next read ends the stream */
-            } else if (rc == 0) {
-                op->sse.fn = NULL;
-                if ((n = outq_pop(L, q))) return n;
-                lua_pushnil(L);
-                return 1;
-            }
+        } else if (st == BODY_END && op->sse_ready == 1) {
+            rc = sse_parser_finish(&op->sse);
+            op->sse_ready = 2; /* finished: the next read ends the stream */
         } else {
             op->sse.fn = NULL;
-            mb_task *t = mb_task_of(L);
-            op->waiter = t;
-            return mb_task_park(L, t, stream_abort, op, 0, read_output_k);
+            if (st == BODY_WAIT) return reader_park(L, op, read_output_k);
+            if ((n = outq_pop(L, q))) return n;
+            lua_pushnil(L);
+            return 1;
         }
         op->sse.fn = NULL;
-        if (rc != 0) {
-            mb_error_new(L, "response:read_output", "malformed_response", "%s %s: event stream: %s",
-                         op->method, op->url,
-                         q->failed ? "out of memory queueing events" : sse_parser_error(&op->sse));
-            return lua_error(L);
-        }
+        if (rc != 0)
+            return raise_malformed(L, op, "response:read_output",
+                                   q->failed ? "out of memory queueing events"
+                                             : sse_parser_error(&op->sse));
     }
 }
 
@@ -869,14 +1043,6 @@ static int resp_index(lua_State *L)
     return 1;
 }
 
-static int op_guard_gc(lua_State *L)
-{
-    http_op **guard = (http_op **)lua_touserdata(L, 1);
-    free(*guard);
-    *guard = NULL;
-    return 0;
-}
-
 /* http.curl_version() -> "7.88.1". */
 static int l_curl_version(lua_State *L)
 {
@@ -910,11 +1076,6 @@ int luaopen_moonbox_http(lua_State *L)
         lua_setfield(L, -2, "__close");
     }
     lua_pop(L, 1);
-    if (luaL_newmetatable(L, OP_GUARD_MT)) {
-        lua_pushcfunction(L, op_guard_gc);
-        lua_setfield(L, -2, "__gc");
-    }
-    lua_pop(L, 1);
     if (lua_getfield(L, LUA_REGISTRYINDEX, "moonbox.http.scratch") == LUA_TNIL) {
         lua_newuserdatauv(L, 1, 0);
         lua_createtable(L, 0, 1);
@@ -922,6 +1083,7 @@ int luaopen_moonbox_http(lua_State *L)
         lua_setfield(L, -2, "__gc");
         lua_setmetatable(L, -2);
         lua_setfield(L, LUA_REGISTRYINDEX, "moonbox.http.scratch");
+        g_ops.closed = 0;
     }
     lua_pop(L, 1);
     luaL_newlib(L, funcs);

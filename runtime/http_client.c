@@ -6,8 +6,9 @@
  * armed as a 0 s timer, never acted on inside curl's callback). After every
  * curl_multi_socket_action we drain curl_multi_info_read and then deliver the events that
  * curl's write/header callbacks recorded on each request: notify callbacks therefore never run
- * inside curl. Easy handles are pooled; connections live in the multi handle's cache, so
- * keep-alive and HTTP/2 multiplexing are reused across requests.
+ * inside curl. Easy handles are pooled, and keep their options for the next request that asks
+ * for the same ("handle reuse"); connections live in the multi handle's cache, so keep-alive and
+ * HTTP/2 multiplexing are reused across requests.
  *
  * Streaming bodies go through a per-request buffer bounded by stream_buffer: when a write would
  * overflow it, the write callback returns CURL_WRITEFUNC_PAUSE (curl keeps the bytes and offers
@@ -40,13 +41,34 @@ typedef struct sock_watch {
     struct http_client *c;
 } sock_watch;
 
+/* What a plain request (see "handle reuse" below) set on an easy handle, so that the next plain
+ * request asking for the same options can leave them in place. */
+typedef struct easy_setup {
+    int reusable;                     /* the handle carries exactly these options, nothing else */
+    const struct http_request *owner; /* the request PRIVATE and the callbacks' data point at */
+    const struct curl_slist *headers; /* the list CURLOPT_HTTPHEADER points at */
+    long connect_timeout_ms, timeout_ms, idle_timeout_ms;
+    int tls, no_proxy, has_encoding;
+    char method[16], encoding[32], ca[256], cadir[256];
+} easy_setup;
+
+/* An easy handle and what is set on it; pooled by the client, lent to one request at a time. */
+typedef struct pooled_easy {
+    CURL *curl;
+    int dirty;   /* options were set since curl_easy_init or curl_easy_reset */
+    int has_url; /* url is the CURLOPT_URL the handle has (easy_set_url) */
+    char *url;
+    size_t url_cap;
+    easy_setup setup;
+} pooled_easy;
+
 struct http_client {
     struct ev_loop *loop;
     CURLM *multi;
     ev_timer timer;
     int refs;    /* 1 while the owner holds it + 1 per request not yet freed */
     int closing; /* the owner called http_client_free */
-    CURL *pool[EASY_POOL_MAX];
+    pooled_easy *pool[EASY_POOL_MAX];
     int npool;
     /* Finished requests kept for reuse with their buffers and header list (see req_alloc). */
     struct http_request *spare[REQ_POOL_MAX];
@@ -65,8 +87,8 @@ typedef struct header {
 
 struct http_request {
     http_client *c;
-    CURL *easy;
-    struct curl_slist *headers_out;
+    pooled_easy *pe; /* the easy handle lent to this request while it runs */
+    CURL *easy;      /* pe->curl */
     char *body_copy;
     FILE *in_file;
     FILE *out_file;
@@ -84,7 +106,6 @@ struct http_request {
     enum http_result result;
     char errbuf[CURL_ERROR_SIZE];
     char message[512];
-    char method[16];
 
     /* Connection use (see "connection use" below). */
     char origin[128];
@@ -93,26 +114,33 @@ struct http_request {
     char primary_ip[48]; /* the address the connection went to */
     struct curl_slist *resolve;
 
-    /* Headers of the current response: text in hbuf, spans in hdrs. */
-    char *hbuf;
-    size_t hlen, hcap;
-    header *hdrs;
-    size_t nhdrs, chdrs;
+    /* Headers of the current response: text in hbuf[0..hlen), spans in hdrs[0..nhdrs). */
+    size_t hlen, nhdrs;
 
     /* Body: memory mode uses buf[0..len); stream mode buf[off..len). */
-    char *buf;
-    size_t len, cap, off;
+    size_t len, off;
     size_t peak;
     unsigned long pauses;
 
     int events; /* recorded by curl callbacks, delivered after socket_action */
     http_request *next_pending;
     int is_pending;
+
+    /* Kept from one request to the next by the request pool, with their capacities (req_alloc
+     * zeroes everything above headers_out and nothing from it on). */
+    struct curl_slist *headers_out;
+    char *hbuf;
+    size_t hcap;
+    header *hdrs;
+    size_t chdrs;
+    char *buf;
+    size_t cap;
 };
 
 static void deliver_pending(http_client *c);
 static void check_done(http_client *c);
 static void req_destroy(http_request *r);
+static void easy_destroy(pooled_easy *pe);
 static void origin_learn(http_client *c, http_request *r, CURL *easy);
 static void redact_userinfo(char *s);
 static void multi_connection_use(CURLM *multi);
@@ -310,7 +338,7 @@ static void client_release(http_client *c)
     if (--c->refs > 0) return;
     ev_timer_stop(c->loop, &c->timer);
     for (int i = 0; i < c->npool; i++)
-        curl_easy_cleanup(c->pool[i]);
+        easy_destroy(c->pool[i]);
     for (int i = 0; i < c->nspare; i++)
         req_destroy(c->spare[i]);
     /* Socket callbacks (CURL_POLL_REMOVE) may run here; sock_cb tolerates them. */
@@ -367,8 +395,15 @@ static size_t header_cb(char *data, size_t size, size_t nitems, void *ud)
         /* A new response (after 1xx or a redirect): forget the previous one's headers. */
         r->nhdrs = 0;
         r->hlen = 0;
-        const char *sp = memchr(data, ' ', end);
-        r->status = sp ? strtol(sp + 1, NULL, 10) : 0;
+        const char *p = memchr(data, ' ', end), *e = data + end;
+        long status = 0; /* the digits after the version (strtol was a tenth of this callback) */
+        if (p) {
+            while (p < e && *p == ' ')
+                p++;
+            for (int d = 0; d < 5 && p < e && isdigit((unsigned char)*p); d++, p++)
+                status = status * 10 + (*p - '0');
+        }
+        r->status = status;
         return n;
     }
     if (end == 0) {
@@ -396,8 +431,10 @@ static size_t header_cb(char *data, size_t size, size_t nitems, void *ud)
     header *h = &r->hdrs[r->nhdrs++];
     h->name_off = r->hlen;
     h->name_len = name_len;
-    for (size_t i = 0; i < name_len; i++)
-        r->hbuf[r->hlen + i] = (char)tolower((unsigned char)data[i]);
+    for (size_t i = 0; i < name_len; i++) { /* ASCII only, as HTTP names are: no locale */
+        unsigned char ch = (unsigned char)data[i];
+        r->hbuf[r->hlen + i] = (char)((unsigned)(ch - 'A') < 26u ? ch + 32 : ch);
+    }
     r->hlen += name_len;
     h->value_off = r->hlen;
     h->value_len = value_len;
@@ -493,14 +530,18 @@ static void request_left_multi(http_request *r)
 
 /* ---- completion -------------------------------------------------------------------------- */
 
-static void pool_put(http_client *c, CURL *easy)
+/* Takes r's easy handle back into the pool (options left in place: easy_take resets them unless
+ * the next request can use them, see "handle reuse"), or frees it when the pool is full or the
+ * client is closing. */
+static void pool_put(http_client *c, http_request *r)
 {
-    if (c->npool < EASY_POOL_MAX && !c->closing) {
-        curl_easy_reset(easy);
-        c->pool[c->npool++] = easy;
-    } else {
-        curl_easy_cleanup(easy);
-    }
+    pooled_easy *pe = r->pe;
+    r->pe = NULL;
+    r->easy = NULL;
+    if (c->npool < EASY_POOL_MAX && !c->closing)
+        c->pool[c->npool++] = pe;
+    else
+        easy_destroy(pe);
 }
 
 /* Drains curl_multi_info_read after every socket action: for each finished transfer, records
@@ -520,10 +561,15 @@ static void check_done(http_client *c)
         CURLcode cc = msg->data.result;
         curl_easy_getinfo(easy, CURLINFO_PRIVATE, (char **)&r);
         if (!r) continue;
-        long code = 0;
+        long code = 0, connects = 0;
         curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &code);
         if (code) r->status = code;
         origin_learn(c, r, easy);
+        /* A handle whose transfer failed or opened a connection (which every one of curl's
+         * silent retries does, counting them in state only curl_easy_reset clears) is reset
+         * before it is used again. */
+        curl_easy_getinfo(easy, CURLINFO_NUM_CONNECTS, &connects);
+        if (cc != CURLE_OK || connects > 0) r->pe->setup.reusable = 0;
         if (r->result == HTTP_OK && cc != CURLE_OK) {
             r->result = map_curl(cc);
             if (cc == CURLE_SEND_FAIL_REWIND)
@@ -537,8 +583,7 @@ static void check_done(http_client *c)
         }
         curl_multi_remove_handle(c->multi, easy);
         request_left_multi(r);
-        r->easy = NULL;
-        pool_put(c, easy);
+        pool_put(c, r);
         if (r->out_file) {
             if (fclose(r->out_file) != 0 && r->result == HTTP_OK) {
                 r->result = HTTP_ERR_FILE;
@@ -590,18 +635,7 @@ static http_request *req_alloc(http_client *c)
 {
     if (c->nspare == 0) return (http_request *)calloc(1, sizeof(http_request));
     http_request *r = c->spare[--c->nspare];
-    struct curl_slist *headers = r->headers_out;
-    char *hbuf = r->hbuf, *buf = r->buf;
-    size_t hcap = r->hcap, cap = r->cap, chdrs = r->chdrs;
-    header *hdrs = r->hdrs;
-    memset(r, 0, sizeof *r);
-    r->headers_out = headers;
-    r->hbuf = hbuf;
-    r->hcap = hcap;
-    r->hdrs = hdrs;
-    r->chdrs = chdrs;
-    r->buf = buf;
-    r->cap = cap;
+    memset(r, 0, offsetof(http_request, headers_out));
     return r;
 }
 
@@ -621,32 +655,45 @@ static void req_recycle(http_client *c, http_request *r)
     c->spare[c->nspare++] = r;
 }
 
-/* Points r->headers_out at "Expect:" (which stops curl waiting a second for 100-continue
- * before large uploads) followed by the lines of `headers`, reusing the list r already holds
- * (from the request it was before) when it has exactly those lines. Returns 0, or -1 when out of
- * memory. */
-static int set_headers(http_request *r, const char *const *headers)
+/* Points r->headers_out at the request's header list: "Expect:" when it has a body (which stops
+ * curl waiting a second for 100-continue before a large upload; without a body curl sends no
+ * Expect, and an empty list spares it looking through one), then the lines of `headers`; NULL
+ * when that is nothing. Reuses the list r already holds (from the request it was before) when it
+ * has exactly those lines. Returns 0, or -1 when out of memory. */
+static int set_headers(http_request *r, const char *const *headers, int expect)
 {
-    struct curl_slist *l = r->headers_out;
-    if (l) {
-        const struct curl_slist *n = l->next;
-        const char *const *h = headers;
-        while (n && h && *h && strcmp(n->data, *h) == 0) {
-            n = n->next;
+    const struct curl_slist *n = r->headers_out;
+    const char *const *h = headers;
+    int e = expect;
+    for (; n; n = n->next) {
+        const char *want = e ? "Expect:" : h && *h ? *h : NULL;
+        if (!want || strcmp(n->data, want) != 0) break;
+        if (e)
+            e = 0;
+        else
             h++;
-        }
-        if (!n && (!h || !*h)) return 0;
-        curl_slist_free_all(l);
-        r->headers_out = NULL;
     }
-    r->headers_out = curl_slist_append(NULL, "Expect:");
-    if (!r->headers_out) return -1;
-    struct curl_slist *tail = r->headers_out;
-    for (const char *const *h = headers; h && *h; h++) {
-        if (!curl_slist_append(tail, *h)) return -1;
-        tail = tail->next;
+    if (!n && !e && (!h || !*h)) return 0;
+    curl_slist_free_all(r->headers_out);
+    r->headers_out = NULL;
+    struct curl_slist *tail = NULL;
+    if (expect && !(tail = r->headers_out = curl_slist_append(NULL, "Expect:"))) return -1;
+    for (h = headers; h && *h; h++) {
+        struct curl_slist *l = curl_slist_append(tail, *h);
+        if (!l) return -1;
+        if (!tail) r->headers_out = l;
+        tail = tail ? tail->next : l;
     }
     return 0;
+}
+
+/* Copies src into dst (n bytes), cut to fit and NUL-terminated: snprintf's "%s" without its
+ * format parsing, which showed in the per-request profile. */
+static void copy_cut(char *dst, size_t n, const char *src)
+{
+    size_t len = strnlen(src, n - 1);
+    memcpy(dst, src, len);
+    dst[len] = '\0';
 }
 
 /* ---- connection use: HTTP/2, the CA bundle, no silent re-sends ------------------------------ */
@@ -724,7 +771,7 @@ static void origin_learn(http_client *c, http_request *r, CURL *easy)
     long v = 0;
     char *ip = NULL;
     if (curl_easy_getinfo(easy, CURLINFO_PRIMARY_IP, &ip) == CURLE_OK && ip)
-        snprintf(r->primary_ip, sizeof r->primary_ip, "%s", ip);
+        copy_cut(r->primary_ip, sizeof r->primary_ip, ip);
     if (curl_easy_getinfo(easy, CURLINFO_HTTP_VERSION, &v) != CURLE_OK || v == 0) return;
     r->http_version = v == CURL_HTTP_VERSION_1_0   ? 10
                       : v == CURL_HTTP_VERSION_1_1 ? 11
@@ -777,27 +824,45 @@ static void multi_connection_use(CURLM *multi)
     curl_multi_setopt(multi, CURLMOPT_MAX_CONCURRENT_STREAMS, 1000L);
 }
 
-/* Applies what this section describes to e. Returns 0, or -1 with a message in err. */
-static int connection_use(http_client *c, http_request *r, CURL *e, const http_request_spec *spec,
-                          char *err, size_t errlen)
+/* The choices of this section that depend on the origin and the environment, made once per
+ * request (the environment is read every time: a recipe may change it between requests). */
+typedef struct conn_choice {
+    int tls;                /* https://: HTTP/2 by ALPN, PIPEWAIT */
+    int no_proxy;           /* plain http:// to loopback */
+    const char *ca, *cadir; /* the CA bundle and directory named by the environment, or NULL */
+} conn_choice;
+
+/* Sets r->origin from spec's URL and fills ch. */
+static void connection_choose(http_request *r, const http_request_spec *spec, conn_choice *ch)
 {
     origin_of(spec->url, r->origin, sizeof r->origin);
-    int tls = strncmp(r->origin, "https://", 8) == 0;
+    ch->tls = strncmp(r->origin, "https://", 8) == 0;
+    ch->no_proxy = origin_plain_loopback(r->origin);
+    ch->ca = getenv("CURL_CA_BUNDLE");
+    if (!ch->ca || !*ch->ca) ch->ca = getenv("SSL_CERT_FILE");
+    if (ch->ca && !*ch->ca) ch->ca = NULL;
+    ch->cadir = getenv("SSL_CERT_DIR");
+    if (ch->cadir && !*ch->cadir) ch->cadir = NULL;
+}
+
+/* Applies what this section describes to e, as chosen in ch. Returns 0, or -1 with a message in
+ * err. */
+static int connection_use(http_client *c, http_request *r, CURL *e, const http_request_spec *spec,
+                          const conn_choice *ch, char *err, size_t errlen)
+{
+    int tls = ch->tls;
     curl_easy_setopt(e, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_2TLS);
     /* Only where HTTP/2 is possible: over plain http:// curl would learn that a connection does
      * not multiplex only from its first answer, and hold every other request until then. Over
      * TLS it knows at the handshake (ALPN). */
     if (tls) curl_easy_setopt(e, CURLOPT_PIPEWAIT, 1L);
-    const char *ca = getenv("CURL_CA_BUNDLE");
-    if (!ca || !*ca) ca = getenv("SSL_CERT_FILE");
-    if (ca && *ca) {
-        curl_easy_setopt(e, CURLOPT_CAINFO, ca);
-        curl_easy_setopt(e, CURLOPT_PROXY_CAINFO, ca);
+    if (ch->ca) {
+        curl_easy_setopt(e, CURLOPT_CAINFO, ch->ca);
+        curl_easy_setopt(e, CURLOPT_PROXY_CAINFO, ch->ca);
     }
-    const char *cadir = getenv("SSL_CERT_DIR");
-    if (cadir && *cadir) {
-        curl_easy_setopt(e, CURLOPT_CAPATH, cadir);
-        curl_easy_setopt(e, CURLOPT_PROXY_CAPATH, cadir);
+    if (ch->cadir) {
+        curl_easy_setopt(e, CURLOPT_CAPATH, ch->cadir);
+        curl_easy_setopt(e, CURLOPT_PROXY_CAPATH, ch->cadir);
     }
     for (const char *const *l = spec->resolve; l && *l; l++) {
         struct curl_slist *n = curl_slist_append(r->resolve, *l);
@@ -809,8 +874,13 @@ static int connection_use(http_client *c, http_request *r, CURL *e, const http_r
     }
     if (r->resolve) curl_easy_setopt(e, CURLOPT_RESOLVE, r->resolve);
     /* A local backend (plain HTTP on loopback) is never asked for through http_proxy: the
-     * proxy's loopback is not ours. An empty CURLOPT_PROXY overrides the environment. */
-    if (origin_plain_loopback(r->origin)) curl_easy_setopt(e, CURLOPT_PROXY, "");
+     * proxy's loopback is not ours. An empty CURLOPT_PROXY overrides the environment; the empty
+     * CURLOPT_NOPROXY beside it only spares curl reading no_proxy and NO_PROXY for every
+     * transfer (with no proxy there is nothing for them to exempt). */
+    if (ch->no_proxy) {
+        curl_easy_setopt(e, CURLOPT_PROXY, "");
+        curl_easy_setopt(e, CURLOPT_NOPROXY, "");
+    }
     if (spec->no_resend == HTTP_NO_RESEND) {
         int mux = origin_multiplexed(c, r->origin);
         int body = (spec->has_body && spec->body_len > 0) || spec->body_file;
@@ -834,6 +904,186 @@ static void set_body(http_request *r, CURL *e, const http_request_spec *spec, co
     if (strcmp(method, "POST") != 0) curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
 }
 
+/* ---- handle reuse -------------------------------------------------------------------------- */
+/*
+ * Setting up a handle is most of what starting a request costs in C: curl_easy_reset and some
+ * twenty options, several copied by curl. A *plain* request (no body, no fresh connection, no
+ * no_resend, no resolve list: a GET, HEAD or DELETE as the API client makes them) records on
+ * its handle what it set (easy_setup), and the next plain request that asks for the same
+ * method, timeouts, encoding, connection choices and CA files keeps all of it and sets only its
+ * URL (when it is another URL), plus the pointers to itself when the handle last served another
+ * request struct, plus the header list when it is another list. Any other request resets the handle
+ * and sets everything (easy_setup_all), as does a plain one after a failed transfer, an aborted
+ * one, or one that opened a connection (curl counts its silent retries on the handle until a reset;
+ * every retry opens a connection, so a kept handle never carries a count). libcurl supports reusing
+ * a handle this way; it is what a curl_easy_perform loop does.
+ */
+
+/* Takes a handle from the pool, or a new one; NULL when out of memory. */
+static pooled_easy *easy_take(http_client *c)
+{
+    if (c->npool > 0) return c->pool[--c->npool];
+    pooled_easy *pe = (pooled_easy *)calloc(1, sizeof *pe);
+    if (!pe) return NULL;
+    pe->curl = curl_easy_init();
+    if (!pe->curl) {
+        free(pe);
+        return NULL;
+    }
+    return pe;
+}
+
+static void easy_destroy(pooled_easy *pe)
+{
+    curl_easy_cleanup(pe->curl);
+    free(pe->url);
+    free(pe);
+}
+
+/* Sets CURLOPT_URL unless the handle has exactly this URL already: curl starts every transfer
+ * from the URL set, so a request polling one URL need not have curl copy it each time. */
+static void easy_set_url(pooled_easy *pe, const char *url)
+{
+    if (pe->has_url && strcmp(pe->url, url) == 0) return;
+    curl_easy_setopt(pe->curl, CURLOPT_URL, url);
+    size_t n = strlen(url) + 1;
+    pe->has_url = 0;
+    if (n > pe->url_cap) {
+        char *p = (char *)realloc(pe->url, n);
+        if (!p) return; /* not remembered: the next request sets its URL again */
+        pe->url = p;
+        pe->url_cap = n;
+    }
+    memcpy(pe->url, url, n);
+    pe->has_url = 1;
+}
+
+/* The options that point at the request: its struct for the callbacks, its error buffer. */
+static void easy_point_at(CURL *e, http_request *r)
+{
+    curl_easy_setopt(e, CURLOPT_PRIVATE, (char *)r);
+    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, r->errbuf);
+    curl_easy_setopt(e, CURLOPT_HEADERDATA, r);
+    curl_easy_setopt(e, CURLOPT_WRITEDATA, r);
+}
+
+/* Whether s (or NULL) fits a setup field of n bytes; a request whose strings do not is not
+ * recorded (nothing is cut). */
+static int setup_fits(const char *s, size_t n)
+{
+    return !s || strlen(s) < n;
+}
+
+/* Whether spec is a plain request whose setup fits in an easy_setup. */
+static int setup_plain(const http_request_spec *spec, const char *method, const conn_choice *ch)
+{
+    const easy_setup *s = NULL;
+    return !spec->has_body && !spec->body_file && !spec->fresh_connect && !spec->no_resend &&
+           !spec->resolve && setup_fits(method, sizeof s->method) &&
+           setup_fits(spec->accept_encoding, sizeof s->encoding) &&
+           setup_fits(ch->ca, sizeof s->ca) && setup_fits(ch->cadir, sizeof s->cadir);
+}
+
+static int setup_same_str(const char *field, const char *s)
+{
+    return strcmp(field, s ? s : "") == 0;
+}
+
+/* Whether the handle's recorded setup is what the plain request spec would set. */
+static int setup_matches(const easy_setup *s, const http_request_spec *spec, const char *method,
+                         const conn_choice *ch)
+{
+    return s->reusable && s->connect_timeout_ms == spec->connect_timeout_ms &&
+           s->timeout_ms == spec->timeout_ms && s->idle_timeout_ms == spec->idle_timeout_ms &&
+           s->tls == ch->tls && s->no_proxy == ch->no_proxy &&
+           s->has_encoding == (spec->accept_encoding != NULL) &&
+           setup_same_str(s->method, method) &&
+           setup_same_str(s->encoding, spec->accept_encoding) && setup_same_str(s->ca, ch->ca) &&
+           setup_same_str(s->cadir, ch->cadir);
+}
+
+/* Records what easy_setup_all set for the plain request spec (setup_plain said it fits). */
+static void setup_record(easy_setup *s, const http_request_spec *spec, const char *method,
+                         const conn_choice *ch)
+{
+    s->reusable = 1;
+    s->connect_timeout_ms = spec->connect_timeout_ms;
+    s->timeout_ms = spec->timeout_ms;
+    s->idle_timeout_ms = spec->idle_timeout_ms;
+    s->tls = ch->tls;
+    s->no_proxy = ch->no_proxy;
+    s->has_encoding = spec->accept_encoding != NULL;
+    copy_cut(s->method, sizeof s->method, method);
+    copy_cut(s->encoding, sizeof s->encoding, spec->accept_encoding ? spec->accept_encoding : "");
+    copy_cut(s->ca, sizeof s->ca, ch->ca ? ch->ca : "");
+    copy_cut(s->cadir, sizeof s->cadir, ch->cadir ? ch->cadir : "");
+}
+
+/* Sets every option of request r on the clean handle e except the header list: URL,
+ * callbacks, timeouts, idle cut-off, encoding, the connection rule (fresh_connect, no_resend,
+ * resolve: connection_use as chosen in ch) and the body (none, a copy in memory, or streamed
+ * from body_file; an empty POST, PUT or PATCH still sends Content-Length: 0). Returns 0, or -1
+ * with a message in err (what it allocated stays on r for http_request_free). */
+static int easy_setup_all(http_client *c, http_request *r, CURL *e, const http_request_spec *spec,
+                          const char *method, const conn_choice *ch, char *err, size_t errlen)
+{
+    easy_set_url(r->pe, spec->url);
+    easy_point_at(e, r);
+    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, header_cb);
+    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, write_cb);
+    curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
+    if (spec->connect_timeout_ms > 0)
+        curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, spec->connect_timeout_ms);
+    if (spec->timeout_ms > 0) curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, spec->timeout_ms);
+    if (spec->idle_timeout_ms > 0) {
+        curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
+        curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, (spec->idle_timeout_ms + 999) / 1000);
+    }
+    if (spec->accept_encoding) curl_easy_setopt(e, CURLOPT_ACCEPT_ENCODING, spec->accept_encoding);
+    /* libcurl silently re-sends a request, POSTs included, when a reused keep-alive connection
+     * dies before any reply byte. A request that must never be sent twice (a create) asks for
+     * a connection of its own, which curl does not retry. */
+    if (spec->fresh_connect) curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
+    if (connection_use(c, r, e, spec, ch, err, errlen) < 0) return -1;
+
+    if (strcmp(method, "HEAD") == 0) {
+        curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
+    } else if (spec->body_file) {
+        r->in_file = fopen(spec->body_file, "rb");
+        if (!r->in_file) {
+            snprintf(err, errlen, "cannot open request body file %s: %s", spec->body_file,
+                     strerror(errno));
+            return -1;
+        }
+        fseek(r->in_file, 0, SEEK_END);
+        long size = ftell(r->in_file);
+        fseek(r->in_file, 0, SEEK_SET);
+        curl_easy_setopt(e, CURLOPT_UPLOAD, 1L);
+        curl_easy_setopt(e, CURLOPT_READFUNCTION, read_cb);
+        curl_easy_setopt(e, CURLOPT_READDATA, r);
+        curl_easy_setopt(e, CURLOPT_INFILESIZE_LARGE, (curl_off_t)size);
+        curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
+    } else if (spec->has_body) {
+        r->body_copy = (char *)malloc(spec->body_len ? spec->body_len : 1);
+        if (!r->body_copy) {
+            snprintf(err, errlen, "out of memory copying the request body");
+            return -1;
+        }
+        memcpy(r->body_copy, spec->body, spec->body_len);
+        set_body(r, e, spec, method);
+    } else if (strcmp(method, "GET") != 0) {
+        curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
+        if (strcmp(method, "POST") == 0 || strcmp(method, "PUT") == 0 ||
+            strcmp(method, "PATCH") == 0) {
+            /* An empty body still needs Content-Length: 0 for many servers. */
+            curl_easy_setopt(e, CURLOPT_POSTFIELDS, "");
+            curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)0);
+        }
+    }
+    return 0;
+}
+
 /* ---- requests -------------------------------------------------------------------------------- */
 
 static void unlink_pending(http_request *r)
@@ -847,12 +1097,11 @@ static void unlink_pending(http_request *r)
 }
 
 /* Starts one request on client c as spec says (the spec's strings are copied or used before
- * this returns: the caller may free them): takes an easy handle from the pool, sets URL,
- * timeouts, idle cut-off, encoding, the connection rule (fresh_connect, no_resend, resolve:
- * connection_use), the body (none, a copy in memory, or streamed from body_file; an empty POST,
- * PUT or PATCH still sends Content-Length: 0), the headers and the output file, then adds it
- * to the multi handle. Nothing is sent before the loop runs. notify(r, ud, events) is later
- * called from the loop (never from inside curl) with HTTP_EV_HEADERS, HTTP_EV_DATA and
+ * this returns: the caller may free them): takes an easy handle from the pool, sets its
+ * options (all of them with easy_setup_all, or only the URL and what changed when the handle
+ * already carries this plain request's setup: "handle reuse"), the headers and the output file,
+ * then adds it to the multi handle. Nothing is sent before the loop runs. notify(r, ud, events) is
+ * later called from the loop (never from inside curl) with HTTP_EV_HEADERS, HTTP_EV_DATA and
  * HTTP_EV_DONE. Returns the request, owned by the caller until http_request_free; or NULL with
  * a one-line message in err (at most errlen bytes, NUL-terminated) and nothing left allocated
  * or registered. Does not block. */
@@ -872,84 +1121,45 @@ http_request *http_request_start(http_client *c, const http_request_spec *spec,
     r->stream_cap = spec->stream_buffer ? spec->stream_buffer : 64 * 1024;
     r->max_body = spec->max_body;
     const char *method = spec->method ? spec->method : "GET";
-    snprintf(r->method, sizeof r->method, "%s", method);
 
-    CURL *e = c->npool > 0 ? c->pool[--c->npool] : curl_easy_init();
-    if (!e) {
+    pooled_easy *pe = easy_take(c);
+    if (!pe) {
         snprintf(err, errlen, "curl_easy_init failed");
         http_request_free(r);
         return NULL;
     }
-    r->easy = e;
-    curl_easy_setopt(e, CURLOPT_URL, spec->url);
-    curl_easy_setopt(e, CURLOPT_PRIVATE, (char *)r);
-    curl_easy_setopt(e, CURLOPT_ERRORBUFFER, r->errbuf);
-    curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, header_cb);
-    curl_easy_setopt(e, CURLOPT_HEADERDATA, r);
-    curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, write_cb);
-    curl_easy_setopt(e, CURLOPT_WRITEDATA, r);
-    curl_easy_setopt(e, CURLOPT_TCP_NODELAY, 1L);
-    if (spec->connect_timeout_ms > 0)
-        curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, spec->connect_timeout_ms);
-    if (spec->timeout_ms > 0) curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, spec->timeout_ms);
-    if (spec->idle_timeout_ms > 0) {
-        curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1L);
-        curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, (spec->idle_timeout_ms + 999) / 1000);
-    }
-    if (spec->accept_encoding) curl_easy_setopt(e, CURLOPT_ACCEPT_ENCODING, spec->accept_encoding);
-    /* libcurl silently re-sends a request, POSTs included, when a reused keep-alive connection
-     * dies before any reply byte. A request that must never be sent twice (a create) asks for
-     * a connection of its own, which curl does not retry. */
-    if (spec->fresh_connect) curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L);
-    if (connection_use(c, r, e, spec, err, errlen) < 0) {
-        http_request_free(r);
-        return NULL;
-    }
-
-    if (strcmp(method, "HEAD") == 0) {
-        curl_easy_setopt(e, CURLOPT_NOBODY, 1L);
-    } else if (spec->body_file) {
-        r->in_file = fopen(spec->body_file, "rb");
-        if (!r->in_file) {
-            snprintf(err, errlen, "cannot open request body file %s: %s", spec->body_file,
-                     strerror(errno));
+    r->pe = pe;
+    r->easy = pe->curl;
+    CURL *e = r->easy;
+    conn_choice ch;
+    connection_choose(r, spec, &ch);
+    int plain = setup_plain(spec, method, &ch);
+    if (plain && setup_matches(&pe->setup, spec, method, &ch)) {
+        easy_set_url(pe, spec->url);
+        if (pe->setup.owner != r) easy_point_at(e, r);
+    } else {
+        if (pe->dirty) curl_easy_reset(e);
+        pe->dirty = 1;
+        pe->has_url = 0;
+        pe->setup.reusable = 0;
+        pe->setup.headers = NULL;
+        if (easy_setup_all(c, r, e, spec, method, &ch, err, errlen) < 0) {
             http_request_free(r);
             return NULL;
         }
-        fseek(r->in_file, 0, SEEK_END);
-        long size = ftell(r->in_file);
-        fseek(r->in_file, 0, SEEK_SET);
-        curl_easy_setopt(e, CURLOPT_UPLOAD, 1L);
-        curl_easy_setopt(e, CURLOPT_READFUNCTION, read_cb);
-        curl_easy_setopt(e, CURLOPT_READDATA, r);
-        curl_easy_setopt(e, CURLOPT_INFILESIZE_LARGE, (curl_off_t)size);
-        curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
-    } else if (spec->has_body) {
-        r->body_copy = (char *)malloc(spec->body_len ? spec->body_len : 1);
-        if (!r->body_copy) {
-            snprintf(err, errlen, "out of memory copying the request body");
-            http_request_free(r);
-            return NULL;
-        }
-        memcpy(r->body_copy, spec->body, spec->body_len);
-        set_body(r, e, spec, method);
-    } else if (strcmp(method, "GET") != 0) {
-        curl_easy_setopt(e, CURLOPT_CUSTOMREQUEST, method);
-        if (strcmp(method, "POST") == 0 || strcmp(method, "PUT") == 0 ||
-            strcmp(method, "PATCH") == 0) {
-            /* An empty body still needs Content-Length: 0 for many servers. */
-            curl_easy_setopt(e, CURLOPT_POSTFIELDS, "");
-            curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)0);
-        }
+        if (plain) setup_record(&pe->setup, spec, method, &ch);
     }
+    pe->setup.owner = r;
 
-    if (set_headers(r, spec->headers) != 0) {
+    if (set_headers(r, spec->headers, spec->has_body || spec->body_file) != 0) {
         snprintf(err, errlen, "out of memory building request headers");
         http_request_free(r);
         return NULL;
     }
-    curl_easy_setopt(e, CURLOPT_HTTPHEADER, r->headers_out);
+    if (pe->setup.headers != r->headers_out) {
+        curl_easy_setopt(e, CURLOPT_HTTPHEADER, r->headers_out);
+        pe->setup.headers = r->headers_out;
+    }
 
     if (spec->output_file) {
         r->out_file = fopen(spec->output_file, "wb");
@@ -978,13 +1188,13 @@ void http_request_free(http_request *r)
     if (!r) return;
     http_client *c = r->c;
     unlink_pending(r);
-    if (r->easy) {
+    if (r->pe) {
         if (r->in_multi) {
             curl_multi_remove_handle(c->multi, r->easy);
             request_left_multi(r);
+            r->pe->setup.reusable = 0; /* aborted midway */
         }
-        pool_put(c, r->easy);
-        r->easy = NULL;
+        pool_put(c, r);
     }
     if (r->in_file) fclose(r->in_file);
     if (r->out_file) fclose(r->out_file);

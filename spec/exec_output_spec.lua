@@ -1,18 +1,11 @@
 -- The exec output path: response:read_output (bindings/http.c) and the output event decoder
 -- (runtime/output_event.c) against moonbox's own HTTP server on loopback, compared with the
 -- general JSON decoder (lua-cjson) on the same events.
-local T = require "moonbox.testing"
 local http = require "moonbox.http"
-local httpd = require "moonbox.httpd"
+local with_server = require("spec.support.http_server").with
 local sse = require "moonbox.sse"
 local cjson = require "cjson"
 
-local function with_server(fn)
-  return T.async(function()
-    local srv <close> = httpd.listen { host = "127.0.0.1", port = 0 }
-    fn(srv)
-  end)
-end
 
 -- Payloads whose JSON text exercises every escape, NUL, a surrogate pair, raw UTF-8 and raw
 -- bytes that are not UTF-8 (a JSON decoder copies those as they are).

@@ -4,7 +4,7 @@
 local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local http = require "moonbox.http"
-local httpd = require "moonbox.httpd"
+local with_server = require("spec.support.http_server").with
 local proc = require "moonbox.proc"
 local build = require "moonbox.build"
 
@@ -26,11 +26,21 @@ local function rss_kb()
   end
 end
 
-local function with_server(fn)
+-- A test body: fn(base) against a fresh misbehaving peer, killed afterwards even if fn fails.
+local function with_peer(fn)
   return T.async(function()
-    local srv <close> = httpd.listen { host = "127.0.0.1", port = 0 }
-    fn(srv)
+    local base, peer = start_peer()
+    local ok, err = pcall(fn, base)
+    peer:kill("KILL")
+    if not ok then error(err, 0) end
   end)
+end
+
+-- The error http.request raises for opts, which must fail.
+local function request_error(opts)
+  local ok, err = pcall(http.request, opts)
+  assert.is_false(ok, "the request succeeded")
+  return err
 end
 
 describe("http.request", function()
@@ -43,6 +53,15 @@ describe("http.request", function()
     assert.are.equal("hi there", r.body)
     assert.are.equal("yes", r.headers["x-thing"])
     assert.are.equal("text/plain", r.headers["content-type"])
+  end))
+
+  it("joins the values of a repeated response header with a comma", with_server(function(srv)
+    srv:route("GET", "/many", function()
+      return 200, "", { ["X-Many"] = { "a", "b", "c" }, ["X-One"] = "1" }
+    end)
+    local r = http.request { url = srv.url .. "/many" }
+    assert.are.equal("a, b, c", r.headers["x-many"])
+    assert.are.equal("1", r.headers["x-one"])
   end))
 
   it("sends the method, headers and a binary body as given", with_server(function(srv)
@@ -109,74 +128,112 @@ describe("http.request", function()
   end))
 end)
 
+describe("http.request on a reused handle", function()
+  -- Requests one after the other reuse one easy handle and, when it was set up for the same
+  -- options, keep its options (runtime/http_client.c, "handle reuse"): nothing of the request
+  -- before may carry over.
+  it("carries no option of the request before it", with_server(function(srv)
+    local seen
+    srv:route("*", "/echo", function(req)
+      seen = { method = req.method, body = req.body, a = req.headers["x-a"],
+        enc = req.headers["accept-encoding"] }
+      return 200, "body"
+    end)
+    srv:route("GET", "/slow", function()
+      task.sleep(0.5)
+      return 200, "late"
+    end)
+    local url = srv.url .. "/echo"
+    local function get(opts)
+      opts.url = opts.url or url
+      local r = http.request(opts)
+      assert.are.equal(200, r.status)
+      return r
+    end
+    get { headers = { ["X-A"] = "1" } }
+    assert.are.equal("1", seen.a)
+    get {}
+    assert.is_nil(seen.a)
+    assert.are.equal("", get { method = "HEAD" }.body)
+    assert.are.equal("body", get {}.body)
+    assert.are.equal("GET", seen.method)
+    get { method = "PUT", body = "put body" }
+    assert.are.same({ "PUT", "put body" }, { seen.method, seen.body })
+    get {}
+    assert.are.same({ "GET", "" }, { seen.method, seen.body })
+    get { method = "DELETE" }
+    assert.are.equal("DELETE", seen.method)
+    get {}
+    assert.are.equal("GET", seen.method)
+    get { accept_encoding = "gzip" }
+    assert.are.equal("gzip", seen.enc)
+    get {}
+    assert.is_nil(seen.enc)
+    -- a timeout of the request before does not cut this one short
+    get { timeout = 0.2 }
+    assert.are.equal("late", get { url = srv.url .. "/slow" }.body)
+  end))
+end)
+
+describe("http.request response headers", function()
+  it("gives each response its own header values, however alike", with_server(function(srv)
+    srv:route("GET", "/n/:i", function(req)
+      return 200, "", { ["X-N"] = req.captures.i, ["X-Same"] = "s" }
+    end)
+    for i = 1, 9 do
+      local r = http.request { url = srv.url .. "/n/" .. i }
+      assert.are.same({ tostring(i), "s" }, { r.headers["x-n"], r.headers["x-same"] })
+    end
+  end))
+end)
+
 describe("http.request failures", function()
   it("makes connection refused a retryable connect_failed error", T.async(function()
-    local ok, err = pcall(http.request, { url = "http://127.0.0.1:1/x" })
-    assert.is_false(ok)
+    local err = request_error { url = "http://127.0.0.1:1/x" }
     assert.are.equal("connect_failed", err.code)
     assert.is_true(err.retryable)
     assert.are.equal("GET", err.method)
     assert.matches("http_client_spec.lua:%d+: http.request: GET http://127.0.0.1:1/x: ", tostring(err))
   end))
 
-  it("makes a connection reset mid-body a connection_reset error", T.async(function()
-    local base, peer = start_peer()
-    local ok, err = pcall(http.request, { url = base .. "/reset" })
-    assert.is_false(ok)
+  it("makes a connection reset mid-body a connection_reset error", with_peer(function(base)
+    local err = request_error { url = base .. "/reset" }
     assert.are.equal("connection_reset", err.code)
     assert.is_true(err.retryable)
-    peer:kill("KILL")
   end))
 
-  it("makes a closed connection without reply a connection_reset error", T.async(function()
-    local base, peer = start_peer()
-    local ok, err = pcall(http.request, { url = base .. "/close" })
-    assert.is_false(ok)
-    assert.are.equal("connection_reset", err.code)
-    peer:kill("KILL")
+  it("makes a closed connection without reply a connection_reset error", with_peer(function(base)
+    assert.are.equal("connection_reset", request_error { url = base .. "/close" }.code)
   end))
 
-  it("makes a reply that is not HTTP a malformed_response error", T.async(function()
-    local base, peer = start_peer()
-    local ok, err = pcall(http.request, { url = base .. "/malformed" })
-    assert.is_false(ok)
+  it("makes a reply that is not HTTP a malformed_response error", with_peer(function(base)
+    local err = request_error { url = base .. "/malformed" }
     assert.are.equal("malformed_response", err.code)
     assert.is_false(err.retryable)
-    peer:kill("KILL")
   end))
 
-  it("fires the total timeout", T.async(function()
-    local base, peer = start_peer()
-    local ok, err = pcall(http.request, { url = base .. "/hang", timeout = 0.2 })
-    assert.is_false(ok)
-    assert.are.equal("timeout", err.code) -- /hang never answers: only the timeout ends it
-    peer:kill("KILL")
+  it("fires the total timeout", with_peer(function(base)
+    -- /hang never answers: only the timeout ends it
+    assert.are.equal("timeout", request_error { url = base .. "/hang", timeout = 0.2 }.code)
   end))
 
-  it("fires the idle timeout on a trickling body", T.async(function()
-    local base, peer = start_peer()
+  it("fires the idle timeout on a trickling body", with_peer(function(base)
     -- 300 ms between bytes is fine with a 5 s idle timeout...
     local r = http.request { url = base .. "/trickle", idle_timeout = 5 }
     assert.are.equal("tttttttttt", r.body)
     -- ...but a stall longer than the idle timeout is not.
-    local ok, err = pcall(http.request, { url = base .. "/hang", idle_timeout = 1 })
-    assert.is_false(ok)
-    assert.are.equal("timeout", err.code)
-    peer:kill("KILL")
+    assert.are.equal("timeout", request_error { url = base .. "/hang", idle_timeout = 1 }.code)
   end))
 
-  it("aborts the transfer when the waiting task's deadline expires", T.async(function()
-    local base, peer = start_peer()
+  it("aborts the transfer when the waiting task's deadline expires", with_peer(function(base)
     local ok, err = pcall(task.timeout, 0.1, http.request, { url = base .. "/hang" })
     assert.is_false(ok)
     assert.is_true(task.is_timeout(err))
-    peer:kill("KILL")
   end))
 
   it("enforces max_body", with_server(function(srv)
     srv:route("GET", "/big", function() return 200, string.rep("x", 100000) end)
-    local ok, err = pcall(http.request, { url = srv.url .. "/big", max_body = 1000 })
-    assert.is_false(ok)
+    local err = request_error { url = srv.url .. "/big", max_body = 1000 }
     assert.are.equal("body_too_large", err.code)
   end))
 end)
@@ -233,19 +290,16 @@ describe("http.stream", function()
       assert.is_nil(resp:read_event())
     end))
 
-  it("raises the transfer error when the body is cut", T.async(function()
-    local base, peer = start_peer()
+  it("raises the transfer error when the body is cut", with_peer(function(base)
     local resp <close> = http.stream { url = base .. "/reset" }
     local ok, err = pcall(function()
       while resp:read() do end
     end)
     assert.is_false(ok)
     assert.are.equal("connection_reset", err.code)
-    peer:kill("KILL")
   end))
 
-  it("stops the transfer when the reading task is cancelled", T.async(function()
-    local base, peer = start_peer()
+  it("stops the transfer when the reading task is cancelled", with_peer(function(base)
     local got = 0
     local reader = task.spawn(function()
       local resp <close> = http.stream { url = base .. "/trickle" }
@@ -265,72 +319,57 @@ describe("http.stream", function()
     local ok, err = pcall(task.join, reader)
     assert.is_false(ok)
     assert.is_true(task.is_cancelled(err))
-    peer:kill("KILL")
   end))
 end)
 
+-- Routes POST /once to a handler that carries the request out and drops the connection before
+-- any reply (so libcurl may be tempted to send it again), and warms a keep-alive connection with
+-- a GET it could go out on. Returns how many times /once ran (a function) and the GET's response.
+local function dropping(srv)
+  local calls = 0
+  srv:route("POST", "/once", function(_, res)
+    calls = calls + 1
+    res:drop()
+  end)
+  srv:route("GET", "/warm", function() return 200, "ok" end)
+  local warm = http.request { url = srv.url .. "/warm" }
+  assert.are.equal(200, warm.status)
+  return function() return calls end, warm
+end
+
 describe("http.request fresh_connect", function()
   it("never lets libcurl re-send a request whose reused connection died", with_server(function(srv)
-    local calls = 0
-    srv:route("POST", "/once", function(_, res)
-      calls = calls + 1
-      res:drop() -- the request was carried out; only the reply is lost
-    end)
-    srv:route("GET", "/warm", function() return 200, "ok" end)
-    -- warm a keep-alive connection so the POST could go out on a reused one
-    assert.are.equal(200, http.request { url = srv.url .. "/warm" }.status)
-    local ok, err = pcall(http.request, { method = "POST", url = srv.url .. "/once", body = "{}",
-      fresh_connect = true })
-    assert.is_false(ok)
+    local calls = dropping(srv)
+    local err = request_error { method = "POST", url = srv.url .. "/once", body = "{}",
+      fresh_connect = true }
     assert.are.equal("connection_reset", err.code)
-    assert.are.equal(1, calls)
+    assert.are.equal(1, calls())
   end))
 end)
 
 describe("http.request no_resend", function()
   it("on HTTP/1.1 a request that must not run twice is never re-sent by libcurl", with_server(function(srv)
-    local calls = 0
-    srv:route("POST", "/once", function(_, res)
-      calls = calls + 1
-      res:drop() -- the request was carried out; only the reply is lost
-    end)
-    srv:route("GET", "/warm", function() return 200, "ok" end)
+    local calls, warm = dropping(srv)
     -- the origin is now known to speak HTTP/1.1, and a kept-alive connection is there to reuse
-    local warm = http.request { url = srv.url .. "/warm" }
     assert.are.equal("1.1", warm.http_version)
-    local ok, err = pcall(http.request, { method = "POST", url = srv.url .. "/once", body = "{}",
-      no_resend = true })
-    assert.is_false(ok)
+    local err = request_error { method = "POST", url = srv.url .. "/once", body = "{}", no_resend = true }
     assert.are.equal("connection_reset", err.code)
-    assert.are.equal(1, calls)
+    assert.are.equal(1, calls())
   end))
 
   -- What the option is for: libcurl itself sends a POST again when its reused connection dies
   -- before any answer byte, although the server carried it out.
-  local function dropping(srv)
-    local calls = 0
-    srv:route("POST", "/once", function(_, res)
-      calls = calls + 1
-      res:drop()
-    end)
-    srv:route("GET", "/warm", function() return 200, "ok" end)
-    assert.are.equal(200, http.request { url = srv.url .. "/warm" }.status)
-    return function() return calls end
-  end
-
   it("without it libcurl re-sends a POST whose reused connection died", with_server(function(srv)
     local calls = dropping(srv)
-    local ok, err = pcall(http.request, { method = "POST", url = srv.url .. "/once", body = "{}" })
-    assert.is_false(ok)
+    local err = request_error { method = "POST", url = srv.url .. "/once", body = "{}" }
     assert.are.equal("connection_reset", err.code)
     assert.are.equal(2, calls())
   end))
 
   it("'reuse' keeps the kept-alive connection and still never re-sends", with_server(function(srv)
     local calls = dropping(srv)
-    local ok, err = pcall(http.request, { method = "POST", url = srv.url .. "/once", body = "{}",
-      no_resend = "reuse" })
-    assert.is_false(ok)
+    local err = request_error { method = "POST", url = srv.url .. "/once", body = "{}",
+      no_resend = "reuse" }
     assert.are.equal("connection_reset", err.code)
     assert.matches("it was not sent again", err.message)
     assert.are.equal(1, calls())
