@@ -10,8 +10,9 @@
 --            suspended sandbox and a runtime capture can save /dev while the sandbox is frozen;
 --            still inside the sandbox's limits.
 -- The v1 memory, cpu and pids hierarchies need no leaves (nothing is frozen there, so nothing
--- has to be kept apart): every process of the sandbox lives in <id> itself, under its limits. A cgroup directory costs the kernel a good part of a millisecond to
--- make and remove (memory cgroups most), so a sandbox has six on v1 rather than twelve.
+-- has to be kept apart): every process of the sandbox lives in <id> itself, under its limits.
+-- A cgroup directory costs the kernel a good part of a millisecond to make and remove (memory
+-- cgroups most), so a sandbox has six on v1 rather than twelve.
 -- cgroup v1 (one hierarchy per controller, as on these machines) and v2 (one unified
 -- hierarchy, controllers enabled down the tree through cgroup.subtree_control) are both
 -- supported. Processes are put in by the helper (moonbox-sandbox writes cgroup.procs before it
@@ -249,11 +250,9 @@ end
 function Cgroup:remove(id)
   for c, dir in pairs(self.dirs) do
     local top = dir .. "/" .. id
-    local ok, err = true, nil
-    if not has_leaves(c) then ok, err = rmdir(top) end
-    if ok == nil or has_leaves(c) then
+    if has_leaves(c) or rmdir(top) == nil then
       for _, d in ipairs({ top .. "/sandbox", top .. "/helper", top }) do
-        ok, err = rmdir(d)
+        local ok, err = rmdir(d)
         if ok == nil then return nil, err end
       end
     end
