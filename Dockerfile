@@ -26,6 +26,7 @@ RUN export DEBIAN_FRONTEND=noninteractive \
  && apt-get install -y --no-install-recommends \
       build-essential cmake pkg-config liblua5.4-dev libcurl4-openssl-dev libev-dev \
       libmicrohttpd-dev libsqlite3-dev libarchive-dev zlib1g-dev libedit-dev libseccomp-dev \
+      musl-tools \
       libpq-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src

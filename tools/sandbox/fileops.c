@@ -68,11 +68,11 @@ static int fail_op(int code, const char *word, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static int fail_op(int code, const char *word, const char *fmt, ...)
 {
+    char head[64];
+    snprintf(head, sizeof head, "%s ", word);
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "%s ", word);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    say(head, fmt, ap);
     va_end(ap);
     return code;
 }

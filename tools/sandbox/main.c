@@ -35,13 +35,20 @@ void die(const char *step, const char *what, int err)
     exit(EXIT_HELPER);
 }
 
-void fail_msg(const char *step, const char *fmt, ...)
+void say(const char *head, const char *fmt, va_list ap)
 {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "moonbox-sandbox: %s: ", step);
+    fputs(head, stderr);
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
+}
+
+void fail_msg(const char *step, const char *fmt, ...)
+{
+    char head[256];
+    snprintf(head, sizeof head, "moonbox-sandbox: %s: ", step);
+    va_list ap;
+    va_start(ap, fmt);
+    say(head, fmt, ap);
     va_end(ap);
     exit(EXIT_HELPER);
 }

@@ -23,6 +23,7 @@
 #ifndef MOONBOX_SANDBOX_H
 #define MOONBOX_SANDBOX_H
 
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -79,6 +80,9 @@ struct spec {
 };
 
 /* main.c */
+/* One line on stderr: head, then fmt formatted with ap (the helper's two message forms, the
+ * exit-time "moonbox-sandbox: STEP: ..." and fileops' "CODE message", both go through it). */
+void say(const char *head, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
 void die(const char *step, const char *what, int err) __attribute__((noreturn));
 void fail_msg(const char *step, const char *fmt, ...)
     __attribute__((noreturn, format(printf, 2, 3)));

@@ -3,11 +3,16 @@
 -- Each sandbox gets one cgroup per controller moonbox uses, <hierarchy>/moonbox/<tag>/<id>,
 -- where tag is derived from the engine's state directory (two engines on one machine never
 -- touch each other's cgroups). Its plan's limits are set there: memory (and swap to the same
--- bound: nothing beyond the plan), CPU quota, number of processes. Below it are two leaves:
+-- bound: nothing beyond the plan), CPU quota, number of processes. Where the freezer is (the
+-- v1 freezer hierarchy, or the v2 unified one), it has two leaves:
 --   sandbox  every process of the sandbox (its init, commands, slirp4netns); frozen on suspend;
 --   helper   the file helpers of the backend; never frozen, so files can be read from a
 --            suspended sandbox and a runtime capture can save /dev while the sandbox is frozen;
 --            still inside the sandbox's limits.
+-- The v1 memory, cpu and pids hierarchies need no leaves (nothing is frozen there, so nothing
+-- has to be kept apart): every process of the sandbox lives in <id> itself, under its limits.
+-- A cgroup directory costs the kernel a good part of a millisecond to make and remove (memory
+-- cgroups most), so a sandbox has six on v1 rather than twelve.
 -- cgroup v1 (one hierarchy per controller, as on these machines) and v2 (one unified
 -- hierarchy, controllers enabled down the tree through cgroup.subtree_control) are both
 -- supported. Processes are put in by the helper (moonbox-sandbox writes cgroup.procs before it
@@ -67,12 +72,17 @@ function Cgroup:path(id, leaf, controller)
   return leaf and (d .. "/" .. leaf) or d
 end
 
---- cg:leaves(id, leaf) -> array of the leaf's directories in every hierarchy (what a process
--- must join: one per v1 controller, or the one unified directory).
+-- Whether hierarchy c (a key of cg.dirs) has the sandbox and helper leaves (see the header).
+local function has_leaves(c) return c == "freezer" or c == "unified" end
+
+--- cg:leaves(id, leaf) -> array of the directories a process of the leaf ("sandbox" or
+-- "helper") must join, one per hierarchy: the leaf where the freezer is, <id> itself in the
+-- other v1 controllers' hierarchies.
 function Cgroup:leaves(id, leaf)
   local out = {}
   for _, c in ipairs(self.version == 1 and V1_CONTROLLERS or { "unified" }) do
-    if self.dirs[c] then out[#out + 1] = self.dirs[c] .. "/" .. id .. "/" .. leaf end
+    local dir = self.dirs[c]
+    if dir then out[#out + 1] = dir .. "/" .. id .. (has_leaves(c) and ("/" .. leaf) or "") end
   end
   return out
 end
@@ -102,8 +112,11 @@ function Cgroup:create(id, limits)
   limits = limits or {}
   for c, dir in pairs(self.dirs) do
     local top = dir .. "/" .. id
-    sys.mkdir_p(top .. "/sandbox", tonumber("755", 8))
-    sys.mkdir_p(top .. "/helper", tonumber("755", 8))
+    sys.mkdir_p(top, tonumber("755", 8)) -- the parent usually exists: one mkdir and a chmod
+    if has_leaves(c) then
+      sys.mkdir_p(top .. "/sandbox", tonumber("755", 8))
+      sys.mkdir_p(top .. "/helper", tonumber("755", 8))
+    end
     if self.version == 2 then
       local moonbox = self.root .. "/moonbox"
       enable_v2(self.root)
@@ -149,17 +162,14 @@ function Cgroup:procs(id)
   return pids
 end
 
---- cg:oom_kills(id) -> how many processes the kernel's OOM killer ended in the sandbox, both
--- leaves (v1 counts a kill in the victim's own cgroup); nil when the hierarchy does not say.
+--- cg:oom_kills(id) -> how many processes the kernel's OOM killer ended in the sandbox; nil
+-- when the hierarchy does not say. Read from <id>: on v1 that is where every process of the
+-- sandbox lives (a v1 memory cgroup counts the kills of its own processes only); v2's
+-- memory.events counts those of its descendants too.
 function Cgroup:oom_kills(id)
-  local n, known = 0, false
-  for _, leaf in ipairs({ false, "sandbox", "helper" }) do
-    local f = self.version == 1 and (self:path(id, leaf or nil, "memory") .. "/memory.oom_control")
-      or ((leaf and self:path(id, leaf) or self:path(id)) .. "/memory.events")
-    local k = tonumber((host.read(f) or ""):match("oom_kill (%d+)"))
-    if k then n, known = n + k, true end
-  end
-  return known and n or nil
+  local f = self.version == 1 and (self:path(id, nil, "memory") .. "/memory.oom_control")
+    or (self:path(id) .. "/memory.events")
+  return tonumber((host.read(f) or ""):match("oom_kill (%d+)"))
 end
 
 --- cg:frozen(id) -> boolean: whether the sandbox leaf is frozen or being frozen.
@@ -224,15 +234,26 @@ function Cgroup:thaw(id)
   return true
 end
 
+-- rmdir(2) of d (remove(3): an unlink that fails, then rmdir): true, false when d is missing,
+-- or nil and the message.
+local function rmdir(d)
+  local ok, err, code = os.remove(d)
+  if ok then return true end
+  if code == 2 then return false end -- ENOENT
+  return nil, err
+end
+
 --- cg:remove(id) -> true, or nil and a message. Removes sandbox id's (empty) cgroups in every
--- hierarchy, leaves first; missing ones count as removed. Does not yield.
+-- hierarchy, leaves first; missing ones count as removed. A hierarchy without leaves (see the
+-- header) may still hold them when an older backend made the cgroups: they go too. Does not
+-- yield.
 function Cgroup:remove(id)
-  for _, dir in pairs(self.dirs) do
+  for c, dir in pairs(self.dirs) do
     local top = dir .. "/" .. id
-    for _, d in ipairs({ top .. "/sandbox", top .. "/helper", top }) do
-      if host.exists(d) then
-        local ok, err = os.remove(d) -- remove(3) is rmdir(2) for a directory
-        if not ok then return nil, err end
+    if has_leaves(c) or rmdir(top) == nil then
+      for _, d in ipairs({ top .. "/sandbox", top .. "/helper", top }) do
+        local ok, err = rmdir(d)
+        if ok == nil then return nil, err end
       end
     end
   end

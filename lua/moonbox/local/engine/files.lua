@@ -74,13 +74,6 @@ function Files:spawn(fn, id, op, path, args, opts)
   return p, sb
 end
 
--- Reads a helper's stderr to the end.
-local function read_all(p, stream)
-  local parts = {}
-  for chunk in function() return p:read(stream) end do parts[#parts + 1] = chunk end
-  return table.concat(parts)
-end
-
 -- Raises the structured error a helper's stderr says: "CODE message" from the file code, or
 -- "moonbox-sandbox: STEP: ..." from entering (a sandbox that is gone, for one).
 local function raise(fn, id, err, code)
@@ -100,8 +93,8 @@ end
 function Files:run(fn, id, op, path, args, opts)
   local p, sb = self:spawn(fn, id, op, path, args, opts)
   local out, err
-  local t = task.spawn(function() err = read_all(p, "stderr") end)
-  if not (opts and opts.stdout) then out = read_all(p, "stdout") end
+  local t = task.spawn(function() err = host.read_stream(p, "stderr") end)
+  if not (opts and opts.stdout) then out = host.read_stream(p, "stdout") end
   task.join(t)
   local code = p:wait()
   sb.helpers[p] = nil
@@ -180,7 +173,7 @@ function Files:read(id, path)
   end
   local size = head:match("^ok (%d+)\n")
   if not size then
-    head = head .. read_all(p, "stderr")
+    head = head .. host.read_stream(p, "stderr")
     local code = p:wait()
     sb.helpers[p] = nil
     raise("read", id, head, code)

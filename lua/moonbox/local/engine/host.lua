@@ -82,6 +82,14 @@ function M.run(fn, id, argv, opts)
   return r
 end
 
+--- host.read_stream(p, stream) -> everything left on stream ("stdout" or "stderr") of
+-- moonbox.proc process p, up to its end. [yields]
+function M.read_stream(p, stream)
+  local parts = {}
+  for chunk in function() return p:read(stream) end do parts[#parts + 1] = chunk end
+  return table.concat(parts)
+end
+
 --- host.read(path) -> contents, or nil, message when it cannot be read.
 function M.read(path)
   local f, err = io.open(path, "rb")

@@ -604,10 +604,9 @@ function Engine:start(sb, opts)
   end)
   local pid, base, slot = out:match("^ready (%d+) (%d+) (%d+)\n")
   if not ready or not pid then
-    local errs = {}
-    for chunk in function() return keeper:read("stderr") end do errs[#errs + 1] = chunk end
+    local errs = host.read_stream(keeper, "stderr")
     local code, sig = keeper:wait()
-    local msg = host.trim(table.concat(errs)):gsub("moonbox%-sandbox: ", "")
+    local msg = host.trim(errs):gsub("moonbox%-sandbox: ", "")
     fail("create", "start_failed", id, string.format("sandbox %s: starting it failed (%s): %s", id,
       code and ("exit " .. code) or ("signal " .. tostring(sig)), msg ~= "" and msg or "no message"))
   end
