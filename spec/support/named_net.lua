@@ -170,6 +170,25 @@ end
 --- net:access_log() -> the servers' log so far: one "<host> <request line>" per request.
 function Net:access_log() return H.read(self.dir .. "/access.log") or "" end
 
+--- net:settled_access_log() -> the servers' log with every request answered before this call in
+-- it. nginx writes a request's line after its last byte is sent, so a client may have its answer
+-- before the line is there; but it runs as one process (master_process off) and logs each
+-- request before it takes the next event, so once the line of a request the host sends now (to
+-- sentinel-N.test) is there, so is every earlier one. Returns the log before that line. [yields]
+function Net:settled_access_log()
+  self.sentinels = self.sentinels + 1
+  local mark = "sentinel-" .. self.sentinels .. ".test"
+  run({ "curl", "-s", "--max-time", "10", "--resolve", mark .. ":80:" .. self.addr, "http://" .. mark .. "/" },
+    "the access log's sentinel request")
+  local log, at
+  require("spec.support.poll").wait(10, function()
+    log = self:access_log()
+    at = log:sub(1, #mark + 1) == mark .. " " and 1 or log:find("\n" .. mark .. " ", 1, true)
+    return at
+  end, "the sentinel " .. mark .. " in " .. self.dir .. "/access.log")
+  return log:sub(1, at == 1 and 0 or at)
+end
+
 --- net:datagrams_before_sentinel() -> array of the texts of datagrams the UDP sink got before
 -- one the host sends now. [yields]
 function Net:datagrams_before_sentinel()
