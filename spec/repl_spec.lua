@@ -74,10 +74,14 @@ describe("moonbox repl on a terminal", function()
   end))
 
   it("continues an unfinished chunk on a second prompt", run(function()
+    -- each line waits for the prompt it leads to: a line typed before its prompt is drawn is
+    -- echoed by the terminal ahead of the prompt
     term:line("function double(x)")
     term:wait_for("\n>>$")
     term:line("  return x * 2")
+    term:wait_for("return x %* 2\n>>$")
     term:line("end")
+    term:wait_for("\n>> end\n>$")
     term:line("double(21)")
     local screen = term:wait_for("\n42\n>$")
     assert.matches("\n> function double%(x%)\n>>   return x %* 2\n>> end\n> double%(21%)\n42\n", screen)
