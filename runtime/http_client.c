@@ -655,21 +655,34 @@ static void req_recycle(http_client *c, http_request *r)
     c->spare[c->nspare++] = r;
 }
 
-/* Points r->headers_out at the request's header list: "Expect:" when it has a body (which stops
- * curl waiting a second for 100-continue before a large upload; without a body curl sends no
- * Expect, and an empty list spares it looking through one), then the lines of `headers`; NULL
- * when that is nothing. Reuses the list r already holds (from the request it was before) when it
- * has exactly those lines. Returns 0, or -1 when out of memory. */
-static int set_headers(http_request *r, const char *const *headers, int expect)
+/* The Expect line a request's headers start with, or NULL for none. A body in memory of more
+ * than EXPECT_ASK bytes asks first ("Expect: 100-continue"): such a body is a control-plane
+ * request over the usual 1 MiB limit, and a server that refuses it (413 before reading it, as
+ * moonbox local does) is then heard instead of resetting a connection still being written to.
+ * Any other body goes at once ("Expect:" stops curl from asking and waiting up to a second for
+ * an answer, which a large upload from a file would otherwise do). */
+#define EXPECT_ASK (1024u * 1024)
+static const char *expect_line(const http_request_spec *spec)
+{
+    if (spec->body_file) return "Expect:";
+    if (!spec->has_body) return NULL;
+    return spec->body_len > EXPECT_ASK ? "Expect: 100-continue" : "Expect:";
+}
+
+/* Points r->headers_out at the request's header list: the expect line (expect_line) when there
+ * is one, then the lines of `headers`; NULL when that is nothing. Reuses the list r already
+ * holds (from the request it was before) when it has exactly those lines. Returns 0, or -1 when
+ * out of memory. */
+static int set_headers(http_request *r, const char *const *headers, const char *expect)
 {
     const struct curl_slist *n = r->headers_out;
     const char *const *h = headers;
-    int e = expect;
+    const char *e = expect;
     for (; n; n = n->next) {
-        const char *want = e ? "Expect:" : h && *h ? *h : NULL;
+        const char *want = e ? e : h && *h ? *h : NULL;
         if (!want || strcmp(n->data, want) != 0) break;
         if (e)
-            e = 0;
+            e = NULL;
         else
             h++;
     }
@@ -677,7 +690,7 @@ static int set_headers(http_request *r, const char *const *headers, int expect)
     curl_slist_free_all(r->headers_out);
     r->headers_out = NULL;
     struct curl_slist *tail = NULL;
-    if (expect && !(tail = r->headers_out = curl_slist_append(NULL, "Expect:"))) return -1;
+    if (expect && !(tail = r->headers_out = curl_slist_append(NULL, expect))) return -1;
     for (h = headers; h && *h; h++) {
         struct curl_slist *l = curl_slist_append(tail, *h);
         if (!l) return -1;
@@ -1151,7 +1164,7 @@ http_request *http_request_start(http_client *c, const http_request_spec *spec,
     }
     pe->setup.owner = r;
 
-    if (set_headers(r, spec->headers, spec->has_body || spec->body_file) != 0) {
+    if (set_headers(r, spec->headers, expect_line(spec)) != 0) {
         snprintf(err, errlen, "out of memory building request headers");
         http_request_free(r);
         return NULL;

@@ -85,6 +85,34 @@ describe("http.request", function()
     assert.are.equal('{"message":"nope"}', r.body)
   end))
 
+  it("asks before sending a body in memory over 1 MiB, so a server that refuses it is heard",
+    with_server(function(srv)
+      local expects = {}
+      srv:route("POST", "/small", function(req)
+        expects[#expects + 1] = req:header("expect") or "none"
+        return 200, tostring(#req.body)
+      end, { max_body = 8 * 1024 * 1024 })
+      srv:route("POST", "/limited", function() return 200, "never" end) -- the server's 1 MiB limit
+      -- a body up to 1 MiB, and one from a file, go at once; a larger one in memory asks first
+      assert.are.equal("1048576", http.request { method = "POST", url = srv.url .. "/small",
+        body = string.rep("a", 1024 * 1024) }.body)
+      assert.are.equal("2097152", http.request { method = "POST", url = srv.url .. "/small",
+        body = string.rep("b", 2 * 1024 * 1024) }.body)
+      local src = os.tmpname()
+      local f = assert(io.open(src, "wb"))
+      f:write(string.rep("c", 2 * 1024 * 1024))
+      f:close()
+      assert.are.equal("2097152", http.request { method = "POST", url = srv.url .. "/small", body_file = src }.body)
+      os.remove(src)
+      assert.are.same({ "none", "100-continue", "none" }, expects)
+      -- refused before a byte of it is read, the body is never sent: the 413 comes back every
+      -- time, never a connection reset in the middle of sending
+      local big = string.rep("d", 3 * 1024 * 1024)
+      for _ = 1, 20 do
+        assert.are.equal(413, http.request { method = "POST", url = srv.url .. "/limited", body = big }.status)
+      end
+    end))
+
   it("streams request bodies from a file and response bodies to a file", with_server(function(srv)
     srv:route("POST", "/up", function(req) return 200, req.body end, { max_body = 4 * 1024 * 1024 })
     local src, dst = os.tmpname(), os.tmpname()
