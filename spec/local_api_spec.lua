@@ -597,6 +597,16 @@ describe("bad input", function()
     assert.are.equal(413, s)
   end))
 
+  it("answers 400 invalid_owner_id for an ownerId that is not a string, on every create", T.async(function()
+    for _, owner in ipairs({ 42, true, { B.workspace }, { id = B.workspace }, json.null }) do
+      for _, path in ipairs({ "/v1/sandboxes", "/v1/sandbox-groups" }) do
+        local s, body = B:req("POST", path, { body = { ownerId = owner, name = "owner-check" } })
+        assert.are.same({ 400, "invalid_owner_id" }, { s, body and body.code },
+          path .. " with ownerId " .. json.encode(owner))
+      end
+    end
+  end))
+
   it("refuses an expired connect token", T.async(function()
     local b2 = L.start { env = { MOONBOX_LOCAL_TOKEN_TTL = "0.3" } }
     local sb = b2:create()
