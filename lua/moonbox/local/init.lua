@@ -152,7 +152,7 @@ function M.start(opts)
   local srv = self.srv
   self.svc = service.new {
     st = self.st, engine = engine, state_dir = state_dir, workspace = self.workspace, user = user,
-    log = self.log,
+    log = self.log, faults = self.faults,
     limits = { concurrency_limit = opts.concurrency_limit,
       token_ttl = tonumber(os.getenv("MOONBOX_LOCAL_TOKEN_TTL") or ""),
       idle_scale = tonumber(os.getenv("MOONBOX_LOCAL_IDLE_SCALE") or "") },

@@ -111,11 +111,13 @@ end
 
 --- Service.new(opts) -> Service. opts: st (an open moonbox.local.state), engine, state_dir,
 -- workspace, user, limits (overrides of DEFAULTS), log (function(line)), on_token (function(op,
--- token, info): the wire's pre-body gate learns about tokens). Does not yield.
+-- token, info): the wire's pre-body gate learns about tokens), faults (a moonbox.local.faults
+-- injector: its stall rules stop operations at named points). Does not yield.
 function M.new(opts)
   local self = setmetatable({
     st = opts.st, engine = opts.engine, state_dir = opts.state_dir, workspace = opts.workspace,
     user = opts.user, log = opts.log or function() end, on_token = opts.on_token or function() end,
+    faults = opts.faults,
     limits = setmetatable({}, { __index = M.DEFAULTS }),
     tokens = {}, runtime = {}, logs = {}, log_conds = {}, tasks = {}, closing = false,
     ended_logs = { first = 1, last = 0 }, snap_timers = {},
@@ -217,6 +219,15 @@ end
 
 -- ---- sandbox lifecycle ---------------------------------------------------------------------
 
+-- A crash point (docs/local.md, "Fault injection": stall:POINT): when a stall rule fires at
+-- point, the operation on id stops here until the server stops, so that a spec can SIGKILL the
+-- server with the operation half done. [yields] when it stalls.
+local function crash_point(self, point, id)
+  if not (self.faults and self.faults:stall(point)) then return end
+  self.log("stalled at " .. point .. " of " .. id .. " (injected fault stall:" .. point .. ")")
+  while true do task.sleep(3600) end
+end
+
 local function set_status(self, rec, status, extra)
   rec.status = status
   for k, v in pairs(extra or {}) do rec[k] = v end
@@ -258,6 +269,7 @@ function Service:boot(rec, env)
       allowed = rec.networkPolicy.allowedDomains,
       dev_records = snap and snap._dev_records, limits = M.PLANS[rec.plan],
     })
+    if ok then crash_point(self, "boot", rec.id) end
     runtime.boot = nil
     if rec.status ~= "creating" then return end -- terminated meanwhile
     if ok then
@@ -323,6 +335,7 @@ function Service:terminate(rec)
   rec.terminatedAt = ids.iso(now())
   runtime.watch = nil -- its deadlines are over; close() must not cancel a watcher terminating it
   set_status(self, rec, "terminated")
+  crash_point(self, "terminate", rec.id)
   runtime.ready:broadcast()
   local ok, err = pcall(self.engine.terminate, self.engine, rec.id)
   if not ok then self.log("terminating " .. rec.id .. ": " .. message_of(err)) end
@@ -856,6 +869,7 @@ function Service:upload(rec, info, body_file, kind)
   self:ensure_running(rec)
   self:activity(rec.id, 1)
   local ok, err = pcall(function()
+    crash_point(self, "upload", rec.id)
     if kind == "archive" then
       self.engine.files:tar_in(rec.id, info.path, body_file, { max_bytes = self.limits.max_upload })
     else
@@ -936,6 +950,7 @@ function Service:create_snapshot(rec, p)
       self.engine, rec.id, layer, { kind = p.kind })
     if not ok then self.log("snapshot " .. snap.id .. " of " .. rec.id .. " failed: " .. message_of(
       result)) end
+    if ok then crash_point(self, "capture", snap.id) end
     self:activity(rec.id, -1)
     if ok then
       snap.status, snap.capturedAt, snap.sizeBytes = "available", ids.iso(now()), result.size
