@@ -76,9 +76,12 @@ local function normalize(rule, i)
       local known = {}
       for p in pairs(M.STALL_POINTS) do known[#known + 1] = p end
       table.sort(known)
-      error(where .. ": 'point' must be one of " .. table.concat(known, ", ") .. ", got " .. tostring(r.point), 0)
+      error(where .. ": 'point' must be one of " .. table.concat(known, ", ") .. ", got " ..
+        tostring(r.point), 0)
     end
-    if match ~= "*" then error(where .. ": a stall rule's 'match' is \"*\" (it names a point, not a request)", 0) end
+    if match ~= "*" then
+      error(where .. ": a stall rule's 'match' is \"*\" (it names a point, not a request)", 0)
+    end
   end
   if r.status == 429 and r.retry_after == nil then r.retry_after = 1 end
   return r
