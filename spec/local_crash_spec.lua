@@ -317,3 +317,42 @@ describe("a create sent the moment the port opens", function()
     if not ok then error(err, 0) end
   end))
 end)
+
+-- The records' side of "memory never runs ahead of the database": a write SQLite refuses as
+-- full (a real SQLITE_FULL: the database is held at its current size by max_page_count) leaves
+-- the record, the memory tables and the database as they were, and says which record and why.
+describe("a record write refused by a full database", function()
+  it("changes nothing: not the record, not memory, not the database", T.async(function()
+    local State = require "moonbox.local.state"
+    local dir = proc.run({ "mktemp", "-d", "/tmp/moonbox-crash-state.XXXXXX" }).stdout:gsub("%s+$", "")
+    local ok, err = pcall(function()
+      local st = State.open(dir .. "/local.db")
+      local rec = { id = "sbx-full0000000000000000000", status = "running", sandboxGroupId = "sbg-x" }
+      st:update("sandbox", rec, {})
+      assert.is_number(rec._seq)
+      local pages = st.db:value("PRAGMA page_count")
+      st.db:value("PRAGMA max_page_count = " .. pages)
+      local pad = string.rep("x", 256 * 1024) -- needs pages the database may not grow by
+      local uok, uerr = pcall(st.update, st, "sandbox", rec, { status = "terminated", _pending = State.NONE, pad = pad })
+      assert.is_false(uok, "the write went through")
+      assert.are.equal("disk_full", uerr.code, tostring(uerr))
+      assert.matches(rec.id, uerr.message, 1, true)
+      assert.is_nil(uerr.message:find(dir, 1, true), "the message names a host path: " .. uerr.message)
+      assert.are.equal("running", rec.status)
+      assert.is_nil(rec.pad)
+      assert.are.equal(rec, rawget(st.sandboxes, rec.id), "the live record left memory")
+      -- a new record that cannot be written is not in memory either
+      local new = { id = "sbx-full0000000000000000001", status = "creating", pad = pad }
+      assert.is_false((pcall(st.update, st, "sandbox", new, {})))
+      assert.is_nil(new._seq)
+      assert.is_nil(rawget(st.sandboxes, new.id))
+      st:close()
+      local again = State.open(dir .. "/local.db")
+      assert.are.equal("running", again.sandboxes[rec.id].status)
+      assert.is_nil(again.sandboxes[new.id])
+      again:close()
+    end)
+    proc.run { "rm", "-rf", dir }
+    if not ok then error(err, 0) end
+  end))
+end)
