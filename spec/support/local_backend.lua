@@ -40,18 +40,26 @@ end
 
 --- M.start(opts) -> backend. opts.args: extra `moonbox local` arguments; opts.state: reuse a
 -- state directory (restart specs); opts.edge: put an nginx TLS + HTTP/2 edge in front (default
--- M.edge). With an edge, backend.url is the edge's https URL (what clients use),
--- backend.direct_url the backend's own, and backend.edge the edge (spec/support/edge.lua).
--- [yields]
+-- M.edge); opts.port: listen there (default 0: any free port); opts.nowait = true (with a
+-- port): return at once, before the backend has printed its address or even listens (specs of
+-- what a client sent the moment the port opens meets). With an edge, backend.url is the edge's
+-- https URL (what clients use), backend.direct_url the backend's own, and backend.edge the edge
+-- (spec/support/edge.lua). [yields]
 function M.start(opts)
   opts = opts or {}
   local state = opts.state or proc.run({ "mktemp", "-d", "/tmp/moonbox-local-spec.XXXXXX" }).stdout:gsub("%s+$", "")
-  local argv = { M.BIN, "local", "--port", "0", "--state", state, "--api-key", M.KEY,
+  local argv = { M.BIN, "local", "--port", tostring(opts.port or 0), "--state", state, "--api-key", M.KEY,
     "--workspace", M.WORKSPACE }
   for _, a in ipairs(opts.args or {}) do argv[#argv + 1] = a end
   argv.stderr = opts.stderr or "inherit"
   argv.env = opts.env
   local p = proc.spawn(argv)
+  if opts.nowait then
+    assert(opts.port and opts.port > 0, "local_backend.start: nowait needs a port")
+    local url = "http://127.0.0.1:" .. opts.port
+    return setmetatable({ p = p, state = state, url = url, direct_url = url, key = M.KEY,
+      workspace = M.WORKSPACE }, Backend)
+  end
   local lines = p:lines("stdout")
   local env = {}
   for _ = 1, 3 do

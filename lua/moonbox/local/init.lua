@@ -10,6 +10,11 @@
 -- The server listens on loopback only and checks the API key or a connect token before it
 -- reads a request's body (runtime/http_server.c), so no unauthenticated byte is buffered,
 -- journaled or written anywhere.
+-- Start order: the state dir's lock, the records, the engine, the port (from then on every /v1
+-- request is answered 503 with Retry-After: 1, moonbox.local.http's gate), the endpoint file,
+-- then the recovery of what the previous backend left (svc:start); local.start returns, and
+-- /v1 answers, only once it is done, so the ready line `moonbox local` prints and the
+-- embedded backend's start (moonbox.render.embedded) come after the recovery.
 local httpd = require "moonbox.httpd"
 local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
@@ -86,8 +91,10 @@ function M.start(opts)
       (endpoint and (" (at " .. endpoint:match("^(%S+)") .. ")") or "") ..
       "; use it, stop it, or start this one with --state DIR", 0)
   end
+  -- An endpoint file now is a killed backend's: nobody serves there.
+  os.remove(state_dir .. "/endpoint")
   local self = setmetatable({
-    opts = opts, state_dir = state_dir, lock = lock,
+    opts = opts, state_dir = state_dir, lock = lock, ready = false,
     log = opts.log or function(line) io.stderr:write("moonbox local: ", line, "\n") end,
     journal = Journal.new(),
   }, Backend)
@@ -152,7 +159,7 @@ function M.start(opts)
   local srv = self.srv
   self.svc = service.new {
     st = self.st, engine = engine, state_dir = state_dir, workspace = self.workspace, user = user,
-    log = self.log,
+    log = self.log, faults = self.faults,
     limits = { concurrency_limit = opts.concurrency_limit,
       token_ttl = tonumber(os.getenv("MOONBOX_LOCAL_TOKEN_TTL") or ""),
       idle_scale = tonumber(os.getenv("MOONBOX_LOCAL_IDLE_SCALE") or "") },
@@ -163,9 +170,15 @@ function M.start(opts)
     end,
   }
   require("moonbox.local.http").install(self)
-  -- Where clients find a running backend (moonbox.render.conn reuses it): "URL WORKSPACE".
+  -- Where clients find a running backend (moonbox.render.embedded reuses it): "URL WORKSPACE".
+  -- Written as soon as the port is open, before the recovery: a client that finds the backend
+  -- while it recovers is answered 503 (its /_moonbox/health says ready: false) and waits,
+  -- rather than taking the backend for gone and starting another on the same state dir.
   write_secret(state_dir .. "/endpoint", self.url .. " " .. self.workspace .. "\n")
+  local t0 = require("moonbox.core").now()
   self.svc:start()
+  self.ready = true
+  self.recovered_in = require("moonbox.core").now() - t0
   return self
 end
 

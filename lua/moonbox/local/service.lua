@@ -19,6 +19,7 @@ local host = require "moonbox.local.engine.host"
 local ids = require "moonbox.ids"
 local json = require "moonbox.json"
 local image = require "moonbox.local.image"
+local State = require "moonbox.local.state"
 
 local M = {}
 local Service = {}
@@ -111,11 +112,13 @@ end
 
 --- Service.new(opts) -> Service. opts: st (an open moonbox.local.state), engine, state_dir,
 -- workspace, user, limits (overrides of DEFAULTS), log (function(line)), on_token (function(op,
--- token, info): the wire's pre-body gate learns about tokens). Does not yield.
+-- token, info): the wire's pre-body gate learns about tokens), faults (a moonbox.local.faults
+-- injector: its stall rules stop operations at named points). Does not yield.
 function M.new(opts)
   local self = setmetatable({
     st = opts.st, engine = opts.engine, state_dir = opts.state_dir, workspace = opts.workspace,
     user = opts.user, log = opts.log or function() end, on_token = opts.on_token or function() end,
+    faults = opts.faults,
     limits = setmetatable({}, { __index = M.DEFAULTS }),
     tokens = {}, runtime = {}, logs = {}, log_conds = {}, tasks = {}, closing = false,
     ended_logs = { first = 1, last = 0 }, snap_timers = {},
@@ -217,13 +220,50 @@ end
 
 -- ---- sandbox lifecycle ---------------------------------------------------------------------
 
+-- A crash point (docs/local.md, "Fault injection": stall:POINT): when a stall rule fires at
+-- point, the operation on id stops here until the server stops, so that a spec can SIGKILL the
+-- server with the operation half done. [yields] when it stalls.
+local function crash_point(self, point, id)
+  if not (self.faults and self.faults:stall(point)) then return end
+  self.log("stalled at " .. point .. " of " .. id .. " (injected fault stall:" .. point .. ")")
+  while true do task.sleep(3600) end
+end
+
+-- Writes fields into a sandbox's record, in memory only once the database has them
+-- (moonbox.local.state: update). Raises insufficient_storage when the disk is full, internal
+-- for another failed write, both naming the sandbox; nothing has changed then. Does not yield.
+local function persist(self, rec, fields)
+  local ok, err = pcall(self.st.update, self.st, "sandbox", rec, fields)
+  if ok then return end
+  self.log(message_of(err))
+  if type(err) == "table" and err.code == "disk_full" then
+    fail("insufficient_storage", "sandbox " .. rec.id .. ": the backend's disk is full, so its record " ..
+      "could not be written; nothing was changed (free space and retry)")
+  end
+  fail("internal", "sandbox " .. rec.id .. ": its record could not be written (" ..
+    message_of(err):gsub("^cannot write the record of sandbox %S+: ", "") .. "); nothing was changed")
+end
+
+-- Records a sandbox's new status (and the extra fields) once the database has it, then tells
+-- its log stream and its watcher. Raises as persist, with nothing changed. Does not yield.
 local function set_status(self, rec, status, extra)
-  rec.status = status
-  for k, v in pairs(extra or {}) do rec[k] = v end
-  self.st:save("sandbox", rec)
+  local fields = { status = status }
+  for k, v in pairs(extra or {}) do fields[k] = v end
+  persist(self, rec, fields)
   if status ~= "suspending" then self:emit(rec.id, "lifecycle", { type = status }) end
   local runtime = self.runtime[rec.id]
   if runtime and runtime.wake then runtime.wake:broadcast() end
+end
+
+-- set_status for a task of the service's own (a boot, a freeze): a write that fails is logged
+-- and leaves the record as it was (the next start's recovery settles it). Returns whether it
+-- was written. Does not yield.
+local function try_status(self, rec, status, extra)
+  local ok, err = pcall(set_status, self, rec, status, extra)
+  if not ok then
+    self.log("sandbox " .. rec.id .. ": could not record " .. status .. ": " .. message_of(err))
+  end
+  return ok
 end
 
 --- svc:runtime_of(id) -> the runtime (unpersisted) state of a sandbox, made on first use: its
@@ -258,19 +298,24 @@ function Service:boot(rec, env)
       allowed = rec.networkPolicy.allowedDomains,
       dev_records = snap and snap._dev_records, limits = M.PLANS[rec.plan],
     })
+    if ok then crash_point(self, "boot", rec.id) end
     runtime.boot = nil
-    if rec.status ~= "creating" then return end -- terminated meanwhile
+    if rec.status ~= "creating" or rec._pending then return end -- terminated meanwhile
     if ok then
       runtime.started = now()
       runtime.last_activity = now()
-      set_status(self, rec, "running")
-      self:watch(rec)
+      if try_status(self, rec, "running") then
+        self:watch(rec)
+      else
+        -- Not recorded running: it must not run unrecorded.
+        pcall(self.engine.terminate, self.engine, rec.id)
+        try_status(self, rec, "errored", { _error = "its record could not be written (disk full?)" })
+      end
     else
       self.log("sandbox " .. rec.id .. " failed to boot: " .. message_of(err))
-      rec._error = message_of(err)
       self:emit(rec.id, "log", { stream = "stderr", data = "the sandbox could not start: " .. message_of(
         err) .. "\n" })
-      set_status(self, rec, "errored")
+      try_status(self, rec, "errored", { _error = message_of(err) })
     end
     runtime.ready:broadcast()
   end)
@@ -285,6 +330,7 @@ function Service:ensure_running(rec)
   local deadline = now() + 120
   while true do
     local s = rec.status
+    if rec._pending == "terminate" then fail("not_found", "sandbox " .. rec.id .. " is being terminated") end
     if s == "running" then return runtime end
     if s == "terminated" then fail("not_found", "sandbox " .. rec.id .. " is terminated") end
     if s == "errored" then fail("conflict", "sandbox " .. rec.id .. " is errored", "sandbox_not_running") end
@@ -315,17 +361,26 @@ function Service:activity(id, delta)
 end
 
 --- svc:terminate(rec): terminates a sandbox (idempotent): stops its processes, frees its disk
--- and the layers nothing needs any more, records the time. [yields]
+-- and the layers nothing needs any more, records the time. Write-ahead: the record says
+-- `_pending = "terminate"` (durable) before anything is torn down, and `terminated` once it
+-- is; a backend killed in between finishes the terminate at its next start (svc:recover).
+-- Raises insufficient_storage (internal) when the first write fails: then nothing changed and
+-- the sandbox runs on. [yields]
 function Service:terminate(rec)
   if rec.status == "terminated" then return end
+  if rec._pending ~= "terminate" then persist(self, rec, { _pending = "terminate" }) end
   local runtime = self:runtime_of(rec.id)
   if runtime.boot then task.cancel(runtime.boot) end
-  rec.terminatedAt = ids.iso(now())
   runtime.watch = nil -- its deadlines are over; close() must not cancel a watcher terminating it
-  set_status(self, rec, "terminated")
+  crash_point(self, "terminate", rec.id)
   runtime.ready:broadcast()
   local ok, err = pcall(self.engine.terminate, self.engine, rec.id)
+  -- What the engine could not free is freed by the next start (its recovery removes the
+  -- directory and cgroups of every sandbox not live).
   if not ok then self.log("terminating " .. rec.id .. ": " .. message_of(err)) end
+  if rec.status == "terminated" then return end -- a concurrent terminate finished first
+  set_status(self, rec, "terminated", { terminatedAt = ids.iso(now()), _pending = State.NONE })
+  runtime.ready:broadcast()
   self.runtime[rec.id] = nil
   retire_logs(self, rec.id)
   self:gc_layers()
@@ -335,12 +390,12 @@ end
 -- freeze fails; nothing when its status changed meanwhile (a terminate). [yields]
 local function suspend_now(self, rec)
   local ok, err = pcall(self.engine.freeze, self.engine, rec.id)
-  if rec.status ~= "suspending" then return end
+  if rec.status ~= "suspending" or rec._pending then return end
   if ok then
-    set_status(self, rec, "suspended")
+    if not try_status(self, rec, "suspended") then pcall(self.engine.thaw, self.engine, rec.id) end
   else
     self.log("suspending " .. rec.id .. ": " .. message_of(err))
-    set_status(self, rec, "running")
+    try_status(self, rec, "running")
   end
 end
 
@@ -382,30 +437,104 @@ function Service:gc_layers()
   end
 end
 
---- svc:recover(): after a restart, the previous backend's sandboxes died with its keepers.
--- Their records say so honestly (errored, with the reason in their log stream) and what is left
--- of them on disk is freed. [yields]
+-- Removes path (a file or a tree), logging what it cannot. [yields]
+local function remove(self, path, what)
+  local ok, err = pcall(host.remove_tree, path)
+  if not ok then self.log("cannot remove " .. what .. ": " .. message_of(err)) end
+end
+
+local function listdir(path)
+  local ok, names = pcall(sys.listdir, path)
+  if not ok then return {} end
+  table.sort(names)
+  return names
+end
+
+-- Whether id can name a sandbox directory the engine may be asked to free.
+local function sandbox_id_ok(id)
+  return id:match("^[%w][%w._-]*$") ~= nil and #id <= 63
+end
+
+--- svc:recover(): at start, before the server answers (moonbox.local's gate), finishes or rolls
+-- back what the previous backend left in progress and removes what a crash leaves on disk:
+-- - a sandbox whose terminate was in progress (`_pending = "terminate"`) is terminated;
+-- - a sandbox that was live (creating, running, suspended, ...) died with the previous backend's
+--   keepers: it is errored, saying so in its log stream;
+-- - a capture in progress is failed;
+-- - everything in <state>/tmp (spooled uploads, decompressed ones, archives: the state dir's lock
+--   is exclusive, so they belong to a dead process);
+-- - the directories and cgroups of every sandbox (none is live at this point), and the mounts
+--   a previous backend left under the state dir (moonbox.local.engine: recover, terminate);
+-- - every file in <state>/layers that no snapshot kept (not deleted, not failed) needs: a layer
+--   snp-X, its /dev records snp-X.dev, its manifest snp-X.manifest, an unfinished snp-X.partial.
+-- Nothing runs yet, so the listings see no operation in flight. Raises (and the backend does
+-- not start) when a record cannot be written. [yields]
 function Service:recover()
-  local stale = {}
-  for id, rec in pairs(self.st.sandboxes) do
-    if M.LIVE[rec.status] then stale[#stale + 1] = id end
-  end
+  local tmp = self.state_dir .. "/tmp"
+  for _, name in ipairs(listdir(tmp)) do remove(self, tmp .. "/" .. name, "tmp/" .. name) end
+  local report = {}
   if self.engine.recover then
-    local ok, err = pcall(self.engine.recover, self.engine)
-    if not ok then self.log("recovering the previous run's sandboxes: " .. message_of(err)) end
+    local ok, got = pcall(self.engine.recover, self.engine)
+    if ok then
+      report = got or {}
+    else
+      self.log("recovering the previous run's sandboxes: " .. message_of(got))
+    end
   end
-  for _, id in ipairs(stale) do
+  local ended = {}
+  for id, rec in pairs(self.st.sandboxes) do
+    if rec._pending == "terminate" or M.LIVE[rec.status] then ended[#ended + 1] = id end
+  end
+  table.sort(ended)
+  for _, id in ipairs(ended) do
     local rec = self.st.sandboxes[id]
-    rec._error = "the moonbox local backend restarted; this sandbox's processes did not survive"
-    self:emit(id, "log", { stream = "stderr", data = rec._error .. "\n" })
-    set_status(self, rec, "errored")
     pcall(self.engine.terminate, self.engine, id)
+    if rec._pending == "terminate" then
+      set_status(self, rec, "terminated", { terminatedAt = ids.iso(now()), _pending = State.NONE })
+      retire_logs(self, id)
+    else
+      local why = "the moonbox local backend restarted; this sandbox's processes did not survive"
+      self:emit(id, "log", { stream = "stderr", data = why .. "\n" })
+      set_status(self, rec, "errored", { _error = why })
+    end
+  end
+  -- What is left of sandboxes the records no longer count as live (a terminate that got as far
+  -- as its last write, an older backend's leftovers, a directory without a record).
+  for _, item in ipairs(report) do
+    local ok, err = pcall(self.engine.terminate, self.engine, item.id)
+    if not ok then self.log("freeing what sandbox " .. item.id .. " left: " .. message_of(err)) end
+  end
+  for _, id in ipairs(listdir(self.state_dir .. "/sandboxes")) do
+    if sandbox_id_ok(id) then
+      local ok, err = pcall(self.engine.terminate, self.engine, id)
+      if not ok then self.log("freeing what sandbox " .. id .. " left: " .. message_of(err)) end
+    else
+      remove(self, self.state_dir .. "/sandboxes/" .. id, "sandboxes/" .. id)
+    end
   end
   for _, snap in pairs(self.st.snapshots) do
     if snap.status == "creating" then
-      snap.status, snap.error = "failed", "the backend restarted during capture"
-      self.st:save("snapshot", snap)
+      local ok, err = pcall(self.st.update, self.st, "snapshot", snap,
+        { status = "failed", error = "the backend restarted during capture" })
+      if not ok then error(err, 0) end
     end
+  end
+  -- Layers are named by the file's name, not its path: a state dir reached by another path
+  -- (a symlink) holds the same layers.
+  local needed = {}
+  local function need(path) needed[path:match("([^/]+)$")] = true end
+  for _, snap in pairs(self.st.snapshots) do
+    if not snap._deleted and snap.status ~= "failed" then
+      for _, l in ipairs(snap._layers or {}) do
+        need(l)
+        need(l .. ".manifest")
+      end
+      if snap._dev_records then need(snap._dev_records) end
+    end
+  end
+  local layers = self.state_dir .. "/layers"
+  for _, name in ipairs(listdir(layers)) do
+    if not needed[name] then remove(self, layers .. "/" .. name, "layers/" .. name) end
   end
 end
 
@@ -414,8 +543,11 @@ end
 
 -- Idle suspend: running → suspending → suspended (back to running when the freeze fails).
 local function idle_suspend(self, rec)
-  set_status(self, rec, "suspending")
-  suspend_now(self, rec)
+  if try_status(self, rec, "suspending") then
+    suspend_now(self, rec)
+  else
+    self:runtime_of(rec.id).last_activity = now() -- not recorded: try again an idle timeout later
+  end
 end
 
 -- Waits on cond for at most secs (math.huge: without a deadline); re-raises a cancellation.
@@ -445,7 +577,13 @@ function Service:watch(rec)
         or math.huge
       if t >= lifetime and (rec.status == "running" or rec.status == "suspended") then
         self:emit(rec.id, "log", { stream = "stderr", data = "sandbox reached its timeoutSeconds\n" })
-        self:terminate(rec)
+        local ok, err = pcall(self.terminate, self, rec)
+        if not ok then
+          if task.is_cancelled(err) then error(err, 0) end
+          self.log("sandbox " .. rec.id .. " reached its timeoutSeconds; terminating it failed: " ..
+            message_of(err))
+          wait_for(runtime.wake, 5) -- and try again
+        end
       elseif t >= idle_due then
         idle_suspend(self, rec)
       else
@@ -644,8 +782,7 @@ function Service:create_sandbox(p)
     sandboxGroupId = group.id, name = p.name,
     _lowers = snap and snap._layers or {}, _snapshot = snap and snap.id,
   }
-  self.st.sandboxes[rec.id] = rec
-  set_status(self, rec, "creating")
+  set_status(self, rec, "creating") -- its first write: in memory only once recorded
   self:boot(rec, p.env or {})
   return rec
 end
@@ -856,6 +993,7 @@ function Service:upload(rec, info, body_file, kind)
   self:ensure_running(rec)
   self:activity(rec.id, 1)
   local ok, err = pcall(function()
+    crash_point(self, "upload", rec.id)
     if kind == "archive" then
       self.engine.files:tar_in(rec.id, info.path, body_file, { max_bytes = self.limits.max_upload })
     else
@@ -936,6 +1074,7 @@ function Service:create_snapshot(rec, p)
       self.engine, rec.id, layer, { kind = p.kind })
     if not ok then self.log("snapshot " .. snap.id .. " of " .. rec.id .. " failed: " .. message_of(
       result)) end
+    if ok then crash_point(self, "capture", snap.id) end
     self:activity(rec.id, -1)
     if ok then
       snap.status, snap.capturedAt, snap.sizeBytes = "available", ids.iso(now()), result.size

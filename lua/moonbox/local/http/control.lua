@@ -44,13 +44,19 @@ function M.clear_journal(backend)
   return 204
 end
 
---- GET /_moonbox/health -> 200 {ok, workspace, version, sandboxes, problems}: sandboxes is
--- whether the start-up check found this machine able to run sandboxes, problems what it found
--- missing. Raises nothing. Does not yield.
+--- GET /_moonbox/health -> 200 {ok, ready, workspace, version, sandboxes, problems}: sandboxes
+-- is whether the start-up check found this machine able to run sandboxes, problems what it
+-- found missing; while the start's recovery runs, 503 with Retry-After: 1 and ready = false
+-- (/v1 answers 503 then too). Raises nothing. Does not yield.
 function M.health(backend)
-  return 200, { ok = true, workspace = backend.workspace, version = require("moonbox.core").version,
-    sandboxes = backend.check and backend.check.ok or false,
+  local body = { ok = backend.ready, ready = backend.ready, workspace = backend.workspace,
+    version = require("moonbox.core").version, sandboxes = backend.check and backend.check.ok or false,
     problems = json.array(backend.check and backend.check.problems or {}) }
+  if not backend.ready then
+    body.message = "moonbox local is starting: it is recovering what its previous run left"
+    return 503, body, { ["Retry-After"] = "1" }
+  end
+  return 200, body
 end
 
 --- control.install(control): registers the routes above through control(method, pattern,
