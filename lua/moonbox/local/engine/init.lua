@@ -986,7 +986,7 @@ function Engine:capture(id, layer_dir, opts)
       local r = host.run("capture", id, { self.tools.helper, "capture", "--src=" .. self:dir(id) .. "/upper",
         "--dst=" .. layer_dir, "--uid-base=" .. sb.uid_base, env = HOST_ENV, env_mode = "replace" },
         { what = "copying the upper layer", code = "capture_failed" })
-      size = size + (tonumber(r.stdout:match("^(%d+)")) or 0)
+      size = size + (tonumber(r.stdout:match("bytes=(%d+)")) or 0)
     end }
     if dev then
       jobs[2] = function()
