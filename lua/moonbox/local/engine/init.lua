@@ -954,7 +954,7 @@ end
 M.CAPTURE_TIMEOUT = 60
 
 --- eng:capture(id, layer_dir[, opts]) -> { size = bytes, dev_records = path|nil, dev_size = bytes,
--- manifest = {files, bytes, tree}|nil, layers = {...}, kind }. Freezes the sandbox, copies its
+-- manifest = {files, bytes, tree}, layers = {...}, kind }. Freezes the sandbox, copies its
 -- upper layer to layer_dir (absolute, must not exist; copied into layer_dir.partial, synced,
 -- then renamed) with ids made 0-based, and the helper writes layer_dir.manifest (moonbox-sandbox
 -- capture: what the layer holds, file count, bytes, a checksum of the tree); then thaws it (a
@@ -963,8 +963,7 @@ M.CAPTURE_TIMEOUT = 60
 -- included) as records in <layer_dir>.dev, beside the layer. Processes, memory and open
 -- connections are not saved by either kind. opts.timeout (seconds, default M.CAPTURE_TIMEOUT)
 -- bounds the freeze: a capture still copying then is stopped (its helpers killed), the sandbox
--- thawed, and capture_timeout raised. manifest is what the helper printed (nil from a helper
--- that writes none). layers is the lower stack a restore passes as create's lowers:
+-- thawed, and capture_timeout raised. manifest is what the helper printed. layers is the lower stack a restore passes as create's lowers:
 -- { layer_dir, <this sandbox's lowers>... }. On failure nothing of the layer is left (layer,
 -- .partial, .dev, .manifest). Raises (op "local.engine.capture") not_found, not_running, exists,
 -- busy, capture_failed, capture_timeout. [yields]
@@ -997,12 +996,11 @@ function Engine:capture(id, layer_dir, opts)
         "--dst=" .. layer_dir, "--uid-base=" .. sb.uid_base, env = HOST_ENV, env_mode = "replace" },
         { what = "copying the upper layer", code = "capture_failed" })
       local files, bytes, tree = r.stdout:match("files=(%d+) bytes=(%d+) tree=(%x+)")
-      if files then
-        out.manifest = { files = tonumber(files), bytes = tonumber(bytes), tree = tree }
-        out.size = tonumber(bytes)
-      else
-        out.size = tonumber(r.stdout:match("^(%d+)")) or 0 -- a helper that writes no manifest
+      if not files then
+        fail("capture", "capture_failed", id, "sandbox " .. id .. ": the capture wrote no manifest")
       end
+      out.manifest = { files = tonumber(files), bytes = tonumber(bytes), tree = tree }
+      out.size = tonumber(bytes)
     end }
     if dev then
       jobs[2] = function()
