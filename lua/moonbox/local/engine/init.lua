@@ -963,10 +963,11 @@ M.CAPTURE_TIMEOUT = 60
 -- included) as records in <layer_dir>.dev, beside the layer. Processes, memory and open
 -- connections are not saved by either kind. opts.timeout (seconds, default M.CAPTURE_TIMEOUT)
 -- bounds the freeze: a capture still copying then is stopped (its helpers killed), the sandbox
--- thawed, and capture_timeout raised. manifest is what the helper printed. layers is the lower stack a restore passes as create's lowers:
--- { layer_dir, <this sandbox's lowers>... }. On failure nothing of the layer is left (layer,
--- .partial, .dev, .manifest). Raises (op "local.engine.capture") not_found, not_running, exists,
--- busy, capture_failed, capture_timeout. [yields]
+-- thawed, and capture_timeout raised. manifest is what the helper printed. layers is the lower
+-- stack a restore passes as create's lowers: { layer_dir, <this sandbox's lowers>... }. On
+-- failure nothing of the layer is left (layer, .partial, .dev, .manifest). Raises (op
+-- "local.engine.capture") not_found, not_running, exists, busy, capture_failed,
+-- capture_timeout. [yields]
 function Engine:capture(id, layer_dir, opts)
   check_id("capture", id)
   layer_dir = check_abs("layer_dir", layer_dir)
