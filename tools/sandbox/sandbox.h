@@ -8,7 +8,10 @@
  *   enter.c    `exec` and `files`: joining a running sandbox (cgroup, namespaces, root, ids)
  *   confine.c  what every process inside gets last: capabilities, no_new_privs, seccomp
  *   fileops.c  `files`: reading and writing the sandbox's files with our own code, inside it
- *   shift.c    `capture`: copying an upper layer into a snapshot layer with ids made 0-based
+ *   shift.c    `capture`: copying an upper layer into a snapshot layer with ids made 0-based;
+ *              `verify`: checking a layer against its manifest
+ *   manifest.c a layer's manifest (file count, bytes, checksums of its tree); sha256.c
+ *   linkmap.c  the hard-link table of the copies (bounded memory, spills to files)
  *   gate.c     the allow-list gate: the only way out of an "allow-list" sandbox
  *   gate_parse.c  what the gate reads of the sandbox's traffic (fuzzed)
  *   netconf.c  the allow-list sandbox's veth pair, addresses and route
@@ -75,6 +78,8 @@ struct spec {
     struct str_list excludes;     /* files: names left out of a pack of its top directory */
     unsigned long long max_bytes; /* files: file data a pack may carry (0: the default) */
     const char *src, *dst;        /* capture: upper directory and new layer */
+    const char *manifest;         /* verify: the manifest file (the layer comes as --layer) */
+    int quick;                    /* verify: compare names and attributes only, not contents */
     int setsid;                   /* exec: make the command a session leader */
     char **argv;                  /* exec: the program and its arguments */
 };
@@ -113,6 +118,7 @@ int fileops_run(const struct spec *s);
 
 /* shift.c */
 int cmd_capture(struct spec *s);
+int cmd_verify(struct spec *s);
 
 /* gate.c: the allow-list gate's addresses (a /30 between the sandbox's eth0 and the gate's gw0)
  * and the ports its nftables rules redirect the sandbox's HTTP, TLS and DNS to. */

@@ -14,7 +14,6 @@
 -- Everything runs on the loop; long work (boot, capture, exec) runs in tasks of its own.
 local task = require "moonbox.task"
 local core = require "moonbox.core"
-local sys = require "moonbox.sys"
 local host = require "moonbox.local.engine.host"
 local ids = require "moonbox.ids"
 local json = require "moonbox.json"
@@ -40,6 +39,7 @@ M.DEFAULTS = {
   sync_output_max = 1024 * 1024, -- bytes kept per stream of a runs/sync answer
   idle_scale = 1, -- specs only: idle timeouts are multiplied by this (MOONBOX_LOCAL_IDLE_SCALE)
   max_upload = 8 * 1024 * 1024 * 1024,
+  capture_timeout = 60, -- seconds a capture may keep its sandbox frozen (docs/local.md, "Snapshots")
 }
 
 -- Plans and what each limits: CPUs (a quota), memory (no swap beyond it), processes. Render's
@@ -106,6 +106,14 @@ local function now() return core.time() end
 local function message_of(err)
   if type(err) == "table" and err.message then return tostring(err.message) end
   return tostring(err)
+end
+
+-- A message of the engine or a helper as the API may show it: layer files by their names,
+-- nothing else of the state dir, the helper by its name.
+local function hide_paths(self, msg)
+  local dir = self.state_dir:gsub("%p", "%%%0")
+  msg = msg:gsub(dir .. "/layers/", ""):gsub("'?" .. dir .. "[^%s:']*'?", "(the state directory)")
+  return (msg:gsub("'?/[^%s:']*/moonbox%-sandbox'?", "moonbox-sandbox"))
 end
 
 -- ---- construction --------------------------------------------------------------------------
@@ -288,17 +296,20 @@ function M.plan(name)
   return p
 end
 
--- Boots a sandbox's namespaces and filesystem in its own task: creating → running or errored.
+-- Boots a sandbox's namespaces and filesystem in its own task: creating → running or errored
+-- (its log stream says why, naming ids and layer names, never a host path).
 function Service:boot(rec, env)
   local runtime = self:runtime_of(rec.id)
   runtime.boot = task.spawn(function()
-    local snap = rec._snapshot and self.st.snapshots[rec._snapshot]
+    -- The record names what it boots from (its lowers, its snapshot's /dev capture), which the
+    -- collector keeps while it boots and lives, its snapshot deleted or not.
     local ok, err = pcall(self.engine.create, self.engine, rec.id, {
       lowers = rec._lowers or {}, network = rec.networkPolicy.default, env = env,
       allowed = rec.networkPolicy.allowedDomains,
-      dev_records = snap and snap._dev_records, limits = M.PLANS[rec.plan],
+      dev_records = rec._dev, limits = M.PLANS[rec.plan],
     })
     if ok then crash_point(self, "boot", rec.id) end
+    if not ok then err = hide_paths(self, message_of(err)) end
     runtime.boot = nil
     if rec.status ~= "creating" or rec._pending then return end -- terminated meanwhile
     if ok then
@@ -411,30 +422,122 @@ function Service:suspend(rec)
   return rec
 end
 
---- svc:gc_layers(): removes layer directories (and /dev captures) no live sandbox and no kept
--- snapshot needs. [yields]
-function Service:gc_layers()
+-- The files a snapshot owns under <state>/layers: its layer, the layer while it is being
+-- copied (.partial), its /dev capture (.dev, runtime snapshots) and its manifest (.manifest).
+-- Named from the snapshot's id, so a record written before its capture starts names them all.
+local function own_files(self, snap)
+  local layer = snap._layer or (self.state_dir .. "/layers/" .. snap.id)
+  return { layer, layer .. ".partial", layer .. ".dev", layer .. ".manifest" }
+end
+
+-- The layer files something still needs: the lowers and /dev capture of every sandbox that is
+-- booting or live, and every file of every snapshot that is being captured or is available and
+-- not deleted (its own files and the lower layers it stacks on).
+local function needed_files(self)
   local needed = {}
   for _, s in pairs(self.st.sandboxes) do
-    if M.LIVE[s.status] then for _, l in ipairs(s._lowers or {}) do needed[l] = true end end
+    if M.LIVE[s.status] then
+      for _, l in ipairs(s._lowers or {}) do needed[l] = true end
+      if s._dev then needed[s._dev] = true end
+    end
   end
   for _, s in pairs(self.st.snapshots) do
-    if not s._deleted then
+    if s.status == "creating" or (s.status == "available" and not s._deleted) then
+      for _, f in ipairs(own_files(self, s)) do needed[f] = true end
       for _, l in ipairs(s._layers or {}) do needed[l] = true end
       if s._dev_records then needed[s._dev_records] = true end
     end
   end
-  local dir = self.state_dir .. "/layers"
-  local ok, names = pcall(sys.listdir, dir)
-  if not ok then return end
-  table.sort(names)
-  for _, name in ipairs(names) do
-    local path = dir .. "/" .. name
-    if not needed[path] then
-      local freed, err = pcall(host.remove_tree, path)
-      if not freed then self.log("cannot free layer " .. name .. ": " .. message_of(err)) end
+  return needed
+end
+
+-- The snapshots whose files wait to be freed (deleted or failed, not yet _freed), by id; on
+-- first use, those a previous backend left so.
+local function pending(self)
+  if not self.unfreed then
+    self.unfreed = {}
+    for _, row in ipairs(self.st.db:rows([[SELECT id FROM records WHERE kind = 'snapshot'
+        AND status IN ('deleted', 'failed') AND instr(doc, '"_freed"') = 0]])) do
+      self.unfreed[row.id] = true
     end
   end
+  return self.unfreed
+end
+
+-- One pass of the collector: frees the files of each snapshot waiting for it (deleted or
+-- failed, its capture over) that nothing needs; a snapshot all of whose files are gone is
+-- marked _freed and leaves the list. [yields]
+local function collect(self)
+  local needed = needed_files(self)
+  local ids_ = {}
+  for sid in pairs(self.unfreed) do ids_[#ids_ + 1] = sid end
+  table.sort(ids_)
+  for _, sid in ipairs(ids_) do
+    local snap = self.st.snapshots[sid]
+    if not snap or snap._freed or not (snap._deleted or snap.status == "failed") then
+      self.unfreed[sid] = nil
+    elseif snap.status ~= "creating" then -- a capture's files are its own until it ends
+      local all = true
+      for _, f in ipairs(own_files(self, snap)) do
+        if needed[f] then
+          all = false
+        elseif host.exists(f) then
+          local freed, err = pcall(host.remove_tree, f)
+          if freed then
+            if self.engine.forget_layer then self.engine:forget_layer(f) end
+          else
+            all = false
+            self.log("cannot free " .. f:match("[^/]*$") .. " of snapshot " .. sid .. ": " .. message_of(err))
+          end
+        end
+      end
+      if all then
+        snap._freed = true
+        self.st:save("snapshot", snap)
+        self.unfreed[sid] = nil
+      end
+    end
+  end
+end
+
+--- svc:gc_layers(): frees the layer files of deleted and failed snapshots that no booting or
+-- live sandbox and no kept snapshot needs. It works only from the records: a capture's files
+-- are named by its snapshot record (status creating) before the capture starts, a sandbox
+-- record names the lowers and the /dev capture it boots from; nothing is removed because a
+-- directory listing shows it (recovery at start sweeps what no record names). Passes never
+-- overlap: a call made while one runs waits for the next, which sees its change. [yields]
+function Service:gc_layers()
+  pending(self)
+  local gc = self.gc or { wanted = 0, done = 0, cond = core.cond() }
+  self.gc = gc
+  gc.wanted = gc.wanted + 1
+  local mine = gc.wanted
+  if gc.running then
+    while gc.done < mine do gc.cond:wait() end
+    return
+  end
+  gc.running = true
+  local ok, err = pcall(function()
+    while gc.done < gc.wanted do
+      local target = gc.wanted
+      collect(self)
+      gc.done = target
+      gc.cond:broadcast()
+    end
+  end)
+  gc.running = false
+  if not ok then
+    gc.done = gc.wanted
+    gc.cond:broadcast()
+    error(err, 0)
+  end
+end
+
+-- A snapshot that no longer keeps its files (deleted, or failed): the collector frees them once
+-- nothing needs them. [yields]
+local function release(self, snap)
+  pending(self)[snap.id] = true
+  self:gc_layers()
 end
 
 -- Removes path (a file or a tree), logging what it cannot. [yields]
@@ -602,9 +705,10 @@ function Service:expire_later(snap)
     task.sleep(math.max(0, at - now()))
     self.snap_timers[snap.id] = nil
     if not snap._deleted then
+      -- A snapshot still being captured keeps its files until its capture ends (which frees them).
       snap._deleted = true
       self.st:save("snapshot", snap)
-      self:gc_layers()
+      release(self, snap)
     end
   end)
 end
@@ -749,22 +853,62 @@ local function restore_source(self, p, group)
   return snap
 end
 
+-- The layer of a snapshot whose record says its capture wrote a manifest (a layer's name is its
+-- snapshot's id).
+local function had_manifest(self, layer)
+  local owner = self.st.snapshots[layer:match("[^/]*$")]
+  return owner ~= nil and owner._manifest ~= nil
+end
+
+-- Checks that a restore's data is there and is what was captured, before the sandbox starts:
+-- each layer of its stack against its manifest (the quick check: names, types, sizes, modes,
+-- owners; kept per layer for the life of the backend), its /dev capture there. Layers captured
+-- before manifests existed are only looked for. On a mismatch the snapshot becomes failed,
+-- saying why, and the restore answers conflict snapshot_not_available. [yields]
+local function check_restore(self, snap)
+  local why
+  for _, l in ipairs(snap._layers or {}) do
+    local ok, res, diff, code = pcall(self.engine.verify_layer, self.engine, l)
+    if not ok then
+      fail("internal", "snapshot " .. snap.id .. " could not be checked: " ..
+        hide_paths(self, message_of(res)))
+    end
+    if not res and (code ~= "no_manifest" or had_manifest(self, l)) then
+      why = code == "missing" and "its data is gone (" .. diff .. ")" or diff
+      break
+    end
+  end
+  if not why and snap._dev_records and not host.exists(snap._dev_records) then
+    why = "its /dev capture is gone"
+  end
+  if not why then return end
+  if snap.status == "available" then
+    snap.status, snap.error = "failed", "snapshot " .. snap.id .. " does not match what was captured: " .. why
+    self.st:save("snapshot", snap)
+    self.log(snap.error)
+    release(self, snap)
+  end
+  fail("conflict", "snapshot " .. snap.id .. " cannot be restored: " .. why, "snapshot_not_available")
+end
+
 --- svc:create_sandbox(p) -> rec (status creating; it boots in a task). p: plan, timeout,
 -- idle_timeout, network ("allow-all" | "deny-all" | "allow-list"), allowed_domains (with
 -- allow-list: names checked by the caller), env, name, snapshot_id, snapshot_name,
--- group_id — decoded and type-checked by the caller. Raises invalid (plan, snapshot name),
--- not_found (group, snapshot), conflict (snapshot rules), rate_limited (group at its limit).
+-- group_id — decoded and type-checked by the caller. A restore's layers are checked against
+-- their manifests first (check_restore). Raises invalid (plan, snapshot name), not_found (group,
+-- snapshot), conflict (snapshot rules; snapshot_not_available for data that does not match),
+-- rate_limited (group at its limit). [yields]
 function Service:create_sandbox(p)
   if p.plan then M.plan(p.plan) end
   local group = p.group_id and self:find_group(p.group_id) or self:default_group()
   local snap = restore_source(self, p, group)
-  if snap then
-    for _, l in ipairs(snap._layers or {}) do
-      if not host.exists(l) then
-        fail("conflict", "snapshot " .. snap.id .. " cannot be restored: its data is gone",
-          "snapshot_not_available")
-      end
-    end
+  -- The check yields: the snapshot may be deleted or fail meanwhile, so it is resolved again.
+  for _ = 1, 3 do
+    if not snap then break end
+    check_restore(self, snap)
+    local again = restore_source(self, p, group)
+    if again == snap then break end
+    snap = again
   end
   if live_count(self, group.id) >= group.concurrencyLimit then
     fail("rate_limited", string.format("sandbox group %s is at its concurrency limit (%d)", group.id,
@@ -780,7 +924,7 @@ function Service:create_sandbox(p)
     idleTimeoutSeconds = p.idle_timeout or self.limits.idle_timeout_seconds,
     createdAt = ids.iso(now()), terminatedAt = nil,
     sandboxGroupId = group.id, name = p.name,
-    _lowers = snap and snap._layers or {}, _snapshot = snap and snap.id,
+    _lowers = snap and snap._layers or {}, _snapshot = snap and snap.id, _dev = snap and snap._dev_records,
   }
   set_status(self, rec, "creating") -- its first write: in memory only once recorded
   self:boot(rec, p.env or {})
@@ -1043,7 +1187,13 @@ end
 --- svc:create_snapshot(rec, p) -> snap (status creating; captured in a task). p: kind, name,
 -- expires (epoch seconds), fail_capture (fault injection: the capture fails as a full disk
 -- would make it). Raises conflict sandbox_not_running. Does not yield: the capture (freeze,
--- copy, thaw, under the sandbox's capture lock) runs in a task that sets the status.
+-- copy, thaw, under the sandbox's capture lock, its freeze bounded by limits.capture_timeout)
+-- runs in a task that sets the status. Write-ahead: the record saved before the capture starts
+-- names every file the capture makes (the layer, .partial, .dev, .manifest) and the lower
+-- layers it stacks on, so the collector keeps them from that moment. It becomes available only
+-- once the layer is complete, synced and matches the manifest written at capture (sizeBytes is
+-- the manifest's bytes, plus the /dev capture's of a runtime snapshot); failed otherwise, its
+-- files then freed.
 function Service:create_snapshot(rec, p)
   if rec.status ~= "running" then fail("conflict", "sandbox is " .. rec.status, "sandbox_not_running") end
   local t = now()
@@ -1053,6 +1203,11 @@ function Service:create_snapshot(rec, p)
     expiresAt = ids.iso(p.expires or (t + self.limits.snapshot_lifetime)), name = p.name,
     capturedAt = nil, sizeBytes = nil, error = nil,
   }
+  local layer = self.state_dir .. "/layers/" .. snap.id
+  snap._layer = layer
+  snap._layers = { layer }
+  for _, l in ipairs(rec._lowers or {}) do snap._layers[#snap._layers + 1] = l end
+  if p.kind == "runtime" then snap._dev_records = layer .. ".dev" end
   self.st.snapshots[snap.id] = snap
   self.st:save("snapshot", snap)
   self:expire_later(snap)
@@ -1060,36 +1215,47 @@ function Service:create_snapshot(rec, p)
   local runtime = self:runtime_of(rec.id)
   runtime.capture_lock = runtime.capture_lock or task.semaphore(1)
   task.spawn(function()
-    local layer = self.state_dir .. "/layers/" .. snap.id
+    local why, result
     if p.fail_capture then
       task.sleep(0.05)
-      self:activity(rec.id, -1)
-      snap.status, snap.error = "failed", "injected capture failure (disk full)"
-      self.st:save("snapshot", snap)
-      return
+      why = "injected capture failure (disk full)"
+    else
+      -- Captures of one sandbox take turns: each freezes it, and a thaw by one must not land in
+      -- the middle of another's copy.
+      local ok
+      ok, result = pcall(runtime.capture_lock.with, runtime.capture_lock, self.engine.capture,
+        self.engine, rec.id, layer, { kind = p.kind, timeout = self.limits.capture_timeout })
+      if not ok then
+        self.log("snapshot " .. snap.id .. " of " .. rec.id .. " failed: " .. message_of(result))
+        why = "the capture failed: " .. hide_paths(self, message_of(result))
+      elseif result.manifest then
+        local vok, v, vwhy = pcall(self.engine.verify_layer, self.engine, layer)
+        if not vok then
+          why = "its layer could not be checked: " .. hide_paths(self, message_of(v))
+        elseif not v then
+          why = "its layer does not match the manifest written at capture: " .. vwhy
+        elseif v.bytes ~= result.manifest.bytes or v.files ~= result.manifest.files then
+          why = "its layer's manifest is not the one its capture wrote"
+        end
+      end
     end
-    -- Captures of one sandbox take turns: each freezes it, and a thaw by one must not land in
-    -- the middle of another's copy.
-    local ok, result = pcall(runtime.capture_lock.with, runtime.capture_lock, self.engine.capture,
-      self.engine, rec.id, layer, { kind = p.kind })
-    if not ok then self.log("snapshot " .. snap.id .. " of " .. rec.id .. " failed: " .. message_of(
-      result)) end
-    if ok then crash_point(self, "capture", snap.id) end
+    if not why then crash_point(self, "capture", snap.id) end
     self:activity(rec.id, -1)
-    if ok then
+    if not why then
       snap.status, snap.capturedAt, snap.sizeBytes = "available", ids.iso(now()), result.size
       snap._layers = result.layers
       snap._dev_records = result.dev_records
+      snap._manifest = result.manifest and { files = result.manifest.files, bytes = result.manifest.bytes,
+        tree = result.manifest.tree } or nil
       if p.kind == "runtime" then
         snap.note = "moonbox local keeps the filesystem and /dev of a runtime snapshot; " ..
           "processes and memory are not restored"
       end
     else
-      snap.status = "failed"
-      snap.error = "the capture failed: " .. (message_of(result):gsub("/[^%s:]+", ""))
+      snap.status, snap.error = "failed", why
     end
     self.st:save("snapshot", snap)
-    if snap.status == "failed" then self:gc_layers() end
+    if snap.status == "failed" or snap._deleted then release(self, snap) end
   end)
   return snap
 end
@@ -1112,7 +1278,8 @@ function Service:list_snapshots(group, statuses)
   end)
 end
 
---- svc:delete_snapshot(snap). Idempotent. Raises conflict snapshot_creating. [yields]
+--- svc:delete_snapshot(snap). Idempotent. Its files are freed once no booting or live sandbox
+-- restored from it needs them. Raises conflict snapshot_creating. [yields]
 function Service:delete_snapshot(snap)
   if snap.status == "creating" then fail("conflict", "snapshot is still being captured",
     "snapshot_creating") end
@@ -1122,7 +1289,7 @@ function Service:delete_snapshot(snap)
     local timer = self.snap_timers[snap.id]
     self.snap_timers[snap.id] = nil
     if timer then task.cancel(timer) end
-    self:gc_layers()
+    release(self, snap)
   end
 end
 

@@ -950,15 +950,24 @@ end
 
 -- ---- snapshots ----------------------------------------------------------------------------------
 
---- eng:capture(id, layer_dir[, opts]) -> { size = bytes, dev_records = path|nil, layers = {...},
--- kind }. Freezes the sandbox, copies its upper layer to layer_dir (absolute, must not exist;
--- created atomically) with ids made 0-based (moonbox-sandbox capture), and thaws it (a sandbox
--- that was already frozen stays frozen). opts.kind = "filesystem" (default) or "runtime";
--- runtime also saves the in-memory /dev area (files created there, /dev/shm included) as
--- records in <layer_dir>.dev, beside the layer. Processes, memory and open connections are not
--- saved by either kind. layers is the lower stack a restore passes as create's lowers:
--- { layer_dir, <this sandbox's lowers>... }. Raises (op "local.engine.capture") not_found,
--- not_running, exists, busy, capture_failed. [yields]
+--- M.CAPTURE_TIMEOUT: how long (seconds) a capture may keep its sandbox frozen by default.
+M.CAPTURE_TIMEOUT = 60
+
+--- eng:capture(id, layer_dir[, opts]) -> { size = bytes, dev_records = path|nil, dev_size = bytes,
+-- manifest = {files, bytes, tree}, layers = {...}, kind }. Freezes the sandbox, copies its
+-- upper layer to layer_dir (absolute, must not exist; copied into layer_dir.partial, synced,
+-- then renamed) with ids made 0-based, and the helper writes layer_dir.manifest (moonbox-sandbox
+-- capture: what the layer holds, file count, bytes, a checksum of the tree); then thaws it (a
+-- sandbox that was already frozen stays frozen). opts.kind = "filesystem" (default) or
+-- "runtime"; runtime also saves the in-memory /dev area (files created there, /dev/shm
+-- included) as records in <layer_dir>.dev, beside the layer. Processes, memory and open
+-- connections are not saved by either kind. opts.timeout (seconds, default M.CAPTURE_TIMEOUT)
+-- bounds the freeze: a capture still copying then is stopped (its helpers killed), the sandbox
+-- thawed, and capture_timeout raised. manifest is what the helper printed. layers is the lower
+-- stack a restore passes as create's lowers: { layer_dir, <this sandbox's lowers>... }. On
+-- failure nothing of the layer is left (layer, .partial, .dev, .manifest). Raises (op
+-- "local.engine.capture") not_found, not_running, exists, busy, capture_failed,
+-- capture_timeout. [yields]
 function Engine:capture(id, layer_dir, opts)
   check_id("capture", id)
   layer_dir = check_abs("layer_dir", layer_dir)
@@ -967,6 +976,7 @@ function Engine:capture(id, layer_dir, opts)
   if kind ~= "filesystem" and kind ~= "runtime" then
     error("local.engine.capture: kind must be \"filesystem\" or \"runtime\", got " .. tostring(kind), 2)
   end
+  local limit = opts.timeout or M.CAPTURE_TIMEOUT
   local sb = self:live("capture", id, true)
   if sb.capturing then fail("capture", "busy", id, "sandbox " .. id .. " is already being captured") end
   if host.exists(layer_dir) then
@@ -981,32 +991,99 @@ function Engine:capture(id, layer_dir, opts)
       if not fok then fail("capture", "capture_failed", id, "sandbox " .. id .. ": " .. ferr) end
     end
     sys.mkdir_p(layer_dir:match("^(.*)/[^/]*$"), tonumber("700", 8))
-    local size = 0
+    local out = { size = 0, dev_size = 0 }
     local jobs = { function()
       local r = host.run("capture", id, { self.tools.helper, "capture", "--src=" .. self:dir(id) .. "/upper",
         "--dst=" .. layer_dir, "--uid-base=" .. sb.uid_base, env = HOST_ENV, env_mode = "replace" },
         { what = "copying the upper layer", code = "capture_failed" })
-      size = size + (tonumber(r.stdout:match("^(%d+)")) or 0)
+      local files, bytes, tree = r.stdout:match("files=(%d+) bytes=(%d+) tree=(%x+)")
+      if not files then
+        fail("capture", "capture_failed", id, "sandbox " .. id .. ": the capture wrote no manifest")
+      end
+      out.manifest = { files = tonumber(files), bytes = tonumber(bytes), tree = tree }
+      out.size = tonumber(bytes)
     end }
     if dev then
       jobs[2] = function()
-        size = size + self.files:pack_records(id, "/dev", dev, { exclude = DEV_BUILTIN, sb = sb })
+        out.dev_size = self.files:pack_records(id, "/dev", dev, { exclude = DEV_BUILTIN, sb = sb })
       end
     end
-    task.all(jobs)
-    return size
+    local tok, terr = pcall(task.timeout, limit, task.all, jobs)
+    if not tok then
+      if task.is_timeout(terr) then
+        fail("capture", "capture_timeout", id, string.format("sandbox %s: the capture did not finish " ..
+          "within %g s (the limit on how long a capture keeps a sandbox frozen); it was stopped and " ..
+          "the sandbox thawed", id, limit))
+      end
+      error(terr, 0)
+    end
+    return out
   end)
   -- Thaw unless the sandbox is (now) meant to be frozen: a suspend may have come in meanwhile.
   if not sb.frozen and sb.state == "running" then self.cg:thaw(id) end
   sb.capturing = false
   if not ok then
-    if dev then os.remove(dev) end
-    if host.exists(layer_dir .. ".partial") then pcall(host.remove_tree, layer_dir .. ".partial") end
+    for _, f in ipairs({ layer_dir .. ".partial", layer_dir, layer_dir .. ".manifest", dev }) do
+      if host.exists(f) then pcall(host.remove_tree, f) end
+    end
     error(result, 0)
   end
   local layers = { layer_dir }
   for _, l in ipairs(sb.lowers) do layers[#layers + 1] = l end
-  return { size = result, dev_records = dev, layers = layers, kind = kind }
+  return { size = result.size + result.dev_size, dev_records = dev, dev_size = result.dev_size,
+    manifest = result.manifest, layers = layers, kind = kind }
+end
+
+--- engine.verify_layer(layer[, opts]) -> {files, bytes} | nil, why, code. Checks a snapshot layer
+-- against the manifest its capture wrote beside it (layer .. ".manifest") with moonbox-sandbox
+-- verify: opts.full also reads every file's contents and xattrs (--check); without it, the
+-- quick check (names, types, sizes, modes, owners, counts). code is "mismatch" (why names the
+-- first difference, by its path inside the layer), "missing" (no layer) or "no_manifest"
+-- (a layer captured without one). Raises (op "local.engine.verify") verify_failed when the
+-- check itself cannot run (the helper's usage or I/O error). Never names a host path. [yields]
+function M.verify_layer(layer, opts)
+  opts = opts or {}
+  local name = layer:match("[^/]*$")
+  if not host.exists(layer) then return nil, "layer " .. name .. " is gone", "missing" end
+  local manifest = layer .. ".manifest"
+  if not host.exists(manifest) then return nil, "layer " .. name .. " has no manifest", "no_manifest" end
+  local helper, places = find_helper()
+  if not helper then
+    fail("verify", "verify_failed", nil, "cannot find moonbox-sandbox (looked at " .. places .. ")")
+  end
+  local argv = { helper, "verify", "--layer=" .. layer, "--manifest=" .. manifest, env = HOST_ENV,
+    env_mode = "replace" }
+  if not opts.full then argv[#argv + 1] = "--quick" end
+  local r = proc.run(argv)
+  local function said(text)
+    local msg = host.trim(text):gsub("^moonbox%-sandbox: ", ""):gsub("^verify: ", "")
+    return (msg:gsub(layer:gsub("%p", "%%%0"), name))
+  end
+  if r.code == 0 then
+    return { files = tonumber(r.stdout:match("files=(%d+)")),
+      bytes = tonumber(r.stdout:match("bytes=(%d+)")) }
+  elseif r.code == 1 then
+    return nil, "layer " .. name .. ": " .. said(r.stderr), "mismatch"
+  end
+  fail("verify", "verify_failed", nil, "checking layer " .. name .. " failed (" ..
+    (r.code and ("exit " .. r.code) or ("signal " .. tostring(r.signal))) .. "): " .. said(r.stderr))
+end
+
+--- eng:verify_layer(layer[, opts]) -> as engine.verify_layer. A successful check is kept for the
+-- life of the engine (layers never change once captured): the quick check of a layer already
+-- checked answers at once; opts.full always reads the layer. [yields]
+function Engine:verify_layer(layer, opts)
+  opts = opts or {}
+  self.verified = self.verified or {}
+  if not opts.full and self.verified[layer] then return self.verified[layer] end
+  local res, why, code = M.verify_layer(layer, opts)
+  if res then self.verified[layer] = res end
+  return res, why, code
+end
+
+--- eng:forget_layer(layer): the layer was freed; a later one of the same name is checked anew.
+function Engine:forget_layer(layer)
+  if self.verified then self.verified[layer] = nil end
 end
 
 -- ---- recovery -----------------------------------------------------------------------------------
