@@ -14,6 +14,7 @@
 -- Everything runs on the loop; long work (boot, capture, exec) runs in tasks of its own.
 local task = require "moonbox.task"
 local core = require "moonbox.core"
+local sys = require "moonbox.sys"
 local host = require "moonbox.local.engine.host"
 local ids = require "moonbox.ids"
 local json = require "moonbox.json"
