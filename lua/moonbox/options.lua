@@ -60,7 +60,7 @@ function M.check(opts, known, fname, level)
   if #unknown == 0 then return opts end
   table.sort(unknown)
   local k = unknown[1]
-  local near = type(k) == "string" and M.nearest(k, known)
+  local near = M.nearest(k, known)
   error(string.format("%s: unknown option '%s'%s", fname, k,
     near and (" (did you mean '" .. near .. "'?)") or ""), level)
 end
