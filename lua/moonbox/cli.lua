@@ -350,7 +350,8 @@ end
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
   "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]\n" ..
-  "                     [--dns IPV4] [--rate-limit N] [--public-url URL]",
+  "                     [--dns IPV4] [--rate-limit N] [--public-url URL]\n" ..
+  "       moonbox local --check [--state DIR]",
   [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and ::1 and runs real, isolated sandboxes on
 this machine: each in its own user namespace (root inside is an unprivileged id on the host),
 with a seccomp filter, its plan's cgroup limits, and an overlay root over a Debian 12 image
@@ -374,7 +375,11 @@ X-Forwarded-Proto (docs/local.md: "Behind a TLS proxy").
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
 Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
-backend (docs/reference/render.md): it also stops when no moonbox process uses it any more.]],
+backend (docs/reference/render.md): it also stops when no moonbox process uses it any more.
+--check serves nothing: it reads every layer of every available snapshot in the state dir in
+full and compares it with the manifest written at capture, one line per snapshot and a summary;
+exit status 1 when any does not match. It needs the state dir's lock: it refuses while a backend
+serves that dir (docs/local.md: "Snapshots").]],
   -- The command: checks every flag before anything starts (usage errors, status 2: a port out
   -- of range, a host that is not loopback, a bad --public-url, --dns or --rate-limit, an
   -- unreadable @faults file), then in the root task starts the backend (moonbox.local.start),
@@ -385,8 +390,29 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
       ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
-      dns = "value", ["rate-limit"] = "value", ["public-url"] = "value" })
+      dns = "value", ["rate-limit"] = "value", ["public-url"] = "value", check = "flag" })
     if not opts then return usage_error("local: %s", rest) end
+    if opts.check then
+      for k in pairs(opts) do
+        if k ~= "check" and k ~= "state" then
+          return usage_error("local: --check takes only --state DIR, not --%s", k)
+        end
+      end
+      if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
+      local status
+      local code, err = M.run_root_opts({ quiet_signals = true }, function()
+        local state_dir = absolute(opts.state) or (M.state_home() .. "/local")
+        status = require("moonbox.local.check").run(state_dir, function(line)
+          io.stdout:write(line, "\n")
+          io.stdout:flush()
+        end)
+      end)
+      if err ~= nil then
+        eprintf("moonbox local --check: %s\n", M.format_error(err))
+        return EXIT_FAIL
+      end
+      return status or code
+    end
     local rate_limit = opts["rate-limit"] and math.tointeger(tonumber(opts["rate-limit"]))
     if opts["rate-limit"] and not (rate_limit and rate_limit >= 1) then
       return usage_error("local: --rate-limit wants a whole number of requests per minute >= 1, got '%s'",
