@@ -44,13 +44,32 @@ function M.clear_journal(backend)
   return 204
 end
 
---- GET /_moonbox/health -> 200 {ok, workspace, version, sandboxes, problems}: sandboxes is
+-- The free-space part of both health answers (backend:disk_health()).
+local function disk_of(h)
+  local function part(p)
+    return p and { sizeBytes = p.size, freeBytes = p.avail, reserveBytes = p.reserve, low = p.low }
+  end
+  return { ok = h.ok, sandboxDisk = part(h.sandboxes), stateDir = part(h.state),
+    problems = json.array(h.problems) }
+end
+
+--- GET /healthz (no key) -> 200 {ok = true, disk}, or 503 {ok = false, disk} when the sandbox
+-- disk or the state directory's filesystem is low on space (disk.problems says which). disk:
+-- {sandboxDisk = {sizeBytes, freeBytes, low}, stateDir = {sizeBytes, freeBytes, reserveBytes,
+-- low}, problems}. Raises nothing. Does not yield.
+function M.healthz(backend)
+  local d = disk_of(backend:disk_health())
+  return { ok = d.ok, disk = d }
+end
+
+--- GET /_moonbox/health -> 200 {ok, workspace, version, sandboxes, problems, disk}: sandboxes is
 -- whether the start-up check found this machine able to run sandboxes, problems what it found
--- missing. Raises nothing. Does not yield.
+-- missing; ok is false when the disk is low (disk as /healthz's). Raises nothing. Does not yield.
 function M.health(backend)
-  return 200, { ok = true, workspace = backend.workspace, version = require("moonbox.core").version,
+  local d = disk_of(backend:disk_health())
+  return 200, { ok = d.ok, workspace = backend.workspace, version = require("moonbox.core").version,
     sandboxes = backend.check and backend.check.ok or false,
-    problems = json.array(backend.check and backend.check.problems or {}) }
+    problems = json.array(backend.check and backend.check.problems or {}), disk = d }
 end
 
 --- control.install(control): registers the routes above through control(method, pattern,
