@@ -18,6 +18,7 @@
  */
 #include "http_server.h"
 
+#include "host_fs.h"
 #include "jsonq.h"
 
 #include <microhttpd.h>
@@ -75,6 +76,8 @@ typedef struct hs_route {
     int auth;         /* enum hs_auth_mode */
     char *auth_scope; /* HS_AUTH_TOKEN: the scope tokens must be bound to */
     int handler_id;
+    int space_check; /* HS_BODY_FILE: refuse a declared length that does not fit (507) */
+    char *space_dir; /* and check the room of space_dir/<:id> too */
 } hs_route;
 
 /* A connect token: which sandbox (":id" capture) and scope it opens, until when. */
@@ -371,6 +374,7 @@ static void hs_route_free(hs_route *rt)
     free(rt->method);
     free(rt->upload_dir);
     free(rt->auth_scope);
+    free(rt->space_dir);
 }
 
 /* Parses pattern into rt's segments. Returns HS_OK or HS_ERR_INVALID/HS_ERR_NOMEM. */
@@ -494,6 +498,50 @@ int hs_server_add_route(hs_server *s, const char *method, const char *pattern, i
     rt.handler_id = handler_id;
     s->routes[s->nroutes++] = rt;
     return HS_OK;
+}
+
+int hs_server_route_space(hs_server *s, const char *space_dir)
+{
+    if (s->nroutes == 0 || s->routes[s->nroutes - 1].body_mode != HS_BODY_FILE)
+        return HS_ERR_INVALID;
+    hs_route *rt = &s->routes[s->nroutes - 1];
+    char *d = space_dir ? strdup(space_dir) : NULL;
+    if (space_dir && !d) return HS_ERR_NOMEM;
+    free(rt->space_dir);
+    rt->space_dir = d;
+    rt->space_check = 1;
+    return HS_OK;
+}
+
+/* Whether a file body of declared bytes fits where it goes (hs_server_route_space): the upload
+ * directory's free space, then the room of the sandbox its ":id" names. 0, or 507 with msg
+ * (no host path in it). */
+static unsigned hs_space_refusal(hs_server *s, const hs_route *rt, hs_request *r,
+                                 unsigned long long declared, char *msg, size_t cap)
+{
+    const char *dir = rt->upload_dir ? rt->upload_dir : s->upload_dir;
+    uint64_t room;
+    if (host_fs_room(dir, &room) == 0 && declared > room) {
+        snprintf(msg, cap,
+                 "the upload of %llu bytes does not fit: the backend has %llu bytes of disk left "
+                 "for uploads; nothing was read",
+                 declared, (unsigned long long)room);
+        return 507;
+    }
+    const char *id = NULL;
+    for (size_t i = 0; i < r->ncaptures; i++)
+        if (strcmp(r->captures[i].name, "id") == 0) id = r->captures[i].value;
+    if (!rt->space_dir || !id || strchr(id, '/') || id[0] == '.') return 0;
+    char path[PATH_MAX];
+    if ((size_t)snprintf(path, sizeof path, "%s/%s", rt->space_dir, id) >= sizeof path) return 0;
+    if (host_fs_room(path, &room) == 0 && declared > room) {
+        snprintf(msg, cap,
+                 "the upload of %llu bytes does not fit: sandbox %s has %llu bytes of its disk "
+                 "left; nothing was read",
+                 declared, id, (unsigned long long)room);
+        return 507;
+    }
+    return 0;
 }
 
 /* ---- authentication before the body ------------------------------------------------------------
@@ -959,6 +1007,10 @@ static enum MHD_Result hs_begin(hs_server *s, hs_request *r, struct MHD_Connecti
                  declared, r->max_body);
         return hs_answer_now(r, MHD_HTTP_CONTENT_TOO_LARGE, msg, NULL, NULL);
     }
+    if (have_length && rt->space_check) {
+        unsigned full = hs_space_refusal(s, rt, r, declared, msg, sizeof msg);
+        if (full) return hs_answer_now(r, full, msg, NULL, NULL);
+    }
     if (rt->body_mode == HS_BODY_FILE) {
         const char *dir = rt->upload_dir ? rt->upload_dir : s->upload_dir;
         int e = hs_open_body_file(r, dir);
@@ -1035,6 +1087,11 @@ static enum MHD_Result hs_complete(hs_server *s, hs_request *r, struct MHD_Conne
         s->stats.rejected_large++;
         snprintf(msg, sizeof msg, "request body exceeds the limit of %zu bytes", r->max_body);
         return hs_answer_now(r, MHD_HTTP_CONTENT_TOO_LARGE, msg, NULL, NULL);
+    }
+    if (r->store_errno == ENOSPC || r->store_errno == EDQUOT) {
+        snprintf(msg, sizeof msg, "the backend's disk is full: the request body could not be "
+                                  "stored; nothing was written");
+        return hs_answer_now(r, 507, msg, NULL, NULL);
     }
     if (r->store_errno) {
         snprintf(msg, sizeof msg, "cannot store the request body: %s", strerror(r->store_errno));

@@ -132,6 +132,14 @@ int hs_server_add_route(hs_server *s, const char *method, const char *pattern, i
                         size_t max_body, const char *upload_dir, int auth, const char *auth_scope,
                         int handler_id, char *err, size_t errlen);
 
+/* Makes the last route added (a HS_BODY_FILE one) refuse, with 507 before a byte of its body is
+ * read, a request whose declared Content-Length does not fit: in the upload directory's free
+ * space, or (space_dir not NULL) in the room of space_dir/<its ":id" capture> (free space and,
+ * on btrfs, that subvolume's quota: host_fs_room). A body that runs out of space while it is
+ * stored is answered 507 too. HS_OK, HS_ERR_INVALID (no route, not a file route) or
+ * HS_ERR_NOMEM. */
+int hs_server_route_space(hs_server *s, const char *space_dir);
+
 /* Sets (a copy of) the key HS_AUTH_KEY routes require; NULL lets nobody in. */
 int hs_server_set_key(hs_server *s, const char *key);
 

@@ -341,6 +341,17 @@ M.parse_flags = parse_flags
 
 M.state_home = require("moonbox.path").state_home
 
+--- cli.parse_size(text) -> bytes, or nil: "512", "64K", "512M", "40G", "1T" (powers of 1024; a
+-- trailing "iB" or "B" allowed).
+function M.parse_size(text)
+  local n, unit = tostring(text):match("^(%d+)%s*([KkMmGgTt]?)i?[Bb]?$")
+  n = n and math.tointeger(tonumber(n))
+  if not n then return nil end
+  local shift = ({ [""] = 0, k = 10, m = 20, g = 30, t = 40 })[unit:lower()]
+  if n >= (1 << (62 - shift)) then return nil end
+  return n << shift
+end
+
 --- A path given on the command line, made absolute against the working directory (nil stays nil).
 local function absolute(p)
   if p == nil or p:sub(1, 1) == "/" then return p end
@@ -350,7 +361,8 @@ end
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
   "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]\n" ..
-  "                     [--dns IPV4] [--rate-limit N] [--public-url URL]\n" ..
+  "                     [--dns IPV4] [--rate-limit N] [--public-url URL] [--disk PLAN=SIZE]...\n" ..
+  "                     [--disk-size SIZE]\n" ..
   "       moonbox local --check [--state DIR]",
   [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and ::1 and runs real, isolated sandboxes on
 this machine: each in its own user namespace (root inside is an unprivileged id on the host),
@@ -372,6 +384,10 @@ every /v1 answer carries RateLimit-Limit, -Remaining and -Reset; a low N rehears
 --public-url URL (e.g. https://sandbox.example.test): the base of the exec and file URIs it
 hands out; without it they follow the request's Host, or a loopback proxy's X-Forwarded-Host and
 X-Forwarded-Proto (docs/local.md: "Behind a TLS proxy").
+--disk PLAN=SIZE (repeatable) bounds each sandbox of PLAN to SIZE bytes of writes (K, M, G, T:
+powers of 1024; default 40G, Render's figure, every plan); --disk-size SIZE is the size of the
+sandbox disk when it is first made (default: the state directory's free space less its
+reserve). See docs/local.md: "Disk".
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
 Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
@@ -390,7 +406,8 @@ serves that dir (docs/local.md: "Snapshots").]],
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
       ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
       ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
-      dns = "value", ["rate-limit"] = "value", ["public-url"] = "value", check = "flag" })
+      dns = "value", ["rate-limit"] = "value", ["public-url"] = "value", disk = "list",
+      ["disk-size"] = "value", check = "flag" })
     if not opts then return usage_error("local: %s", rest) end
     if opts.check then
       for k in pairs(opts) do
@@ -412,6 +429,24 @@ serves that dir (docs/local.md: "Snapshots").]],
         return EXIT_FAIL
       end
       return status or code
+    end
+    local disk, disk_size
+    for _, d in ipairs(opts.disk or {}) do
+      local plan, size = d:match("^([^=]+)=(.*)$")
+      local bytes = size and M.parse_size(size)
+      local service = require "moonbox.local.service"
+      if not (plan and service.PLANS[plan] and bytes and bytes > 0) then
+        return usage_error("local: --disk wants PLAN=SIZE (PLAN one of %s; SIZE such as 512M or 40G), got '%s'",
+          service.PLAN_NAMES, d)
+      end
+      disk = disk or {}
+      disk[service.PLAN_ALIASES[plan] or plan] = bytes
+    end
+    if opts["disk-size"] then
+      disk_size = M.parse_size(opts["disk-size"])
+      if not (disk_size and disk_size > 0) then
+        return usage_error("local: --disk-size wants a size such as 100G, got '%s'", opts["disk-size"])
+      end
     end
     local rate_limit = opts["rate-limit"] and math.tointeger(tonumber(opts["rate-limit"]))
     if opts["rate-limit"] and not (rate_limit and rate_limit >= 1) then
@@ -457,6 +492,7 @@ serves that dir (docs/local.md: "Snapshots").]],
         api_key = opts["api-key"], workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
         dns = opts.dns, rate_limit = rate_limit, public_url = opts["public-url"],
+        disk = disk, disk_size = disk_size,
       }
       local _close <close> = setmetatable({}, { __close = function()
         backend:close()

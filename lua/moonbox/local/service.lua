@@ -43,14 +43,16 @@ M.DEFAULTS = {
   capture_timeout = 60, -- seconds a capture may keep its sandbox frozen (docs/local.md, "Snapshots")
 }
 
--- Plans and what each limits: CPUs (a quota), memory (no swap beyond it), processes. Render's
--- older names are accepted as the sizes that replaced them.
+-- Plans and what each limits: CPUs (a quota), memory (no swap beyond it), processes, disk (the
+-- sandbox's writable layer: Render's 40 GB of writable storage per sandbox, every plan; `moonbox
+-- local --disk PLAN=SIZE` sets another, limits.disk). Render's older names are accepted as the
+-- sizes that replaced them.
 local GiB = 1024 * 1024 * 1024
 M.PLANS = {
-  ["1c-2g"] = { cpus = 1, memory = 2 * GiB, pids = 1024 },
-  ["2c-4g"] = { cpus = 2, memory = 4 * GiB, pids = 2048 },
-  ["4c-8g"] = { cpus = 4, memory = 8 * GiB, pids = 4096 },
-  ["8c-16g"] = { cpus = 8, memory = 16 * GiB, pids = 8192 },
+  ["1c-2g"] = { cpus = 1, memory = 2 * GiB, pids = 1024, disk = 40 * GiB },
+  ["2c-4g"] = { cpus = 2, memory = 4 * GiB, pids = 2048, disk = 40 * GiB },
+  ["4c-8g"] = { cpus = 4, memory = 8 * GiB, pids = 4096, disk = 40 * GiB },
+  ["8c-16g"] = { cpus = 8, memory = 16 * GiB, pids = 8192, disk = 40 * GiB },
 }
 -- Older names get the limits of the size that replaced them, and are answered as sent: an
 -- older SDK parses the plan into its own enum, which has no "2c-4g".
@@ -297,6 +299,19 @@ function M.plan(name)
   return p
 end
 
+--- svc:plan_limits(name) -> the limits a sandbox of plan name gets: the plan's, with the disk
+-- size limits.disk[PLAN] sets (`moonbox local --disk PLAN=SIZE`; an older name follows the size
+-- it maps to).
+function Service:plan_limits(name)
+  local p = M.PLANS[name]
+  local disk = self.limits.disk and self.limits.disk[M.PLAN_ALIASES[name] or name]
+  if not (p and disk) then return p end
+  local out = {}
+  for k, v in pairs(p) do out[k] = v end
+  out.disk = disk
+  return out
+end
+
 -- Boots a sandbox's namespaces and filesystem in its own task: creating → running or errored
 -- (its log stream says why, naming ids and layer names, never a host path).
 function Service:boot(rec, env)
@@ -307,7 +322,7 @@ function Service:boot(rec, env)
     local ok, err = pcall(self.engine.create, self.engine, rec.id, {
       lowers = rec._lowers or {}, network = rec.networkPolicy.default, env = env,
       allowed = rec.networkPolicy.allowedDomains,
-      dev_records = rec._dev, limits = M.PLANS[rec.plan],
+      dev_records = rec._dev, limits = self:plan_limits(rec.plan),
     })
     if ok then crash_point(self, "boot", rec.id) end
     if not ok then err = hide_paths(self, message_of(err)) end
@@ -1123,6 +1138,9 @@ local function file_error(err, what)
   if code == "archive_too_large" or code == "too_large" then fail("too_large", (msg:gsub("^sandbox %S+: ",
     ""))) end
   if code == "invalid_path" then fail("invalid", "path contains a NUL byte or a newline") end
+  if msg:find("Disk quota exceeded", 1, true) then
+    fail("insufficient_storage", "the sandbox's disk (its plan's disk size) is full; nothing was written")
+  end
   if msg:find("No space left on device", 1, true) then
     fail("insufficient_storage", "the backend's disk is full; nothing was written")
   end

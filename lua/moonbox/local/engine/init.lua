@@ -29,6 +29,7 @@ local core = require "moonbox.core"
 local host = require "moonbox.local.engine.host"
 local cgroup = require "moonbox.local.engine.cgroup"
 local Files = require "moonbox.local.engine.files"
+local Disk = require "moonbox.local.engine.disk"
 local sys = require "moonbox.sys"
 
 local M = {}
@@ -171,8 +172,10 @@ local function check_abs(what, path)
 end
 
 --- Engine.new{ state_dir = DIR, image = DIR | host_root = true, mask = {paths},
--- cgroup_root = DIR, slots_dir = DIR, dns = IPV4 } -> Engine. state_dir (absolute) holds
--- sandboxes/<id>/{upper,work,root}. image is the base root filesystem (0-based ids, e.g. from
+-- cgroup_root = DIR, slots_dir = DIR, dns = IPV4, disk = true | false, disk_size = bytes } ->
+-- Engine. state_dir (absolute) holds sandboxes/<id>/{upper,work,root}: on the sandbox disk
+-- (moonbox.local.engine.disk, mounted by prepare; disk_size its size when it is made) unless
+-- disk = false, and then on the state directory's filesystem, unbounded. image is the base root filesystem (0-based ids, e.g. from
 -- moonbox.local.image); host_root = true uses the host's / instead (discouraged: files appear
 -- owned by nobody inside, the state dir, /tmp, /var/tmp, /root, /home and mask are hidden).
 -- cgroup_root overrides the cgroup hierarchy; slots_dir the machine-wide id-range locks (tests);
@@ -207,6 +210,10 @@ function M.new(opts)
     cg_problem = cg_problem,
     slots_dir = opts.slots_dir or M.SLOTS_DIR,
     dns = opts.dns,
+    use_disk = opts.disk ~= false,
+    disk_size = opts.disk_size,
+    disk = nil,         -- the sandbox disk (moonbox.local.engine.disk), set by prepare
+    disk_problem = nil, -- why there is none
     sandboxes = {}, -- id -> sandbox record (see Engine:create)
     tools = nil,    -- absolute paths of host programs, set by prepare
   }, Engine)
@@ -299,6 +306,9 @@ function Engine:prepare()
   self.preparing = cond
   local ok, err = pcall(function()
     if not self.cg then fail("prepare", "unsupported", nil, self.cg_problem) end
+    if self.use_disk and not self.disk then
+      self.disk, self.disk_problem = Disk.open(self.state_dir, { size = self.disk_size })
+    end
     sys.mkdir_p(self.state_dir .. "/sandboxes", tonumber("700", 8))
     sys.mkdir_p(self.slots_dir, tonumber("700", 8))
     local helper, looked = find_helper()
@@ -371,6 +381,8 @@ function Engine:check()
       "plans cannot limit " .. table.concat(self.cg.missing, ", ") .. " here")
   end
   if #problems == 0 then
+    local pok = pcall(self.prepare, self)
+    if pok and self.disk_problem then problem(self.disk_problem) end
     local id = "check-" .. host.hash(tostring(task.now()) .. tostring({}))
     local ok, err = pcall(self.create, self, id, { network = "deny-all" })
     if not ok then
@@ -557,8 +569,12 @@ function Engine:start(sb, opts)
   end
   local dir = self:dir(id)
   local mok, merr = pcall(function()
-    for _, d in ipairs({ dir .. "/upper", dir .. "/work" }) do
-      sys.mkdir_p(d, tonumber("755", 8))
+    if self.disk then
+      self.disk:make(dir, opts.limits and opts.limits.disk)
+    else
+      for _, d in ipairs({ dir .. "/upper", dir .. "/work" }) do
+        sys.mkdir_p(d, tonumber("755", 8))
+      end
     end
     sys.mkdir_p(self:root_dir(id), tonumber("755", 8))
     self.cg:create(id, opts.limits)
@@ -924,6 +940,7 @@ function Engine:teardown(id, sb)
       if not core.Error.is(rerr) then error(rerr, 0) end
       fail("terminate", "command_failed", id, "sandbox " .. id .. ": " .. rerr.message)
     end
+    if self.disk then self.disk:freed() end
   end
 end
 
@@ -1127,7 +1144,10 @@ function Engine:recover()
   local prefix = self.state_dir .. "/"
   for line in info:gmatch("[^\n]+") do
     local mp = line:match("^%S+ %S+ %S+ %S+ (%S+)")
-    if mp and mp:sub(1, #prefix) == prefix and mp ~= self.base_root then pcall(host.umount, mp, true) end
+    if mp and mp:sub(1, #prefix) == prefix and mp ~= self.base_root and not (self.disk and mp ==
+      self.disk.mnt) then
+      pcall(host.umount, mp, true)
+    end
   end
   table.sort(report, function(a, b) return a.id < b.id end)
   return report
@@ -1138,6 +1158,10 @@ end
 function Engine:close()
   if next(self.sandboxes) then return false end
   if self.base_root and host.mounted(self.base_root) then pcall(host.umount, self.base_root, true) end
+  if self.disk then
+    self.disk:close()
+    self.disk = nil
+  end
   if self.cg then
     for _, dir in pairs(self.cg.dirs) do os.remove(dir) end
   end

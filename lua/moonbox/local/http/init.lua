@@ -49,11 +49,17 @@ function M.install(backend)
   end
   require("moonbox.local.http.sandboxes").install(api)
   require("moonbox.local.http.runs").install(api, data)
-  require("moonbox.local.http.files").install(api, data, backend.svc.limits.max_upload)
+  require("moonbox.local.http.files").install(api, data, backend.svc.limits.max_upload, backend.space_dir)
   require("moonbox.local.http.snapshots").install(api)
   require("moonbox.local.http.groups").install(api)
   require("moonbox.local.http.logs").install(api)
   require("moonbox.local.http.control").install(control)
+  -- Unauthenticated, for health checkers: free space only (no ids, no paths).
+  srv:route("GET", "/healthz", function(req, res)
+    local _ = req
+    local h = require("moonbox.local.http.control").healthz(backend)
+    return route.respond(res, h.ok and 200 or 503, h)
+  end)
   -- Last: what no /v1 route takes is still answered by the application (RateLimit-* included).
   srv:route("*", "/v1/*", route.wrap(backend, gated(route.unrouted(api_routes))), { auth = "key" })
 end
