@@ -436,7 +436,8 @@ serves that dir (docs/local.md: "Snapshots").]],
       local bytes = size and M.parse_size(size)
       local service = require "moonbox.local.service"
       if not (plan and service.PLANS[plan] and bytes and bytes > 0) then
-        return usage_error("local: --disk wants PLAN=SIZE (PLAN one of %s; SIZE such as 512M or 40G), got '%s'",
+        return usage_error(
+          "local: --disk wants PLAN=SIZE (PLAN one of %s; SIZE such as 512M or 40G), got '%s'",
           service.PLAN_NAMES, d)
       end
       disk = disk or {}

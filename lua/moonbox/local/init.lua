@@ -73,9 +73,10 @@ end
 -- as the base: discouraged), faults (spec), seed, api_key, workspace, concurrency_limit, log
 -- (function(line)), dns (the resolver allow-list sandboxes' gates ask; default slirp4netns's),
 -- engine (an Engine, for tests), public_url (the base of the connect URIs it hands out; default:
--- from each request's Host or a loopback proxy's X-Forwarded-*), on_image_build (function(line): progress of
--- a first image build), disk ({PLAN = bytes}: plans' disk sizes other than Render's), disk_size
--- (bytes: the sandbox disk's size when it is made; docs/local.md, "Disk"). Raises when the state dir, the port or the image cannot be set up.
+-- from each request's Host or a loopback proxy's X-Forwarded-*), on_image_build (function(line):
+-- progress of a first image build), disk ({PLAN = bytes}: plans' disk sizes other than Render's),
+-- disk_size (bytes: the sandbox disk's size when it is made; docs/local.md, "Disk"). Raises when
+-- the state dir, the port or the image cannot be set up.
 -- [yields]
 function M.start(opts)
   opts = opts or {}

@@ -121,7 +121,7 @@ end
 --- disk:make(dir, bytes). Creates the sandbox directory dir (on the disk) as a subvolume
 -- limited to bytes (nil or 0: the disk's free space alone), with upper/ and work/ in it.
 -- Raises sys's errors. Does not yield (three ioctls and two mkdirs, all metadata).
-function Disk:make(dir, bytes)
+function Disk:make(dir, bytes) -- luacheck: no unused args
   sys.btrfs_subvol_create(dir)
   local ok, err = pcall(function()
     if bytes and bytes > 0 then sys.btrfs_qgroup_limit(dir, bytes) end
@@ -141,7 +141,7 @@ function Disk:freed() pcall(sys.btrfs_start_sync, self.mnt) end
 
 --- disk:usage(dir) -> used, limit|nil: what sandbox directory dir holds and may hold (bytes,
 -- as of btrfs's last commit), or nil when it cannot be read.
-function Disk:usage(dir)
+function Disk:usage(dir) -- luacheck: no unused args
   local ok, used, limit = pcall(sys.btrfs_qgroup, dir)
   if not ok then return nil end
   return used, limit

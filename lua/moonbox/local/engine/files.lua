@@ -9,7 +9,8 @@
 -- Directory transfers cross as "records" (see runtime/archive_records.c): a client's tar is
 -- checked and turned into records here (moonbox.archive.to_records), the helper creates what
 -- they say; the helper packs a tree into records and moonbox.archive.from_records makes the
--- tar. Temporary files live in the sandbox disk's spool, else <state_dir>/tmp (0600), and are removed when the operation ends.
+-- tar. Temporary files live in the sandbox disk's spool, else <state_dir>/tmp (0600), and are
+-- removed when the operation ends.
 -- Paths are absolute (the service checks them as Render does); NULs and newlines are refused.
 -- Owned by an Engine (eng.files); only the engine and the service call it.
 local task = require "moonbox.task"
