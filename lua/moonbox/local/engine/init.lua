@@ -176,8 +176,9 @@ end
 -- Engine. state_dir (absolute) holds sandboxes/<id>/{upper,work,root}: on the sandbox disk
 -- (moonbox.local.engine.disk, mounted by prepare; disk_size its size when it is made) unless
 -- disk = false, and then on the state directory's filesystem, unbounded. image is the base root
--- filesystem (0-based ids, e.g. from moonbox.local.image); host_root = true uses the host's / instead (discouraged: files appear
--- owned by nobody inside, the state dir, /tmp, /var/tmp, /root, /home and mask are hidden).
+-- filesystem (0-based ids, e.g. from moonbox.local.image); host_root = true uses the host's /
+-- instead (discouraged: files appear owned by nobody inside, the state dir, /tmp, /var/tmp,
+-- /root, /home and mask are hidden).
 -- cgroup_root overrides the cgroup hierarchy; slots_dir the machine-wide id-range locks (tests);
 -- dns the resolver allow-list gates ask (default: slirp4netns's, which asks the host's).
 -- Keep the engine referenced while its sandboxes live. Does no I/O beyond looking for the
