@@ -110,13 +110,45 @@ static void finish(int sdir, int dfd, const char *name, const struct stat *st, c
     utimensat(dfd, name, ts, AT_SYMLINK_NOFOLLOW);
 }
 
-/* Copies one byte range with copy_file_range (in-kernel; reflinks where the filesystem can). */
+/* Copies one byte range with pread and pwrite, through a buffer: where copy_file_range cannot
+ * (the sandbox disk and the layers are different filesystems: EXDEV). */
+static void copy_range_rw(int sfd, int dfd, off_t off, off_t len, const char *rel)
+{
+    static char buf[1 << 16];
+    while (len > 0) {
+        ssize_t n = pread(sfd, buf, len < (off_t)sizeof buf ? (size_t)len : sizeof buf, off);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) die("capture: reading", rel, errno);
+        if (n == 0) break;
+        for (ssize_t done = 0; done < n;) {
+            ssize_t w = pwrite(dfd, buf + done, (size_t)(n - done), off + done);
+            if (w < 0 && errno == EINTR) continue;
+            if (w < 0) die("capture: writing", rel, errno);
+            done += w;
+        }
+        off += n;
+        len -= n;
+        g_bytes += (unsigned long long)n;
+    }
+}
+
+/* Copies one byte range with copy_file_range (in-kernel; reflinks where the filesystem can),
+ * else (another filesystem) through a buffer. */
 static void copy_range(int sfd, int dfd, off_t off, off_t len, const char *rel)
 {
+    static int no_cfr;
     loff_t in = off, out = off;
     while (len > 0) {
+        if (no_cfr) {
+            copy_range_rw(sfd, dfd, in, len, rel);
+            return;
+        }
         ssize_t n = copy_file_range(sfd, &in, dfd, &out, (size_t)len, 0);
         if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EXDEV || errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL)) {
+            no_cfr = 1;
+            continue;
+        }
         if (n < 0) die("capture: copying", rel, errno);
         if (n == 0) break; /* it shrank: the sandbox is frozen, so only by our own race */
         len -= n;

@@ -584,6 +584,7 @@ end
 --   is exclusive, so they belong to a dead process);
 -- - the directories and cgroups of every sandbox (none is live at this point), and the mounts
 --   a previous backend left under the state dir (moonbox.local.engine: recover, terminate);
+--   anything else under sandboxes/ but the sandbox disk's spool;
 -- - every file in <state>/layers that no snapshot kept (not deleted, not failed) needs: a layer
 --   snp-X, its /dev records snp-X.dev, its manifest snp-X.manifest, an unfinished snp-X.partial.
 -- Nothing runs yet, so the listings see no operation in flight. Raises (and the backend does
@@ -627,7 +628,7 @@ function Service:recover()
     if sandbox_id_ok(id) then
       local ok, err = pcall(self.engine.terminate, self.engine, id)
       if not ok then self.log("freeing what sandbox " .. id .. " left: " .. message_of(err)) end
-    else
+    elseif id ~= ".spool" then -- the sandbox disk's upload spool (emptied when the disk is prepared)
       remove(self, self.state_dir .. "/sandboxes/" .. id, "sandboxes/" .. id)
     end
   end
