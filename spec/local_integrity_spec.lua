@@ -68,8 +68,11 @@ local function delete(snap)
 end
 
 -- What a tree is, as seen from inside: every entry's type, mode, owner, size and name, sorted,
--- then every file's sha256; answered as "<entries> <sha256 of all of it>".
-local LISTING = "cd /root/t && { find . -printf '%y %m %U:%G %s %p\\n' | LC_ALL=C sort; " ..
+-- then every file's sha256; answered as "<entries> <sha256 of all of it>". A directory's size is
+-- left out: it is the filesystem's own figure (4096 on the layers' ext4, the names' length on
+-- the sandbox disk's btrfs), not something a capture keeps.
+local LISTING = "cd /root/t && { find . \\( -type d -printf '%y %m %U:%G - %p\\n' \\) -o " ..
+  "-printf '%y %m %U:%G %s %p\\n' | LC_ALL=C sort; " ..
   "find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum; } > /tmp/listing && " ..
   "echo $(find . | wc -l) $(sha256sum < /tmp/listing | cut -c1-64)"
 

@@ -168,7 +168,7 @@ describe("a SIGKILLed server", function()
           if now and now.start == p.start then pcall(sys.kill, pid, 9) end
         end
       end
-      proc.run { "rm", "-rf", "--one-file-system", b.state }
+      L.remove_tree(b.state)
     end
   end))
 

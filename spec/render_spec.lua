@@ -247,7 +247,7 @@ describe("a running moonbox local in the default state dir", function()
       ")\n", r.stderr)
     p:kill("TERM")
     p:wait()
-    proc.run { "rm", "-rf", "--one-file-system", home }
+    L.remove_tree(home)
   end))
 end)
 

@@ -144,10 +144,30 @@ function Backend:faults(spec)
   if status ~= 200 then error("PUT /_moonbox/faults answered " .. tostring(status) .. ": " .. json.encode(body), 2) end
 end
 
+--- M.remove_tree(dir): removes dir and everything in it, having first detached (lazily,
+-- deepest first) every mount under it: a state directory's sandbox disk is a loop-mounted
+-- filesystem at <dir>/sandboxes, and a backend that was SIGKILLed leaves it mounted (its loop
+-- device goes when the mount does). Never follows a mount. [yields]
+function M.remove_tree(dir)
+  if not dir or dir == "" or dir == "/" then return end
+  local f = io.open("/proc/self/mountinfo")
+  local info = f and f:read("a") or ""
+  if f then f:close() end
+  local under = {}
+  for line in info:gmatch("[^\n]+") do
+    local mp = line:match("^%S+ %S+ %S+ %S+ (%S+)")
+    mp = mp and mp:gsub("\\(%d%d%d)", function(o) return string.char(tonumber(o, 8)) end)
+    if mp and (mp == dir or mp:sub(1, #dir + 1) == dir .. "/") then under[#under + 1] = mp end
+  end
+  table.sort(under, function(a, b) return #a > #b end)
+  for _, mp in ipairs(under) do proc.run { "umount", "-l", mp } end
+  proc.run { "rm", "-rf", "--one-file-system", dir }
+end
+
 --- backend:destroy(): stop and remove the state directory. [yields]
 function Backend:destroy()
   self:stop()
-  proc.run { "rm", "-rf", "--one-file-system", self.state }
+  M.remove_tree(self.state)
 end
 
 local encode_query = require("moonbox.render.api").encode_query
