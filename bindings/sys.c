@@ -327,7 +327,8 @@ static int l_file_blocks(lua_State *L)
 {
     const char *path = luaL_checkstring(L, 1);
     struct stat st;
-    if (stat(path, &st) != 0) return raise_errno(L, "sys.file_blocks", errno, path, "cannot stat %s", path);
+    if (stat(path, &st) != 0)
+        return raise_errno(L, "sys.file_blocks", errno, path, "cannot stat %s", path);
     lua_pushinteger(L, (lua_Integer)st.st_blocks * 512);
     lua_pushinteger(L, (lua_Integer)st.st_size);
     return 2;
@@ -354,13 +355,15 @@ static int l_btrfs_subvol_create(lua_State *L)
     struct btrfs_ioctl_vol_args args;
     memset(&args, 0, sizeof args);
     if (strlen(slash + 1) >= sizeof args.name)
-        return raise_errno(L, "sys.btrfs_subvol_create", ENAMETOOLONG, path, "cannot create %s", path);
+        return raise_errno(L, "sys.btrfs_subvol_create", ENAMETOOLONG, path, "cannot create %s",
+                           path);
     strcpy(args.name, slash + 1);
     char parent[PATH_MAX];
     size_t plen = (size_t)(slash - path);
     if (plen == 0) plen = 1;
     if (plen >= sizeof parent)
-        return raise_errno(L, "sys.btrfs_subvol_create", ENAMETOOLONG, path, "cannot create %s", path);
+        return raise_errno(L, "sys.btrfs_subvol_create", ENAMETOOLONG, path, "cannot create %s",
+                           path);
     memcpy(parent, path, plen);
     parent[plen] = '\0';
     int fd = open_dir(L, "sys.btrfs_subvol_create", parent);
@@ -396,7 +399,8 @@ static int l_btrfs_quota_enable(lua_State *L)
     int e = errno;
     close(fd);
     if (rc != 0)
-        return raise_errno(L, "sys.btrfs_quota_enable", e, path, "cannot enable quotas on %s", path);
+        return raise_errno(L, "sys.btrfs_quota_enable", e, path, "cannot enable quotas on %s",
+                           path);
     lua_pushstring(L, kind);
     return 1;
 }
@@ -420,7 +424,8 @@ static int l_btrfs_qgroup_limit(lua_State *L)
     int e = errno;
     close(fd);
     if (rc != 0)
-        return raise_errno(L, "sys.btrfs_qgroup_limit", e, path, "cannot set the quota of %s", path);
+        return raise_errno(L, "sys.btrfs_qgroup_limit", e, path, "cannot set the quota of %s",
+                           path);
     lua_pushboolean(L, 1);
     return 1;
 }
@@ -624,15 +629,23 @@ static const luaL_Reg lock_methods[] = {
 };
 
 static const luaL_Reg sys_functions[] = {
-    {"mkdir_p", l_mkdir_p},   {"mount_overlay", l_mount_overlay},
-    {"kill", l_kill},         {"listdir", l_listdir},
-    {"getcwd", l_getcwd},     {"setenv", l_setenv},
-    {"umount", l_umount},     {"remove_tree", l_remove_tree},
-    {"try_lock", l_try_lock}, {"statvfs", l_statvfs},
-    {"file_blocks", l_file_blocks}, {"btrfs_subvol_create", l_btrfs_subvol_create},
-    {"btrfs_quota_enable", l_btrfs_quota_enable}, {"btrfs_qgroup_limit", l_btrfs_qgroup_limit},
+    {"mkdir_p", l_mkdir_p},
+    {"mount_overlay", l_mount_overlay},
+    {"kill", l_kill},
+    {"listdir", l_listdir},
+    {"getcwd", l_getcwd},
+    {"setenv", l_setenv},
+    {"umount", l_umount},
+    {"remove_tree", l_remove_tree},
+    {"try_lock", l_try_lock},
+    {"statvfs", l_statvfs},
+    {"file_blocks", l_file_blocks},
+    {"btrfs_subvol_create", l_btrfs_subvol_create},
+    {"btrfs_quota_enable", l_btrfs_quota_enable},
+    {"btrfs_qgroup_limit", l_btrfs_qgroup_limit},
     {"btrfs_qgroup", l_btrfs_qgroup},
-    {"room", l_room}, {"btrfs_start_sync", l_btrfs_start_sync},
+    {"room", l_room},
+    {"btrfs_start_sync", l_btrfs_start_sync},
     {NULL, NULL},
 };
 

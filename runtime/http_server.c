@@ -1089,8 +1089,9 @@ static enum MHD_Result hs_complete(hs_server *s, hs_request *r, struct MHD_Conne
         return hs_answer_now(r, MHD_HTTP_CONTENT_TOO_LARGE, msg, NULL, NULL);
     }
     if (r->store_errno == ENOSPC || r->store_errno == EDQUOT) {
-        snprintf(msg, sizeof msg, "the backend's disk is full: the request body could not be "
-                                  "stored; nothing was written");
+        snprintf(msg, sizeof msg,
+                 "the backend's disk is full: the request body could not be "
+                 "stored; nothing was written");
         return hs_answer_now(r, 507, msg, NULL, NULL);
     }
     if (r->store_errno) {

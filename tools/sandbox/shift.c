@@ -145,7 +145,8 @@ static void copy_range(int sfd, int dfd, off_t off, off_t len, const char *rel)
         }
         ssize_t n = copy_file_range(sfd, &in, dfd, &out, (size_t)len, 0);
         if (n < 0 && errno == EINTR) continue;
-        if (n < 0 && (errno == EXDEV || errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL)) {
+        if (n < 0 &&
+            (errno == EXDEV || errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL)) {
             no_cfr = 1;
             continue;
         }
