@@ -70,10 +70,10 @@ function M.open(state_dir, opts)
   local self = setmetatable({ state_dir = state_dir, image = state_dir .. "/sandbox-disk.img",
     mnt = state_dir .. "/sandboxes" }, Disk)
   self.spool = self.mnt .. "/.spool"
-  local made, merr = pcall(sys.mkdir_p, self.mnt, tonumber("700", 8)) -- the state dir with it
+  local made, mkerr = pcall(sys.mkdir_p, self.mnt, tonumber("700", 8)) -- the state dir with it
   if not made then
     return nil, "no sandbox disk: cannot make " .. self.mnt .. ": " ..
-      tostring(type(merr) == "table" and merr.message or merr)
+      tostring(type(mkerr) == "table" and mkerr.message or mkerr)
   end
   local sv = sys.statvfs(state_dir)
   self.reserve = M.reserve_for(sv.size)
