@@ -146,7 +146,7 @@ static void pinned_format(void)
     unsigned char content[SHA256_BYTES], want_meta[SHA256_BYTES], want_tree[SHA256_BYTES];
     sha256_ctx c;
     sha256_init(&c);
-    sha256_update(&c, "hi\n", 3);
+    sha256_update(&c, "D\0\0\0\3hi\n", 8); /* a piece that is not all zeros: "D", length, bytes */
     sha256_final(&c, content);
     field(&tree, content, SHA256_BYTES);
     sha256_final(&meta, want_meta);
@@ -208,11 +208,51 @@ static void what_moves(void)
     rm_root();
 }
 
+/* Makes root/a: a file of zeros of size bytes then "x", the zeros a hole (sparse) or written. */
+static void mk_zeros(off_t size, int sparse)
+{
+    char p[256];
+    snprintf(p, sizeof p, "%s/a", root);
+    int fd = open(p, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0);
+    if (fd < 0) return;
+    if (sparse) {
+        CHECK(ftruncate(fd, size) == 0);
+    } else {
+        static char zero[1 << 16];
+        for (off_t done = 0; done < size; done += (off_t)sizeof zero)
+            CHECK((ssize_t)sizeof zero == write(fd, zero, sizeof zero));
+    }
+    CHECK(pwrite(fd, "x", 1, size) == 1);
+    close(fd);
+}
+
+/* The content digest is the bytes', not the holes': a hole and written zeros digest the same, and
+ * a 64 GiB hole is not read (this test would take minutes if it were). */
+static void holes_and_zeros(void)
+{
+    struct manifest sparse, dense, huge, other;
+    new_root();
+    mk_zeros(8 << 20, 1);
+    CHECK_INT(0, compute(1, &sparse));
+    mk_zeros(8 << 20, 0);
+    CHECK_INT(0, compute(1, &dense));
+    CHECK(memcmp(sparse.tree, dense.tree, SHA256_BYTES) == 0);
+    mk_zeros((off_t)64 << 30, 1);
+    CHECK_INT(0, compute(1, &huge));
+    CHECK(memcmp(huge.tree, sparse.tree, SHA256_BYTES) != 0);
+    mk_zeros((8 << 20) + 1, 1); /* one zero more: another tree */
+    CHECK_INT(0, compute(1, &other));
+    CHECK(memcmp(other.tree, sparse.tree, SHA256_BYTES) != 0);
+    rm_root();
+}
+
 int main(void)
 {
     RUN(text_form);
     RUN(pinned_format);
     RUN(order_and_links);
     RUN(what_moves);
+    RUN(holes_and_zeros);
     return check_summary();
 }

@@ -95,8 +95,31 @@ static int xattrs(struct walk *w, int dirfd, const char *name, const char *rel)
     return 0;
 }
 
-/* The sha256 of the contents of name (a regular file) in the directory open on dirfd. */
-static int contents(struct walk *w, int dirfd, const char *name, const char *rel,
+/* Chunks of the content digest: a file is read as CHUNK-byte pieces at fixed offsets. */
+enum { CHUNK = 1 << 16 };
+
+/* Adds a run of zero bytes to the content digest: "Z" and its length (8 bytes). */
+static void zero_run(sha256_ctx *c, unsigned long long n)
+{
+    unsigned char r[9] = {'Z'};
+    for (int i = 0; i < 8; i++)
+        r[1 + i] = (unsigned char)(n >> (56 - 8 * i));
+    sha256_update(c, r, sizeof r);
+}
+
+static int all_zero(const unsigned char *p, size_t n)
+{
+    return n == 0 || (p[0] == 0 && memcmp(p, p + 1, n - 1) == 0);
+}
+
+/* The content digest of name (a regular file of size bytes) in the directory open on dirfd: the
+ * sha256 of its contents read as CHUNK-byte pieces at fixed offsets, where each maximal run of
+ * pieces that hold only zeros counts as "Z" and the run's length, and every other piece as "D",
+ * its length (4 bytes) and its bytes. It is a function of the bytes alone, not of where the
+ * filesystem keeps holes (a copy that keeps a hole as data, or the other way round, digests the
+ * same), and a hole is skipped without being read: SEEK_DATA finds where data starts, so a
+ * sparse 4 GiB file costs its data, not 4 GiB of zeros through sha256. */
+static int contents(struct walk *w, int dirfd, const char *name, const char *rel, off_t size,
                     unsigned char d[SHA256_BYTES])
 {
     int fd = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOATIME);
@@ -105,17 +128,52 @@ static int contents(struct walk *w, int dirfd, const char *name, const char *rel
     if (fd < 0) return fail(w, "opening", rel, errno);
     sha256_ctx c;
     sha256_init(&c);
-    for (;;) {
-        ssize_t n = read(fd, w->buf, BUF_LEN);
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) {
-            int err = errno;
-            close(fd);
-            return fail(w, "reading", rel, err);
+    unsigned long long zeros = 0;
+    off_t off = 0;
+    int seekable = 1;
+    while (off < size) {
+        off_t len = size - off < CHUNK ? size - off : CHUNK;
+        if (seekable) {
+            off_t data = lseek(fd, off, SEEK_DATA);
+            if (data < 0 && errno == ENXIO)
+                data = size; /* only a hole is left */
+            else if (data < 0)
+                seekable = 0, data = off; /* no SEEK_DATA here: read it all */
+            if (data >= off + len) {      /* whole pieces in a hole */
+                off_t skip = (data < size ? data - off : size - off) / CHUNK * CHUNK;
+                if (skip == 0) skip = len; /* the last, short piece */
+                zeros += (unsigned long long)skip;
+                off += skip;
+                continue;
+            }
         }
-        if (n == 0) break;
-        sha256_update(&c, w->buf, (size_t)n);
+        off_t got = 0;
+        while (got < len) {
+            ssize_t n = pread(fd, w->buf + got, (size_t)(len - got), off + got);
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0) {
+                int err = errno;
+                close(fd);
+                return fail(w, "reading", rel, err);
+            }
+            if (n == 0) break; /* it shrank: the digest says what was read */
+            got += n;
+        }
+        if (got == 0) break;
+        if (all_zero(w->buf, (size_t)got)) {
+            zeros += (unsigned long long)got;
+        } else {
+            if (zeros) zero_run(&c, zeros);
+            zeros = 0;
+            unsigned char l[5] = {'D', (unsigned char)(got >> 24), (unsigned char)(got >> 16),
+                                  (unsigned char)(got >> 8), (unsigned char)got};
+            sha256_update(&c, l, sizeof l);
+            sha256_update(&c, w->buf, (size_t)got);
+        }
+        if (got < len) break;
+        off += len;
     }
+    if (zeros) zero_run(&c, zeros);
     close(fd);
     sha256_final(&c, d);
     return 0;
@@ -175,7 +233,7 @@ static int entry(struct walk *w, int dirfd, const char *name, const char *rel, i
         if (seen && w->contents) memcpy(d, v, SHA256_BYTES);
         if (!seen) {
             w->out->bytes += (unsigned long long)st.st_size;
-            if (w->contents && contents(w, dirfd, name, rel, d) < 0) return -1;
+            if (w->contents && contents(w, dirfd, name, rel, st.st_size, d) < 0) return -1;
             if (st.st_nlink > 1 &&
                 linkmap_put(&w->links, st.st_dev, st.st_ino, d, w->contents ? SHA256_BYTES : 0) < 0)
                 return fail(w, "the link table, at", rel, errno);
