@@ -22,7 +22,7 @@ local MEMORY_MAX_KIB = 64 * 1024 -- the issue's bound on what a capture may grow
 local LOG = os.tmpname()
 
 local B
--- A capture of 400,000 entries takes a minute or more on a loaded 2-core CI machine: the freeze
+-- A capture of 200,000 names takes a minute or more on a loaded 2-core CI machine: the freeze
 -- bound is raised here so that this spec measures memory, not speed.
 setup(T.async(function() B = L.start { stderr = { file = LOG }, env = { MOONBOX_LOCAL_CAPTURE_TIMEOUT = "600" } } end))
 teardown(T.async(function()
