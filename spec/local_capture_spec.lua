@@ -13,7 +13,6 @@
 local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local json = require "moonbox.json"
-local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
 local L = require "spec.support.local_backend"
 local files = require "spec.support.files"
@@ -103,7 +102,8 @@ EOF]])
     assert(snap.status == "available", "the capture of " .. snap.id .. ": " .. tostring(snap.error))
     local peak
     for _ = 1, 50 do
-      peak = files.read(LOG):match("snapshot " .. snap.id .. " of %S+ captured: [^\n]*peaked at (%d+) KiB")
+      peak = (files.read(LOG) or ""):match("snapshot " .. snap.id:gsub("%p", "%%%0") ..
+        " of %S+ captured: [^\n]*peaked at (%d+) KiB")
       if peak then break end
       task.sleep(0.1)
     end
