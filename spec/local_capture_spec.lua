@@ -9,6 +9,10 @@
 -- - a capture that outlasts limits.capture_timeout (MOONBOX_LOCAL_CAPTURE_TIMEOUT) is cut: the
 --   snapshot is failed saying so, the sandbox is thawed and keeps running, nothing is left in
 --   layers/.
+-- On older trees: the helper that kept a strdup'd path per linked inode (before d5deb15) peaked
+-- at 154 MiB on this tree (17 MiB now); the one that set xattrs before the chown dropped the
+-- capabilities; a file name longer than ~45 bytes failed every capture (the xattr path buffer);
+-- and nothing set the freeze bound from outside, so the cut capture came back available.
 -- Needs root; CI has it.
 local T = require "moonbox.testing"
 local task = require "moonbox.task"

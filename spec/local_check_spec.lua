@@ -5,7 +5,7 @@
 -- truncated and another's byte flipped on disk are each reported MISMATCH by snapshot id; the
 -- check refuses while a backend serves the directory; and a restarted backend refuses to
 -- restore the truncated snapshot (409, the snapshot then failed) while the untouched one
--- restores. Needs root; CI has it.
+-- restores. Before 9a3c1fa there was no --check. Needs root; CI has it.
 local T = require "moonbox.testing"
 local task = require "moonbox.task"
 local json = require "moonbox.json"
