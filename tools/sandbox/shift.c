@@ -67,8 +67,9 @@ static unsigned shift_id(unsigned id)
 /* Copies extended attributes, shifting a v3 file capability's root id. */
 static void copy_xattrs(int sfd, const char *sname, int dfd, const char *dname, const char *rel)
 {
-    char names[65536], proc_s[64];
-    /* An O_PATH-free way to read xattrs of a symlink: via its directory and name. */
+    /* An O_PATH-free way to read xattrs of a symlink: via its directory and name (a name may be
+     * NAME_MAX bytes long: each path has room for it). */
+    char names[65536], proc_s[64 + 4096];
     snprintf(proc_s, sizeof proc_s, "/proc/self/fd/%d/%s", sfd, sname);
     char dpath[64 + 4096];
     snprintf(dpath, sizeof dpath, "/proc/self/fd/%d/%s", dfd, dname);

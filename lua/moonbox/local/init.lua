@@ -169,8 +169,10 @@ function M.start(opts)
     log = self.log, faults = self.faults,
     limits = { concurrency_limit = opts.concurrency_limit,
       token_ttl = tonumber(os.getenv("MOONBOX_LOCAL_TOKEN_TTL") or ""),
-      idle_scale = tonumber(os.getenv("MOONBOX_LOCAL_IDLE_SCALE") or ""), disk = opts.disk },
-        -- test only: tokens that expire fast, idle timeouts scaled down (0.005: 300 s → 1.5 s)
+      idle_scale = tonumber(os.getenv("MOONBOX_LOCAL_IDLE_SCALE") or ""), disk = opts.disk,
+      capture_timeout = tonumber(os.getenv("MOONBOX_LOCAL_CAPTURE_TIMEOUT") or "") },
+        -- test only: tokens that expire fast, idle timeouts scaled down (0.005: 300 s → 1.5 s);
+        -- the bound on a capture's freeze (seconds, default 60; docs/local.md, "Snapshots")
     on_token = function(op, token, info, ttl)
       if srv.closed then return end
       if op == "put" then srv:token_put(token, info.sandbox, info.op, ttl) else srv:token_drop(token) end

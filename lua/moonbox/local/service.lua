@@ -1267,6 +1267,11 @@ function Service:create_snapshot(rec, p)
       snap._dev_records = result.dev_records
       snap._manifest = result.manifest and { files = result.manifest.files, bytes = result.manifest.bytes,
         tree = result.manifest.tree } or nil
+      if result.manifest then
+        self.log(string.format("snapshot %s of %s captured: %d files, %d bytes; the capture helper peaked " ..
+          "at %s KiB", snap.id, rec.id, result.manifest.files, result.manifest.bytes,
+          tostring(result.helper_kib or "?")))
+      end
       if p.kind == "runtime" then
         snap.note = "moonbox local keeps the filesystem and /dev of a runtime snapshot; " ..
           "processes and memory are not restored"

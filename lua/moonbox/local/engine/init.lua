@@ -981,7 +981,8 @@ M.CAPTURE_TIMEOUT = 60
 -- included) as records in <layer_dir>.dev, beside the layer. Processes, memory and open
 -- connections are not saved by either kind. opts.timeout (seconds, default M.CAPTURE_TIMEOUT)
 -- bounds the freeze: a capture still copying then is stopped (its helpers killed), the sandbox
--- thawed, and capture_timeout raised. manifest is what the helper printed. layers is the lower
+-- thawed, and capture_timeout raised. manifest is what the helper printed; helper_kib the copying
+-- helper's peak resident memory (KiB, its getrusage ru_maxrss; nil if it did not say). layers is the lower
 -- stack a restore passes as create's lowers: { layer_dir, <this sandbox's lowers>... }. On
 -- failure nothing of the layer is left (layer, .partial, .dev, .manifest). Raises (op
 -- "local.engine.capture") not_found, not_running, exists, busy, capture_failed,
@@ -1020,6 +1021,7 @@ function Engine:capture(id, layer_dir, opts)
       end
       out.manifest = { files = tonumber(files), bytes = tonumber(bytes), tree = tree }
       out.size = tonumber(bytes)
+      out.helper_kib = tonumber(r.stderr:match("maxrss=(%d+)"))
     end }
     if dev then
       jobs[2] = function()
@@ -1049,7 +1051,7 @@ function Engine:capture(id, layer_dir, opts)
   local layers = { layer_dir }
   for _, l in ipairs(sb.lowers) do layers[#layers + 1] = l end
   return { size = result.size + result.dev_size, dev_records = dev, dev_size = result.dev_size,
-    manifest = result.manifest, layers = layers, kind = kind }
+    manifest = result.manifest, layers = layers, kind = kind, helper_kib = result.helper_kib }
 end
 
 --- engine.verify_layer(layer[, opts]) -> {files, bytes} | nil, why, code. Checks a snapshot layer
