@@ -27,6 +27,7 @@
 local core = require "moonbox.core"
 local task = require "moonbox.task"
 local proc = require "moonbox.proc"
+local sys = require "moonbox.sys"
 local http = require "moonbox.http"
 local json = require "moonbox.json"
 local L = require "spec.support.local_backend"
@@ -262,6 +263,11 @@ function H:close(keep)
     pcall(self.p.kill, self.p, "TERM")
     pcall(self.p.wait, self.p)
     if self.lines_task then pcall(task.join, self.lines_task) end
+  end
+  -- The sandbox disk (a loop device) goes with the server's SIGTERM; a server that could not
+  -- unmount it must not leave it, nor the loop device, behind whatever the outcome.
+  if self.state and proc.run({ "mountpoint", "-q", self.state .. "/sandboxes" }).code == 0 then
+    proc.run { "umount", "-l", self.state .. "/sandboxes" }
   end
   if not keep and self.state then
     proc.run { "rm", "-rf", "--one-file-system", self.state }
@@ -698,33 +704,69 @@ end
 
 -- ---- invariants -----------------------------------------------------------------------------
 
-local HOST_SH = [[
-state=$1 tag=$2
-echo "== sandboxes"; ls -1A "$state/sandboxes" 2>/dev/null
-echo "== layers"; ls -1A "$state/layers" 2>/dev/null
-echo "== tmp"; ls -1A "$state/tmp" 2>/dev/null
-echo "== cgroups"; for d in /sys/fs/cgroup/*/moonbox/"$tag" /sys/fs/cgroup/moonbox/"$tag"; do
-  [ -d "$d" ] && for s in "$d"/*/; do [ -d "$s" ] && basename "$s"; done; done
-echo "== keepers"; grep -alF -- "$state/sandboxes/" /proc/[0-9]*/cmdline 2>/dev/null | while read -r f; do
-  tr '\0' '\n' < "$f" 2>/dev/null | grep -a -- "^--id=sbx-" | head -1 | cut -c6-; done
-echo "== mounts"; grep -oE "($state/sandboxes|/run/moonbox/roots/$tag-)[^ ]*" /proc/self/mountinfo
-echo "== end"
-true
-]]
+local function listdir(path)
+  local ok, names = pcall(sys.listdir, path)
+  if not ok then return {} end
+  table.sort(names)
+  return names
+end
 
--- The host's view now: { sandboxes = set, layers = list, tmp = list, cgroups = set, keepers =
--- set, mounts = {id = mount point} }. [yields]
+local function slurp(path)
+  local f = io.open(path, "rb")
+  if not f then return nil end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+-- The host's view now, read from the state dir, /proc, the cgroup hierarchies and the mount
+-- table: { sandboxes = set of sandbox directories (sbx-...) in sandboxes/ (the sandbox disk's
+-- mount: each a btrfs subvolume), strays = list of anything else in sandboxes/ but the disk's
+-- spool, spool = list (sandboxes/.spool), layers = list, tmp = list, cgroups = set of ids with a
+-- cgroup under the state dir's tag, keepers = set of ids a moonbox-sandbox process of this state
+-- dir serves, helpers = list of such processes that name no sandbox, roots = set of ids with a
+-- root mount point in /run/moonbox/roots, mounts = {id = mount point} and mounts_other = list:
+-- mounts under the state dir (the sandbox disk itself aside) or the roots directory }.
 function H:host_view()
-  local r = proc.run { "sh", "-c", HOST_SH, "sh", self.state, self.tag }
-  local view, section = { sandboxes = {}, layers = {}, tmp = {}, cgroups = {}, keepers = {}, mounts = {} }, nil
-  for line in r.stdout:gmatch("[^\n]+") do
-    local s = line:match("^== (%a+)$")
-    if s then section = s
-    elseif section == "layers" or section == "tmp" then table.insert(view[section], line)
-    elseif section == "mounts" then
-      local id = line:match("(sbx%-[%w]+)")
-      if id then view.mounts[id] = line end
-    elseif section and view[section] then view[section][line] = true end
+  local state, tag = self.state, self.tag
+  local view = { sandboxes = {}, strays = {}, spool = {}, layers = listdir(state .. "/layers"),
+    tmp = listdir(state .. "/tmp"), cgroups = {}, keepers = {}, helpers = {}, roots = {}, mounts = {},
+    mounts_other = {} }
+  for _, name in ipairs(listdir(state .. "/sandboxes")) do
+    if name:match("^sbx%-") then view.sandboxes[name] = true
+    elseif name ~= ".spool" then view.strays[#view.strays + 1] = name end
+  end
+  view.spool = listdir(state .. "/sandboxes/.spool")
+  local cg_dirs = { "/sys/fs/cgroup/moonbox/" .. tag }
+  for _, c in ipairs(listdir("/sys/fs/cgroup")) do cg_dirs[#cg_dirs + 1] = "/sys/fs/cgroup/" .. c .. "/moonbox/" .. tag end
+  for _, d in ipairs(cg_dirs) do
+    for _, name in ipairs(listdir(d)) do
+      if name:match("^sbx%-") then view.cgroups[name] = true end
+    end
+  end
+  local me = tostring(self.p and self.p.pid or -1)
+  for _, pid in ipairs(listdir("/proc")) do
+    if pid:match("^%d+$") and pid ~= me then
+      local cmd = slurp("/proc/" .. pid .. "/cmdline")
+      if cmd and cmd:find(state .. "/", 1, true) and cmd:find("moonbox-sandbox", 1, true) then
+        local id = cmd:match("%z%-%-id=(sbx%-[%w]+)")
+        if id then view.keepers[id] = true
+        else view.helpers[#view.helpers + 1] = pid .. " " .. cmd:gsub("%z", " "):sub(1, 200) end
+      end
+    end
+  end
+  for _, name in ipairs(listdir("/run/moonbox/roots")) do
+    local id = name:sub(#tag + 2)
+    if name:sub(1, #tag + 1) == tag .. "-" then view.roots[id] = true end
+  end
+  local disk = state .. "/sandboxes"
+  for line in (slurp("/proc/self/mountinfo") or ""):gmatch("[^\n]+") do
+    local mp = line:match("^%S+ %S+ %S+ %S+ (%S+)")
+    if mp and mp ~= disk and (mp:sub(1, #state + 1) == state .. "/" or mp:find("/run/moonbox/roots/" .. tag .. "-", 1,
+      true) == 1) then
+      local id = mp:match("(sbx%-[%w]+)")
+      if id then view.mounts[id] = mp else view.mounts_other[#view.mounts_other + 1] = mp end
+    end
   end
   return view
 end
@@ -744,18 +786,38 @@ function H:check(when)
   local view = self:host_view()
   local cache = {}
   -- 1. Host objects of a sandbox exist only while its record is live.
-  local kinds = { { "sandboxes", "a directory in sandboxes/" }, { "cgroups", "a cgroup" },
-    { "keepers", "a keeper process" }, { "mounts", "a mount" } }
+  local kinds = { { "sandboxes", "a subvolume in sandboxes/" }, { "cgroups", "a cgroup" },
+    { "keepers", "a keeper process" }, { "mounts", "a mount" }, { "roots", "a root mount point" } }
   for _, k in ipairs(kinds) do
-    for id in pairs(view[k[1]]) do
-      if id:match("^sbx%-") then
-        local st = self:live_record(id, cache)
-        if st ~= "live" then
-          self:violation("terminated-clean", string.format("%s: sandbox %s is %s but has %s (%s)", when, id, st, k[2],
-            k[1] == "mounts" and view.mounts[id] or id))
-        end
+    for _, id in ipairs(sorted_keys(view[k[1]])) do
+      local st = self:live_record(id, cache)
+      if st ~= "live" then
+        self:violation("terminated-clean", string.format("%s: sandbox %s is %s but has %s (%s)", when, id, st, k[2],
+          k[1] == "mounts" and view.mounts[id] or id), id .. " " .. k[1])
       end
     end
+  end
+  -- 1b. Nothing else: no stray entry in sandboxes/, no helper process of this state dir that
+  -- serves no sandbox, no mount under the state dir but the sandbox disk, and nothing spooled
+  -- once every request has its answer (the server removes a spool as the request ends: a
+  -- moment's grace).
+  local function leftovers(v)
+    local out = {}
+    for _, n in ipairs(v.strays) do out[#out + 1] = "sandboxes/" .. n end
+    for _, n in ipairs(v.spool) do out[#out + 1] = "sandboxes/.spool/" .. n end
+    for _, n in ipairs(v.tmp) do out[#out + 1] = "tmp/" .. n end
+    for _, n in ipairs(v.mounts_other) do out[#out + 1] = "a mount at " .. n end
+    for _, n in ipairs(v.helpers) do out[#out + 1] = "process " .. n end
+    return out
+  end
+  local left = leftovers(view)
+  local deadline = core.now() + 3
+  while #left > 0 and core.now() < deadline do
+    task.sleep(0.1)
+    left = leftovers(self:host_view())
+  end
+  if #left > 0 then
+    self:violation("leftover", when .. ": " .. table.concat(left, ", "), table.concat(left, ","))
   end
   -- 2. Records match the model: what the model knows as running is, and has its directory;
   -- what it knows as terminated is terminated.
@@ -818,6 +880,20 @@ function H:check_layers(when, view)
         if s.status == "available" then
           for _, x in ipairs(s.layers) do if x == l then s.status = "lost" end end
         end
+      end
+    end
+  end
+  -- Each available snapshot's own layer has the manifest its capture wrote, a runtime one its
+  -- /dev records.
+  for _, id in ipairs(self.order.snapshots) do
+    local s = self.snapshots[id]
+    if s.status == "available" and present[id] then
+      if not present[id .. ".manifest"] then
+        self:violation("layers-present", when .. ": available snapshot " .. id .. " has no manifest", id .. ".manifest")
+      end
+      if s.kind == "runtime" and not present[id .. ".dev"] then
+        self:violation("layers-present", when .. ": available runtime snapshot " .. id .. " has no /dev records",
+          id .. ".dev")
       end
     end
   end
@@ -909,10 +985,15 @@ function H:restart(kill)
       end
     end
   end
-  local tmp = self:host_view().tmp
-  if #tmp > 0 then
-    self:violation("spool-survives", string.format("after restart %d, %s/tmp holds %s", self.epoch, "<state>",
-      table.concat(tmp, ", ")))
+  -- Nothing spooled survives the restart: tmp/ and the sandbox disk's spool are empty once the
+  -- server answers (what the create sent at port open spools is none: a JSON body).
+  local v = self:host_view()
+  local spooled = {}
+  for _, n in ipairs(v.tmp) do spooled[#spooled + 1] = "tmp/" .. n end
+  for _, n in ipairs(v.spool) do spooled[#spooled + 1] = "sandboxes/.spool/" .. n end
+  if #spooled > 0 then
+    self:violation("spool-survives", string.format("after restart %d, <state> holds %s", self.epoch,
+      table.concat(spooled, ", ")))
   end
   if create_task then task.join(create_task) end
   -- Resolve what the kill left unknown, by looking.
@@ -977,6 +1058,34 @@ function H:restart(kill)
     end
   end
   self:check("after restart " .. self.epoch)
+end
+
+-- The last invariant: with the server stopped (SIGTERM), `moonbox local --check` reads every
+-- layer of every available snapshot in full and finds each as its manifest says. [yields]
+function H:fsck()
+  self.p:kill("TERM")
+  self.p:wait()
+  pcall(task.join, self.lines_task)
+  local r = proc.run { L.BIN, "local", "--check", "--state", self.state }
+  local out = (r.stdout .. r.stderr):gsub("%s+$", "")
+  local last = out:match("([^\n]*)$")
+  self.counts.fsck = tonumber(last:match("^(%d+) snapshots? checked")) or 0
+  self:log("moonbox local --check: " .. last)
+  if r.code ~= 0 then
+    local bad = {}
+    for line in out:gmatch("[^\n]+") do
+      if not line:match(" ok: ") then bad[#bad + 1] = line end
+    end
+    return self:violation("fsck", "moonbox local --check exited " .. tostring(r.code) .. ": " .. table.concat(bad, "; "))
+  end
+  local want = 0
+  for _, s in pairs(self.snapshots) do
+    if s.status == "available" or s.status == "lost" then want = want + 1 end
+  end
+  if self.counts.fsck ~= want then
+    self:violation("fsck", string.format("moonbox local --check found %d available snapshots, the harness %d",
+      self.counts.fsck, want))
+  end
 end
 
 -- ---- the run --------------------------------------------------------------------------------
@@ -1082,11 +1191,12 @@ function H:run()
     end
   end
   self:check("at the end")
+  self:fsck()
   local n = 0
   for _, k in ipairs(M.KINDS) do n = n + self.by_kind[k] end
   return { seed = self.seed, ops = n, by_kind = self.by_kind, kills = self.counts.kills,
     restarts = self.counts.restarts, violations = self.violations, wall = core.now() - self.t0,
-    verified = self.counts.verified, checks = self.counts.checks, rounds = #rounds }
+    verified = self.counts.verified, checks = self.counts.checks, rounds = #rounds, fsck = self.counts.fsck }
 end
 
 --- M.summary(report) -> text: the figures, and each invariant violated with how often.
@@ -1098,8 +1208,8 @@ function M.summary(rep)
   local names = {}
   for _, k in ipairs(sorted_keys(by)) do names[#names + 1] = k .. " x" .. by[k] end
   return string.format("seed %d: %d operations in %d rounds (%s), %d kills, %d restores verified, %d checks, " ..
-    "%d violations%s, %.1f s", rep.seed, rep.ops, rep.rounds, table.concat(kinds, ", "), rep.kills, rep.verified,
-    rep.checks, #rep.violations, #names > 0 and (" (" .. table.concat(names, ", ") .. ")") or "", rep.wall)
+    "%d snapshots fsck'd, %d violations%s, %.1f s", rep.seed, rep.ops, rep.rounds, table.concat(kinds, ", "), rep.kills,
+    rep.verified, rep.checks, rep.fsck or 0, #rep.violations, #names > 0 and (" (" .. table.concat(names, ", ") .. ")") or "", rep.wall)
 end
 
 --- h:dump(): the seed, how to replay it, the violations and the full operation log. -> text
