@@ -483,6 +483,7 @@ function H:do_create(ctx, snap)
   local id = sb.id
   ctx.made = id
   local model = self:add_sandbox(id, snap and copy_tree(snap.tree) or {}, snap and snap.layers or {})
+  model.dev = snap and snap.kind == "runtime" and snap.id or nil
   local rec, why = self:settle(id)
   if not rec then
     model.status = "unsure"
@@ -852,11 +853,12 @@ function H:check_layers(when, view)
   for _, id in ipairs(self.order.snapshots) do
     local s = self.snapshots[id]
     local rec = listed[id]
+    if (s.status == "available" or s.status == "lost") and not (rec and rec.status == "available") then
+      self:violation("record", string.format("%s: snapshot %s is %s, the harness saw it available", when, id,
+        rec and rec.status or "not listed"))
+      s.status = rec and rec.status or "deleted" -- said once: from now on the model follows the server
+    end
     if s.status == "available" or s.status == "lost" then
-      if not rec or rec.status ~= "available" then
-        self:violation("record", string.format("%s: snapshot %s is %s, the harness saw it available", when, id,
-          rec and rec.status or "not listed"))
-      end
       for _, l in ipairs(s.layers) do needed[l] = true end
       if s.kind == "runtime" then dev[id] = true end
     elseif s.status == "deleted" and rec then
@@ -867,6 +869,7 @@ function H:check_layers(when, view)
     local sb = self.sandboxes[id]
     if sb.status == "running" or sb.status == "unsure" then
       for _, l in ipairs(sb.lowers) do needed[l] = true end
+      if sb.dev then dev[sb.dev] = true end -- restored from a runtime snapshot: it boots from its /dev records
     end
   end
   local present = {}
