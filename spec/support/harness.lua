@@ -79,9 +79,14 @@ local function roll_kind(roll)
   end
 end
 
+-- The server's crash point (its fault injection's stall:POINT) each kind can be killed at.
+local STALL_POINT = { create = "boot", restore = "boot", upload = "upload", capture = "capture",
+  terminate = "terminate" }
+
 --- M.plan(seed, opts) -> rounds: what the seed fixes, drawn before anything runs. opts: ops
 -- (operations), kills, concurrency (most operations per round). Each round is
--- { ops = { {n, kind, target, arg, delay}... }, kill = nil | { during = seconds | false } }.
+-- { ops = { {n, kind, target, arg, delay}... }, kill = nil | { during = seconds | false,
+-- create_at_open, point = nil | a crash point (its operation held there, then the kill) } }.
 function M.plan(seed, opts)
   local r = M.rng(seed)
   local rounds, n = {}, 0
@@ -105,8 +110,16 @@ function M.plan(seed, opts)
     if not chosen[i] then
       chosen[i] = true
       kills = kills - 1
-      rounds[i].kill = { during = r:chance(0.6) and (5 + math.floor(r:float() ^ 2 * 600)) / 1000 or false,
+      local kill = { during = r:chance(0.6) and (5 + math.floor(r:float() ^ 2 * 600)) / 1000 or false,
         create_at_open = r:chance(0.7) }
+      -- Three in five of the kills that can land at a crash point of one of the round's operations do: the
+      -- server's stall fault (moonbox.local.faults) holds the operation there, then the SIGKILL.
+      local points = {}
+      for _, op in ipairs(rounds[i].ops) do
+        if STALL_POINT[op.kind] then points[#points + 1] = STALL_POINT[op.kind] end
+      end
+      if #points > 0 and r:chance(0.6) then kill.point = r:pick(points) end
+      rounds[i].kill = kill
     end
   end
   return rounds
@@ -184,7 +197,8 @@ function M.new(opts)
     print = opts.log or print, sample_every = opts.sample_every or 2,
     big_uploads = opts.big_uploads ~= false, progress = opts.progress,
     sandboxes = {}, snapshots = {}, order = { sandboxes = {}, snapshots = {} },
-    oplog = {}, violations = {}, counts = { kills = 0, restarts = 0, lost = 0, checks = 0, verified = 0 },
+    oplog = {}, violations = {}, counts = { kills = 0, restarts = 0, lost = 0, checks = 0, verified = 0,
+      at_point = {} },
     by_kind = {}, epoch = 0, round = 0, seen = {},
   }, H)
   for _, k in ipairs(M.KINDS) do self.by_kind[k] = 0 end
@@ -1111,6 +1125,15 @@ function H:run_round(round)
   local busy, tasks = {}, {}
   local killed = false
   local kill_ctx = { capturing = {}, deleting = {} }
+  local point = round.kill and round.kill.point
+  if point then
+    local st, body = self:req("PUT", "/_moonbox/faults", { body = "*=stall:" .. point .. "#1" })
+    if st ~= 200 then
+      self:violation("unexpected-answer", "PUT /_moonbox/faults stall:" .. point .. ": " .. describe_answer(st, body))
+      point = nil
+    end
+  end
+  local done = 0
   for _, op in ipairs(round.ops) do
     local kind, target = self:choose(op, busy)
     if kind == "none" then
@@ -1124,12 +1147,37 @@ function H:run_round(round)
       if kind == "delete" then kill_ctx.deleting[target.id] = true end
       tasks[#tasks + 1] = task.spawn(function()
         task.sleep(op.delay)
-        Ops[kind](self, ctx, target)
+        local ok, err = pcall(Ops[kind], self, ctx, target)
+        done = done + 1
+        if not ok then error(err, 0) end
       end)
     end
   end
   local killer
-  if round.kill and round.kill.during then
+  if point then
+    -- The kill at a crash point: once an operation is held there (the rule fired), or once
+    -- every other operation of the round has ended without one getting there.
+    killer = task.spawn(function()
+      local fired = false
+      while done < #tasks do
+        local st, body = self:req("GET", "/_moonbox/faults")
+        local rule = st == 200 and type(body) == "table" and body.rules and body.rules[1]
+        if rule and (rule.fired or 0) > 0 then
+          fired = true
+          break
+        end
+        task.sleep(0.02)
+      end
+      killed = true
+      if fired then
+        self.counts.at_point[point] = (self.counts.at_point[point] or 0) + 1
+        self:log("SIGKILL the server (an operation held at its crash point " .. point .. ")")
+      else
+        self:log("SIGKILL the server (after the round: no operation reached " .. point .. ")")
+      end
+      self:kill()
+    end)
+  elseif round.kill and round.kill.during then
     killer = task.spawn(function()
       task.sleep(round.kill.during)
       killed = true
@@ -1142,7 +1190,7 @@ function H:run_round(round)
     if not ok then self:violation("harness-error", tostring(err)) end
   end
   if killer then task.join(killer) end
-  if round.kill and not round.kill.during then
+  if round.kill and not round.kill.during and not point then
     killed = true
     self:log("SIGKILL the server (after the round)")
     self:kill()
@@ -1199,7 +1247,8 @@ function H:run()
   for _, k in ipairs(M.KINDS) do n = n + self.by_kind[k] end
   return { seed = self.seed, ops = n, by_kind = self.by_kind, kills = self.counts.kills,
     restarts = self.counts.restarts, violations = self.violations, wall = core.now() - self.t0,
-    verified = self.counts.verified, checks = self.counts.checks, rounds = #rounds, fsck = self.counts.fsck }
+    verified = self.counts.verified, checks = self.counts.checks, rounds = #rounds, fsck = self.counts.fsck,
+    at_point = self.counts.at_point }
 end
 
 --- M.summary(report) -> text: the figures, and each invariant violated with how often.
@@ -1210,9 +1259,13 @@ function M.summary(rep)
   for _, v in ipairs(rep.violations) do by[v.name] = (by[v.name] or 0) + 1 end
   local names = {}
   for _, k in ipairs(sorted_keys(by)) do names[#names + 1] = k .. " x" .. by[k] end
-  return string.format("seed %d: %d operations in %d rounds (%s), %d kills, %d restores verified, %d checks, " ..
-    "%d snapshots fsck'd, %d violations%s, %.1f s", rep.seed, rep.ops, rep.rounds, table.concat(kinds, ", "), rep.kills,
-    rep.verified, rep.checks, rep.fsck or 0, #rep.violations, #names > 0 and (" (" .. table.concat(names, ", ") .. ")") or "", rep.wall)
+  local points = {}
+  for _, k in ipairs(sorted_keys(rep.at_point or {})) do points[#points + 1] = k .. " " .. rep.at_point[k] end
+  return string.format("seed %d: %d operations in %d rounds (%s), %d kills (at crash points: %s), %d restores " ..
+    "verified, %d checks, %d snapshots fsck'd, %d violations%s, %.1f s", rep.seed, rep.ops, rep.rounds,
+    table.concat(kinds, ", "), rep.kills, #points > 0 and table.concat(points, ", ") or "none", rep.verified,
+    rep.checks, rep.fsck or 0, #rep.violations, #names > 0 and (" (" .. table.concat(names, ", ") .. ")") or "",
+    rep.wall)
 end
 
 --- h:dump(): the seed, how to replay it, the violations and the full operation log. -> text
