@@ -222,6 +222,9 @@ function H:violation(name, detail, key)
   local v = { name = name, detail = detail, round = self.round, epoch = self.epoch }
   self.violations[#self.violations + 1] = v
   self:log("VIOLATION " .. name .. ": " .. detail)
+  -- a long run says it at once, not only at its end
+  if self.progress then self.progress(string.format("  VIOLATION %s (round %d, server %d): %s", name, self.round,
+    self.epoch, detail:sub(1, 600))) end
 end
 
 -- ---- the server -----------------------------------------------------------------------------
