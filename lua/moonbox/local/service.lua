@@ -448,19 +448,25 @@ end
 
 -- The layer files something still needs: the lowers and /dev capture of every sandbox that is
 -- booting or live, and every file of every snapshot that is being captured or is available and
--- not deleted (its own files and the lower layers it stacks on).
+-- not deleted (its own files and the lower layers it stacks on). A lower layer is needed with
+-- its manifest: a restore (and a capture's snapshot, which stacks on the same lowers) checks
+-- every layer of its stack against its manifest.
 local function needed_files(self)
   local needed = {}
+  local function layer(l)
+    needed[l] = true
+    needed[l .. ".manifest"] = true
+  end
   for _, s in pairs(self.st.sandboxes) do
     if M.LIVE[s.status] then
-      for _, l in ipairs(s._lowers or {}) do needed[l] = true end
+      for _, l in ipairs(s._lowers or {}) do layer(l) end
       if s._dev then needed[s._dev] = true end
     end
   end
   for _, s in pairs(self.st.snapshots) do
     if s.status == "creating" or (s.status == "available" and not s._deleted) then
       for _, f in ipairs(own_files(self, s)) do needed[f] = true end
-      for _, l in ipairs(s._layers or {}) do needed[l] = true end
+      for _, l in ipairs(s._layers or {}) do layer(l) end
       if s._dev_records then needed[s._dev_records] = true end
     end
   end
