@@ -62,7 +62,7 @@ end
 describe("moonbox local allow-list", function()
   setup(async(function()
     net = N.start()
-    eng = Engine.new { state_dir = STATE, image = image.path(), dns = net.addr }
+    eng = Engine.new { state_dir = STATE, image = image.path(), dns = net.addr, disk = false }
     local chk = eng:check()
     assert(chk.ok, "this machine cannot run sandboxes: " .. table.concat(chk.problems, "; "))
   end))
@@ -339,7 +339,7 @@ for name, qname in cases:
       local p = proc.spawn { H.IP, "netns", "exec", net.ns, H.PYTHON, "-c", RESOLVER, net.far }
       resolver = { p = p, lines = p:lines("stdout") }
       assert(resolver.lines() == "ready", "the spec's resolver did not start")
-      evil_eng = Engine.new { state_dir = STATE .. "-evil", image = image.path(), dns = net.far }
+      evil_eng = Engine.new { state_dir = STATE .. "-evil", image = image.path(), dns = net.far, disk = false }
       id = "al-byhand"
       evil_eng:create(id, { network = "allow-list", allowed = { "allowed.test", "*.wild.test" } })
     end))
