@@ -407,7 +407,8 @@ serves that dir (docs/local.md: "Snapshots").]],
   -- 1 (the error printed) when it cannot start.
   function(args)
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
-      ["host-root"] = "flag", faults = "value", ["api-key"] = "value", ["api-key-file"] = "value", workspace = "value",
+      ["host-root"] = "flag", faults = "value", ["api-key"] = "value", ["api-key-file"] = "value",
+      workspace = "value",
       ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
       dns = "value", ["rate-limit"] = "value", ["public-url"] = "value", disk = "list",
       ["disk-size"] = "value", check = "flag" })
