@@ -360,9 +360,9 @@ end
 
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
-  "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]\n" ..
-  "                     [--dns IPV4] [--rate-limit N] [--public-url URL] [--disk PLAN=SIZE]...\n" ..
-  "                     [--disk-size SIZE]\n" ..
+  "                     [--api-key KEY | --api-key-file FILE] [--workspace tea-...]\n" ..
+  "                     [--concurrency-limit N] [--seed N] [--dns IPV4] [--rate-limit N]\n" ..
+  "                     [--public-url URL] [--disk PLAN=SIZE]... [--disk-size SIZE]\n" ..
   "       moonbox local --check [--state DIR]",
   [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and ::1 and runs real, isolated sandboxes on
 this machine: each in its own user namespace (root inside is an unprivileged id on the host),
@@ -376,6 +376,9 @@ at it:
   RENDER_WORKSPACE_ID=tea-...
 
 --port 0 picks a free port (the same on both addresses).
+--api-key-file FILE (its first word), or MOONBOX_LOCAL_API_KEY in the environment, fixes the API key
+instead of the generated one; --api-key KEY does too, but every user of the host can read a
+process's argv: moonbox wipes the value from its own at start, a moment after it was visible.
 --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
 --dns IPV4 is the resolver that allow-list sandboxes' gates ask for the allowed names (default:
 the host's, through slirp4netns; see docs/local-isolation.md).
@@ -404,7 +407,8 @@ serves that dir (docs/local.md: "Snapshots").]],
   -- 1 (the error printed) when it cannot start.
   function(args)
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
-      ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
+      ["host-root"] = "flag", faults = "value", ["api-key"] = "value", ["api-key-file"] = "value",
+      workspace = "value",
       ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
       dns = "value", ["rate-limit"] = "value", ["public-url"] = "value", disk = "list",
       ["disk-size"] = "value", check = "flag" })
@@ -472,6 +476,27 @@ serves that dir (docs/local.md: "Snapshots").]],
     if opts.dns and not opts.dns:match("^%d+%.%d+%.%d+%.%d+$") then
       return usage_error("local: --dns must be an IPv4 address (the resolver allow-list sandboxes ask)")
     end
+    -- The key: --api-key (wiped from argv by main.c), else --api-key-file's first word, else
+    -- $MOONBOX_LOCAL_API_KEY (unset once read, so no child inherits it).
+    local api_key = opts["api-key"]
+    if api_key and opts["api-key-file"] then
+      return usage_error("local: --api-key and --api-key-file exclude each other")
+    end
+    if opts["api-key-file"] then
+      local f = io.open(opts["api-key-file"])
+      api_key = f and f:read("a"):match("^%s*(%S+)")
+      if f then f:close() end
+      if not api_key then
+        return usage_error("local: --api-key-file %s: cannot read a key from it (one word, e.g. rnd_...)",
+          opts["api-key-file"])
+      end
+    end
+    local env_key = os.getenv("MOONBOX_LOCAL_API_KEY")
+    if env_key then
+      require("moonbox.sys").setenv("MOONBOX_LOCAL_API_KEY", nil)
+      api_key = api_key or env_key:match("^%s*(%S+)")
+    end
+    if api_key == "" then return usage_error("local: --api-key wants a key, got an empty one") end
     local faults = opts.faults
     if faults and faults:sub(1, 1) == "@" then
       local f = io.open(faults:sub(2))
@@ -490,7 +515,7 @@ serves that dir (docs/local.md: "Snapshots").]],
         host = opts.host, port = port, state_dir = state_dir,
         image = absolute(opts.image), host_root = opts["host-root"], faults = faults,
         on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
-        api_key = opts["api-key"], workspace = opts.workspace,
+        api_key = api_key, workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
         dns = opts.dns, rate_limit = rate_limit, public_url = opts["public-url"],
         disk = disk, disk_size = disk_size,
