@@ -1171,6 +1171,7 @@ static int srv_stats(lua_State *L)
     mb_setfield_int(L, -1, "peak_body_bytes", (lua_Integer)st.peak_body_bytes);
     mb_setfield_int(L, -1, "rejected_large", (lua_Integer)st.rejected_large);
     mb_setfield_int(L, -1, "rejected_auth", (lua_Integer)st.rejected_auth);
+    mb_setfield_int(L, -1, "rejected_framing", (lua_Integer)st.rejected_framing);
     mb_setfield_int(L, -1, "tokens", hd->hs ? (lua_Integer)hs_server_token_count(hd->hs) : 0);
     return 1;
 }

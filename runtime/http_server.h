@@ -106,13 +106,14 @@ typedef struct hs_request_view {
 } hs_request_view;
 
 typedef struct hs_stats {
-    uint64_t requests;       /* requests routed since start */
-    unsigned active;         /* requests in flight on connections now */
-    unsigned max_active;     /* the most in flight at once */
-    unsigned connections;    /* open connections now */
-    size_t peak_body_bytes;  /* the largest in-memory body buffer allocated */
-    uint64_t rejected_large; /* 413 answers */
-    uint64_t rejected_auth;  /* 401/403 answers given before the body */
+    uint64_t requests;         /* requests routed since start */
+    unsigned active;           /* requests in flight on connections now */
+    unsigned max_active;       /* the most in flight at once */
+    unsigned connections;      /* open connections now */
+    size_t peak_body_bytes;    /* the largest in-memory body buffer allocated */
+    uint64_t rejected_large;   /* 413 answers */
+    uint64_t rejected_auth;    /* 401/403 answers given before the body */
+    uint64_t rejected_framing; /* 400/501 answers to requests whose framing or bytes are refused */
 } hs_stats;
 
 /* ---- servers -------------------------------------------------------------------------------- */
