@@ -84,6 +84,7 @@ typedef struct hs_route {
 typedef struct hs_token {
     char *token, *id, *scope;
     double expires; /* ev_now() time */
+    int used;       /* a request has passed the gate with it: it opens nothing more */
     struct hs_token *next;
 } hs_token;
 
@@ -665,7 +666,7 @@ static unsigned hs_check_auth(hs_server *s, const hs_route *rt, hs_request *r, c
         snprintf(msg, len, "unauthorized: send Authorization: Bearer <RENDER_API_KEY>");
         return MHD_HTTP_UNAUTHORIZED;
     }
-    const hs_token *t = NULL;
+    hs_token *t = NULL;
     if (b)
         for (t = s->tokens[hs_token_hash(tok)]; t; t = t->next)
             if (hs_same_secret(t->token, tok)) break;
@@ -684,6 +685,14 @@ static unsigned hs_check_auth(hs_server *s, const hs_route *rt, hs_request *r, c
         snprintf(msg, len, "this connect token is for another sandbox or operation");
         return MHD_HTTP_FORBIDDEN;
     }
+    if (t->used) {
+        snprintf(msg, len,
+                 "this connect token was used already: a token opens its endpoint once; mint a "
+                 "new one");
+        return MHD_HTTP_FORBIDDEN;
+    }
+    /* Single use: the first request through the gate spends it, whatever the handler does. */
+    t->used = 1;
     return 0;
 }
 

@@ -144,9 +144,11 @@ int hs_server_route_space(hs_server *s, const char *space_dir);
 /* Sets (a copy of) the key HS_AUTH_KEY routes require; NULL lets nobody in. */
 int hs_server_set_key(hs_server *s, const char *key);
 
-/* Lets requests bearing token into HS_AUTH_TOKEN routes of scope whose ":id" capture is id,
- * for ttl seconds from now (after that they get 401 "expired" until the token is dropped).
- * Putting a token again replaces it. O(1) average (a hash table). HS_OK or HS_ERR_NOMEM. */
+/* Lets one request bearing token into HS_AUTH_TOKEN routes of scope whose ":id" capture is id,
+ * for ttl seconds from now (after that they get 401 "expired" until the token is dropped). The
+ * first request through the gate spends it: later ones get 403 "used already" (a request refused
+ * for another id or scope does not). Putting a token again replaces it (unspent). O(1) average (a
+ * hash table). HS_OK or HS_ERR_NOMEM. */
 int hs_server_token_put(hs_server *s, const char *token, const char *id, const char *scope,
                         double ttl);
 /* Forgets token (unknown tokens are ignored). */
