@@ -983,7 +983,8 @@ static const char *opt_string(lua_State *L, int t, const char *key, const char *
  * opts.max_body: bytes (default the server's); a larger body is answered 413 without reaching the
  * handler. opts.auth: "none" (default), "key" (Authorization: Bearer <srv:set_key's key>) or
  * "token" (a bearer token given to srv:token_put for opts.scope and this request's ":id"); a
- * request without them is answered 401 (403 for a token of another id or scope) by the server,
+ * request without them is answered 401 (403 for a token of another id or scope, or one used
+ * already: a token lets one request in) by the server,
  * before any of its body is kept, and never reaches the handler. opts.space (a "file" route):
  * true, or a directory D: a declared Content-Length that does not fit in the upload
  * directory's free space (or, with D, in the room of D/<its ":id">: free space and its btrfs
@@ -1171,6 +1172,7 @@ static int srv_stats(lua_State *L)
     mb_setfield_int(L, -1, "peak_body_bytes", (lua_Integer)st.peak_body_bytes);
     mb_setfield_int(L, -1, "rejected_large", (lua_Integer)st.rejected_large);
     mb_setfield_int(L, -1, "rejected_auth", (lua_Integer)st.rejected_auth);
+    mb_setfield_int(L, -1, "rejected_framing", (lua_Integer)st.rejected_framing);
     mb_setfield_int(L, -1, "tokens", hd->hs ? (lua_Integer)hs_server_token_count(hd->hs) : 0);
     return 1;
 }
@@ -1186,9 +1188,9 @@ static int srv_set_key(lua_State *L)
     return 1;
 }
 
-/* srv:token_put(token, id, scope, ttl) -> srv. Lets requests bearing token into auth = "token"
- * routes of that scope whose ":id" capture is id, for ttl seconds (then they get 401 "expired"
- * until srv:token_drop). Does not yield. */
+/* srv:token_put(token, id, scope, ttl) -> srv. Lets one request bearing token into auth =
+ * "token" routes of that scope whose ":id" capture is id, for ttl seconds (then 401 "expired"
+ * until srv:token_drop); a second one gets 403 "used already". Does not yield. */
 static int srv_token_put(lua_State *L)
 {
     hd_server *hd = check_open(L, 1, "srv:token_put");

@@ -1015,8 +1015,9 @@ function Service:mint_file(rec, op, path, shown)
 end
 
 --- svc:check_token(token, sandbox_id, scope) -> rec, info. The wire's gate has checked the
--- token before the body was read; this is the second look, with the records. Raises
--- unauthorized, forbidden, not_found.
+-- token before the body was read; this is the second look, with the records, and spends it (a
+-- token opens its endpoint once). Raises unauthorized, forbidden (another sandbox or
+-- operation, used already), not_found.
 function Service:check_token(token, sandbox_id, scope)
   local info = token and self.tokens[token]
   if not info then fail("unauthorized", "invalid or missing connect token") end
@@ -1024,6 +1025,12 @@ function Service:check_token(token, sandbox_id, scope)
   if info.sandbox ~= sandbox_id or info.op ~= scope then
     fail("forbidden", "this connect token is for another sandbox or operation")
   end
+  -- Single use (the wire's gate spends it first): a run's command comes from the data-plane
+  -- body, so a token that opened its endpoint twice would run anything its holder sends.
+  if info.used then
+    fail("forbidden", "this connect token was used already: a token opens its endpoint once")
+  end
+  info.used = true
   local rec = self.st.sandboxes[info.sandbox]
   if not rec or rec.status == "terminated" then fail("not_found", "sandbox is gone") end
   return rec, info
