@@ -70,7 +70,7 @@ describe("moonbox local allow-list", function()
   teardown(async(function()
     for _, id in ipairs(created) do pcall(eng.terminate, eng, id) end
     if net then net:close() end
-    proc.run { "rm", "-rf", "--one-file-system", STATE }
+    L.remove_trees(STATE)
   end))
 
   describe("an exact name", function()

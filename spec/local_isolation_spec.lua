@@ -286,7 +286,7 @@ describe("moonbox local isolation: an attacker with root inside a sandbox", func
     for _, c in ipairs(created) do pcall(c.eng.terminate, c.eng, c.id) end
     pcall(eng.close, eng)
     for i = #cleanups, 1, -1 do pcall(cleanups[i]) end
-    proc.run { "sh", "-c", 'rm -rf --one-file-system -- "$1" "$1"-*', "rm", STATE }
+    L.remove_trees(STATE)
   end))
 
   it("has a working engine on this machine (root, helper, slirp4netns, cgroups, image)", async(function()

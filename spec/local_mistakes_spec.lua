@@ -31,7 +31,9 @@ end
 
 local function upload(path)
   local s, tok = B:req("POST", "/v1/sandboxes/" .. sb.id .. "/files/upload/token", { query = { path = path } })
-  assert.are.equal(201, s, json.encode(tok))
+  -- A path the kernel can never hold is refused when the token is asked for; any other
+  -- mistake when the bytes arrive. Either way the answer is the 4xx checked below.
+  if s ~= 201 then return s, json.encode(tok) end
   local up = http.request { method = "PUT", url = tok.uri, body = "x",
     headers = { Authorization = "Bearer " .. tok.token, ["Content-Type"] = "application/octet-stream" } }
   return up.status, up.body

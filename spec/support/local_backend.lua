@@ -164,6 +164,14 @@ function M.remove_tree(dir)
   proc.run { "rm", "-rf", "--one-file-system", dir }
 end
 
+--- L.remove_trees(dir): L.remove_tree of dir and of every sibling named dir-*. [yields]
+function M.remove_trees(dir)
+  M.remove_tree(dir)
+  local parent, base = dir:match("^(.*)/([^/]+)$")
+  local r = proc.run { "find", parent, "-mindepth", "1", "-maxdepth", "1", "-name", base .. "-*", "-print0" }
+  for sib in (r.stdout or ""):gmatch("([^%z]+)%z") do M.remove_tree(sib) end
+end
+
 --- backend:destroy(): stop and remove the state directory. [yields]
 function Backend:destroy()
   self:stop()

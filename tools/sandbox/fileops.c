@@ -23,7 +23,7 @@
  *
  * Failures: one line "CODE message" on stderr and an exit status the engine maps: 2 not_found,
  * 13 permission_denied, 20 not_directory, 21 is_directory, 22 not_regular, 23 invalid,
- * 24 too_large, 27 too_many, 1 io_error.
+ * 24 too_large, 27 too_many, 30 read_only_path, 1 io_error.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -53,6 +53,7 @@
 #define EX_TOO_MANY    27
 #define EX_TOO_LARGE   24
 #define EX_DENIED      13
+#define EX_READ_ONLY   30
 #define EX_IO          1
 
 /* Bounds: entries and bytes one list answers with, directory levels a walk descends (one fd
@@ -90,6 +91,12 @@ static int errno_fail(const char *what, const char *path, int e)
                        "%s %s: permission denied inside the sandbox", what, path);
     if (e == ENXIO || e == ENODEV)
         return fail_op(EX_NOT_REGULAR, "not_regular", "%s is a device that cannot be opened", path);
+    if (e == ENAMETOOLONG)
+        return fail_op(EX_INVALID, "path_too_long", "%s %.48s...: a name or the path is too long",
+                       what, path);
+    if (e == EROFS)
+        return fail_op(EX_READ_ONLY, "read_only_path",
+                       "%s %s: the file system there is read-only inside the sandbox", what, path);
     return fail_op(EX_IO, "io_error", "%s %s: %s", what, path, strerror(e));
 }
 
@@ -422,8 +429,15 @@ static int create_file(int dirfd, const char *name, int in, long long len, unsig
                        const char *shown)
 {
     struct stat st;
-    if (fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode))
-        return fail_op(EX_IS_DIR, "is_directory", "%s is a directory", shown);
+    if (fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        if (S_ISDIR(st.st_mode))
+            return fail_op(EX_IS_DIR, "is_directory", "%s is a directory", shown);
+        /* A device, fifo or socket is never replaced by an upload (a device node in /dev is
+         * often a mount point, and replacing one is not what a client that names it means). */
+        if (!S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode))
+            return fail_op(EX_NOT_REGULAR, "not_regular",
+                           "%s is a device, fifo or socket, not a regular file", shown);
+    }
     int fd = openat(dirfd, ".", O_TMPFILE | O_WRONLY | O_CLOEXEC, 0600);
     char tmp[64];
     snprintf(tmp, sizeof tmp, ".moonbox-upload.%d.%lu", (int)getpid(), upload_seq++);

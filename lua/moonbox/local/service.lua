@@ -1143,6 +1143,10 @@ local function file_error(err, what)
       "not_regular_file")
   end
   if code == "permission_denied" then fail("forbidden", (msg:gsub("^sandbox %S+: ", ""))) end
+  if code == "path_too_long" then fail("invalid", (msg:gsub("^sandbox %S+: ", "")), "path_too_long") end
+  if code == "read_only_path" then
+    fail("forbidden", (msg:gsub("^sandbox %S+: ", "")), "read_only_path")
+  end
   if code == "too_many" then fail("invalid", (msg:gsub("^sandbox %S+: ", ""))) end
   if code == "unsafe_archive" then fail("invalid", msg .. "; nothing was extracted", "unsafe_archive") end
   if code == "corrupt_archive" then
