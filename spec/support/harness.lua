@@ -491,8 +491,10 @@ function H:do_create(ctx, snap)
   local status, sb = self:req("POST", "/v1/sandboxes", { body = create_body(snap and { snapshotId = snap.id }) })
   if status ~= 201 then
     if ctx.lost() then return self:log(ctx.name .. ": " .. describe_answer(status, sb) .. " (a kill)") end
-    if snap and status == 409 and ctx.deleting[snap.id] then
-      return self:log(ctx.name .. ": 409, its snapshot was being deleted")
+    -- A delete of the snapshot in the same round may land first: 409 while it is deleting,
+    -- 404 once it is gone. Either is the truth.
+    if snap and (status == 409 or status == 404) and ctx.deleting[snap.id] then
+      return self:log(ctx.name .. ": " .. status .. ", its snapshot was being deleted")
     end
     return self:violation(snap and "restore-refused" or "unexpected-answer",
       ctx.name .. (snap and (" of " .. snap.id) or "") .. " answered " .. describe_answer(status, sb), snap and snap.id)
@@ -839,10 +841,13 @@ function H:check(when)
   end
   -- 2. Records match the model: what the model knows as running is, and has its directory;
   -- what it knows as terminated is terminated.
+  -- A terminated record is looked at once per server life (after a restart, again): a run
+  -- of thousands of operations would otherwise ask for every sandbox it ever ended each round.
   for _, id in ipairs(self.order.sandboxes) do
     local sb = self.sandboxes[id]
-    if sb.status == "running" or sb.status == "terminated" then
+    if sb.status == "running" or (sb.status == "terminated" and sb.confirmed ~= self.epoch) then
       local rec, why = self:get_sandbox(id)
+      if rec and rec.status == "terminated" and sb.status == "terminated" then sb.confirmed = self.epoch end
       if not rec then
         self:violation("record", when .. ": GET " .. id .. ": " .. why)
       elseif rec.status ~= sb.status then
