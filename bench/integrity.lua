@@ -8,7 +8,8 @@
 -- violation the seed, how to replay it and the whole operation log (into LOG, default
 -- /tmp/moonbox-integrity-SEED.log, when there is one). Exits 1 on a violation.
 -- Run: build/moonbox run bench/integrity.lua   (root, like moonbox local)
--- Environment: OPS (10000), KILLS (50), SEED (20261207), CONCURRENCY (3), LOG.
+-- Environment: OPS (10000), KILLS (50), SEED (20261207), CONCURRENCY (3), LOG, STOP_AFTER (an
+-- operation number: run the same plan only that far, to replay the start of a long run).
 local harness = require "spec.support.harness"
 
 local OPS = tonumber(os.getenv("OPS")) or 10000
@@ -21,7 +22,7 @@ print(string.format("integrity: seed %d, %d operations, %d kills, concurrency %d
   "KILLS=%d CONCURRENCY=%d build/moonbox run bench/integrity.lua)", SEED, OPS, KILLS, CONCURRENCY, SEED, OPS,
   KILLS, CONCURRENCY))
 local h = harness.new { seed = SEED, ops = OPS, kills = KILLS, concurrency = CONCURRENCY,
-  progress = function(line) print(line) end }
+  stop_after = tonumber(os.getenv("STOP_AFTER") or ""), progress = function(line) print(line) end }
 local ok, rep = pcall(h.run, h)
 local function write_log()
   local f = assert(io.open(LOG, "w"))

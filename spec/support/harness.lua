@@ -189,13 +189,15 @@ H.__index = H
 --- M.new(opts) -> harness. opts: seed, ops, kills, concurrency (default 3), log (function(line),
 -- default print), keep_log (path: write the operation log there too), sample_every (verify one
 -- available snapshot by restoring it after every this many rounds; default 2), big_uploads
--- (allow uploads of 8-24 MB; default true).
+-- (allow uploads of 8-24 MB; default true), stop_after (an operation number: end the run at the
+-- first round after it, with the same plan: replays the start of a long run), progress
+-- (function(line): progress and violations as they happen).
 function M.new(opts)
   local self = setmetatable({
     seed = math.tointeger(opts.seed) or error("harness: seed must be an integer"),
     ops = opts.ops or 200, kills = opts.kills or 5, concurrency = opts.concurrency or 3,
     print = opts.log or print, sample_every = opts.sample_every or 2,
-    big_uploads = opts.big_uploads ~= false, progress = opts.progress,
+    big_uploads = opts.big_uploads ~= false, progress = opts.progress, stop_after = opts.stop_after,
     sandboxes = {}, snapshots = {}, order = { sandboxes = {}, snapshots = {} },
     oplog = {}, violations = {}, counts = { kills = 0, restarts = 0, lost = 0, checks = 0, verified = 0,
       at_point = {} },
@@ -1231,6 +1233,7 @@ function H:run()
   local rec = assert(first and self:get_sandbox(first), "the first create failed: see the log")
   self.group = rec.sandboxGroupId
   for i, round in ipairs(rounds) do
+    if self.stop_after and round.ops[1].n > self.stop_after then break end
     self.round = i
     self:run_round(round)
     if self.progress and (round.ops[#round.ops].n // 500) ~= ((round.ops[1].n - 1) // 500) then
