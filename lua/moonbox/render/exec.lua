@@ -407,8 +407,9 @@ function M.spawn(sb, cmd, opts)
   return start(sb, command_of(cmd), env_text, opts, "stdout")
 end
 
---- sb:run_sync(cmd) -> {code, stdout, stderr, exec_id} with :check(): one command through the
--- `sync` run operation (buffered by the server; no streaming, no kill). [yields]
+--- sb:run_sync(cmd) -> {code, stdout, stderr, truncated, exec_id} with :check(): one command
+-- through the `sync` run operation (buffered by the server; no streaming, no kill). truncated is
+-- the server's word: true when it cut a stream (moonbox local keeps 1 MiB of each). [yields]
 function M.run_sync(sb, cmd)
   local command = command_of(cmd)
   local r, tok = api.data(sb:connection(), "sandbox:run_sync",
@@ -422,8 +423,8 @@ function M.run_sync(sb, cmd)
       sandbox_id = sb.id, exec_id = tok.executionId, message = "the sync run's answer is not JSON" }, 0)
   end
   return setmetatable({ code = math.tointeger(d.exit_code) or d.exit_code, stdout = d.stdout or "",
-    stderr = d.stderr or "", exec_id = tok.executionId, sandbox_id = sb.id, truncated = false,
-    command_summary = summary(command) }, Result)
+    stderr = d.stderr or "", exec_id = tok.executionId, sandbox_id = sb.id,
+    truncated = d.truncated == true, command_summary = summary(command) }, Result)
 end
 
 return M
