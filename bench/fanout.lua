@@ -72,5 +72,13 @@ print("| restores (+ exec + terminate) | concurrency | wall s | wall vs concurre
   "| client peak RSS MB | machine busy (cores) |")
 print("|---:|---:|---:|---:|---:|---:|---:|")
 for _, r in ipairs(rows) do print(r) end
+-- What a connect token's lifetime must cover: the longest any of this run's tokens waited from
+-- its mint to its use, with 16 sandboxes booting and exec'ing at once on this machine.
+local _, health = B:req("GET", "/_moonbox/health")
+local tk = type(health) == "table" and health.tokens
+if tk then
+  print(string.format("connect tokens: %d spent, the slowest used %.3f s after its mint (lifetime %d s)",
+    tk.spent, tk.slowestUseSeconds, tk.lifetimeSeconds))
+end
 base:terminate()
 B:destroy()

@@ -131,7 +131,8 @@ function M.new(opts)
     user = opts.user, log = opts.log or function() end, on_token = opts.on_token or function() end,
     faults = opts.faults,
     limits = setmetatable({}, { __index = M.DEFAULTS }),
-    tokens = {}, runtime = {}, logs = {}, log_conds = {}, tasks = {}, closing = false,
+    tokens = {}, token_use = { spent = 0, slowest = 0 },
+    runtime = {}, logs = {}, log_conds = {}, tasks = {}, closing = false,
     ended_logs = { first = 1, last = 0 }, snap_timers = {},
   }, Service)
   for k, v in pairs(opts.limits or {}) do self.limits[k] = v end
@@ -989,7 +990,8 @@ end
 local function mint(self, rec, exec, scope, path)
   local token = ids.token()
   local expires = now() + self.limits.token_ttl
-  local info = { sandbox = rec.id, op = scope, path = path, exec = exec.id, expires = expires }
+  local info = { sandbox = rec.id, op = scope, path = path, exec = exec.id, expires = expires,
+    minted = now() }
   self.tokens[token] = info
   self.on_token("put", token, info, self.limits.token_ttl)
   sweep_tokens(self)
@@ -1031,6 +1033,11 @@ function Service:check_token(token, sandbox_id, scope)
     fail("forbidden", "this connect token was used already: a token opens its endpoint once")
   end
   info.used = true
+  -- How long clients take from mint to use (GET /_moonbox/health "tokens"): what the token's
+  -- lifetime must cover.
+  local u, age = self.token_use, now() - info.minted
+  u.spent = u.spent + 1
+  if age > u.slowest then u.slowest = age end
   local rec = self.st.sandboxes[info.sandbox]
   if not rec or rec.status == "terminated" then fail("not_found", "sandbox is gone") end
   return rec, info

@@ -63,9 +63,10 @@ function M.healthz(backend)
   return { ok = d.ok and backend.ready or false, ready = backend.ready or false, disk = d }
 end
 
---- GET /_moonbox/health -> 200 {ok, ready, workspace, version, sandboxes, problems, disk}:
+--- GET /_moonbox/health -> 200 {ok, ready, workspace, version, sandboxes, problems, disk, tokens}:
 -- sandboxes is whether the start-up check found this machine able to run sandboxes, problems what
--- it found missing; ok is false when the disk is low (disk as /healthz's). While the start's
+-- it found missing; ok is false when the disk is low (disk as /healthz's); tokens {spent,
+-- slowestUseSeconds (the longest a spent token waited from mint to use), lifetimeSeconds}. While the start's
 -- recovery runs, 503 with Retry-After: 1 and ready = false (/v1 answers 503 then too). Raises
 -- nothing. Does not yield.
 function M.health(backend)
@@ -74,6 +75,11 @@ function M.health(backend)
     workspace = backend.workspace, version = require("moonbox.core").version,
     sandboxes = backend.check and backend.check.ok or false,
     problems = json.array(backend.check and backend.check.problems or {}), disk = d }
+  local use = backend.svc and backend.svc.token_use
+  if use then
+    body.tokens = { spent = use.spent, slowestUseSeconds = math.floor(use.slowest * 1000 + 0.5) / 1000,
+      lifetimeSeconds = backend.svc.limits.token_ttl }
+  end
   if not backend.ready then
     body.message = "moonbox local is starting: it is recovering what its previous run left"
     return 503, body, { ["Retry-After"] = "1" }
