@@ -539,7 +539,7 @@ function Sim:mint(id, op, path, command)
   local exe = ids.new("exe")
   self.tokens[token] = { sandbox = id, op = op, path = path, command = command }
   return { executionId = exe, token = token, method = op == "files/upload" and "PUT" or
-    op == "files/download" and "GET" or "POST", expiresAt = iso(self.clock.t + 120),
+    op == "files/download" and "GET" or "POST", expiresAt = iso(self.clock.t + 30),
     uri = string.format("%s/proxy/%s/%s", BASE, id, op) }
 end
 
