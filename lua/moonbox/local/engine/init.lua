@@ -207,11 +207,20 @@ function M.new(opts)
     cg_problem = cg_problem,
     slots_dir = opts.slots_dir or M.SLOTS_DIR,
     dns = opts.dns,
+    fairness = opts.fairness ~= false, -- see cgroup.lua (fairness); false: the bench's "before"
     sandboxes = {}, -- id -> sandbox record (see Engine:create)
     tools = nil,    -- absolute paths of host programs, set by prepare
   }, Engine)
   self.files = Files.new(self)
   return self
+end
+
+--- eng:join_host([pid]): moves process pid (default: this one, all its threads) into the engine's host-side CPU
+-- cgroup, weighted above every sandbox (cgroup.lua, fairness); prepares the engine first. A
+-- no-op with fairness off. Raises what prepare raises, or a plain error. [yields]
+function Engine:join_host(pid)
+  self:prepare()
+  if self.fairness then self.cg:join_host(pid or 0) end -- 0: the writer itself
 end
 
 --- eng:dir(id) -> the sandbox directory of id.
@@ -299,6 +308,7 @@ function Engine:prepare()
   self.preparing = cond
   local ok, err = pcall(function()
     if not self.cg then fail("prepare", "unsupported", nil, self.cg_problem) end
+    self.cg:prepare(self.fairness)
     sys.mkdir_p(self.state_dir .. "/sandboxes", tonumber("700", 8))
     sys.mkdir_p(self.slots_dir, tonumber("700", 8))
     local helper, looked = find_helper()
@@ -657,6 +667,8 @@ end
 function Engine:enter_args(sb, leaf)
   local a = { "--id=" .. sb.id, "--target=" .. sb.init, "--uid-base=" .. sb.uid_base }
   for _, d in ipairs(self.cg:leaves(sb.id, leaf)) do a[#a + 1] = "--cgroup=" .. d end
+  -- the helper stays on the host side; only what it forks joins (cgroup.lua, fairness)
+  if self.cg.fair then a[#a + 1] = "--join-in-child" end
   return a
 end
 
@@ -1063,6 +1075,7 @@ function Engine:close()
   if self.base_root and host.mounted(self.base_root) then pcall(host.umount, self.base_root, true) end
   if self.cg then
     for _, dir in pairs(self.cg.dirs) do os.remove(dir) end
+    if self.cg:host_dir() then os.remove(self.cg:host_dir()) end -- kept while a process is in it
   end
   self.prepared = false
   return true
