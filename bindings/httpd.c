@@ -983,9 +983,14 @@ static const char *opt_string(lua_State *L, int t, const char *key, const char *
  * opts.max_body: bytes (default the server's); a larger body is answered 413 without reaching the
  * handler. opts.auth: "none" (default), "key" (Authorization: Bearer <srv:set_key's key>) or
  * "token" (a bearer token given to srv:token_put for opts.scope and this request's ":id"); a
- * request without them is answered 401 (403 for a token of another id or scope) by the server,
- * before any of its body is kept, and never reaches the handler. Raises on a malformed pattern
- * or option, or when the server is closed. Does not yield.
+ * request without them is answered 401 (403 for a token of another id or scope, or one used
+ * already: a token lets one request in) by the server,
+ * before any of its body is kept, and never reaches the handler. opts.space (a "file" route):
+ * true, or a directory D: a declared Content-Length that does not fit in the upload
+ * directory's free space (or, with D, in the room of D/<its ":id">: free space and its btrfs
+ * quota) is answered 507 before any of the body is read, and a body that runs out of space
+ * while stored is 507 too (runtime/http_server.c). Raises on a malformed pattern or option, or
+ * when the server is closed. Does not yield.
  */
 static int srv_route(lua_State *L)
 {
@@ -995,7 +1000,8 @@ static int srv_route(lua_State *L)
     luaL_checktype(L, 4, LUA_TFUNCTION);
     int mode = HS_BODY_MEMORY, auth = HS_AUTH_NONE;
     size_t max_body = 0;
-    const char *dir = NULL, *scope = NULL;
+    const char *dir = NULL, *scope = NULL, *space_dir = NULL;
+    int space = 0;
     if (!lua_isnoneornil(L, 5)) {
         luaL_checktype(L, 5, LUA_TTABLE);
         const char *body = opt_string(L, 5, "body", "srv:route");
@@ -1023,6 +1029,14 @@ static int srv_route(lua_State *L)
         scope = opt_string(L, 5, "scope", "srv:route");
         if (auth == HS_AUTH_TOKEN && !scope)
             return luaL_error(L, "srv:route: auth = \"token\" needs a scope");
+        lua_getfield(L, 5, "space");
+        if (lua_type(L, -1) == LUA_TSTRING)
+            space = 1, space_dir = lua_tostring(L, -1); /* stays referenced by opts */
+        else if (!lua_isnil(L, -1))
+            space = lua_toboolean(L, -1);
+        lua_pop(L, 1);
+        if (space && mode != HS_BODY_FILE)
+            return luaL_error(L, "srv:route: opts.space needs body = \"file\"");
     }
     push_mapped(L, method, toupper);
     const char *umethod = lua_tostring(L, -1);
@@ -1031,6 +1045,8 @@ static int srv_route(lua_State *L)
     int rc = hs_server_add_route(hd->hs, umethod, pattern, mode, max_body, dir, auth, scope, id,
                                  err, sizeof err);
     if (rc != HS_OK) return luaL_error(L, "srv:route: %s", err);
+    if (space && hs_server_route_space(hd->hs, space_dir) != HS_OK)
+        return luaL_error(L, "srv:route: out of memory");
     hd->nhandlers = id;
     lua_getiuservalue(L, 1, SRV_UV_HANDLERS);
     lua_pushvalue(L, 4);
@@ -1156,6 +1172,7 @@ static int srv_stats(lua_State *L)
     mb_setfield_int(L, -1, "peak_body_bytes", (lua_Integer)st.peak_body_bytes);
     mb_setfield_int(L, -1, "rejected_large", (lua_Integer)st.rejected_large);
     mb_setfield_int(L, -1, "rejected_auth", (lua_Integer)st.rejected_auth);
+    mb_setfield_int(L, -1, "rejected_framing", (lua_Integer)st.rejected_framing);
     mb_setfield_int(L, -1, "tokens", hd->hs ? (lua_Integer)hs_server_token_count(hd->hs) : 0);
     return 1;
 }
@@ -1171,9 +1188,9 @@ static int srv_set_key(lua_State *L)
     return 1;
 }
 
-/* srv:token_put(token, id, scope, ttl) -> srv. Lets requests bearing token into auth = "token"
- * routes of that scope whose ":id" capture is id, for ttl seconds (then they get 401 "expired"
- * until srv:token_drop). Does not yield. */
+/* srv:token_put(token, id, scope, ttl) -> srv. Lets one request bearing token into auth =
+ * "token" routes of that scope whose ":id" capture is id, for ttl seconds (then 401 "expired"
+ * until srv:token_drop); a second one gets 403 "used already". Does not yield. */
 static int srv_token_put(lua_State *L)
 {
     hd_server *hd = check_open(L, 1, "srv:token_put");

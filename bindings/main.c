@@ -150,6 +150,25 @@ static int traceback_handler(lua_State *L)
     return 1;
 }
 
+/* Overwrites the value of every --api-key KEY and --api-key=KEY in argv with NULs, once Lua
+ * holds its copy: /proc/PID/cmdline, which every user of the host reads, then shows the flag
+ * and no key (issue 23). Until this runs, right after exec, the key is visible; the flag's
+ * documentation says so and points at --api-key-file and MOONBOX_LOCAL_API_KEY. */
+static void wipe_secrets(int argc, char **argv)
+{
+    static const char flag[] = "--api-key";
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], flag) == 0 && i + 1 < argc) {
+            memset(argv[i + 1], 0, strlen(argv[i + 1]));
+            i++;
+        } else if (strncmp(argv[i], flag, sizeof flag - 1) == 0 &&
+                   argv[i][sizeof flag - 1] == '=') {
+            char *v = argv[i] + sizeof flag;
+            memset(v, 0, strlen(v));
+        }
+    }
+}
+
 /* The moonbox binary: finds the Lua library (exit 2 with a hint if it cannot), makes the main
  * state (mb_main_state), puts the library and the C-module directory first on package.path and
  * package.cpath, installs the bytecode searcher and the moonbox.build facts table, then calls
@@ -223,6 +242,7 @@ int main(int argc, char **argv)
         lua_pushstring(L, argv[i]);
         lua_rawseti(L, -2, i);
     }
+    wipe_secrets(argc, argv);
     if (lua_pcall(L, 1, 1, 1) != LUA_OK) {
         fprintf(stderr, "moonbox: internal error: %s\n", lua_tostring(L, -1));
         code = 1;

@@ -20,17 +20,23 @@
 
 #include <errno.h>
 #include <dirent.h>
+#include <endian.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mount.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
+
+#include <linux/btrfs.h>
 
 #define CALL_MT "moonbox.sys.Call"
 #define LOCK_MT "moonbox.sys.Lock"
@@ -295,6 +301,186 @@ static int l_listdir(lua_State *L)
     return 1;
 }
 
+/* ---- the sandbox disk: statvfs, btrfs subvolumes and quota groups ---------------------------- */
+
+/* sys.statvfs(path) -> {size, free, avail, files, files_free}: the filesystem holding path, in
+ * bytes (avail: what an unprivileged writer may still use) and inodes. Raises (op
+ * "sys.statvfs") naming path. Inline: one statfs. Does not yield. */
+static int l_statvfs(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    struct statvfs sv;
+    if (statvfs(path, &sv) != 0)
+        return raise_errno(L, "sys.statvfs", errno, path, "cannot stat the filesystem of %s", path);
+    lua_createtable(L, 0, 5);
+    mb_setfield_int(L, -1, "size", (lua_Integer)(sv.f_blocks * sv.f_frsize));
+    mb_setfield_int(L, -1, "free", (lua_Integer)(sv.f_bfree * sv.f_frsize));
+    mb_setfield_int(L, -1, "avail", (lua_Integer)(sv.f_bavail * sv.f_frsize));
+    mb_setfield_int(L, -1, "files", (lua_Integer)sv.f_files);
+    mb_setfield_int(L, -1, "files_free", (lua_Integer)sv.f_ffree);
+    return 1;
+}
+
+/* sys.file_blocks(path) -> bytes allocated to file path (st_blocks * 512; a sparse file's
+ * real cost). Raises (op "sys.file_blocks") naming path. Does not yield. */
+static int l_file_blocks(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return raise_errno(L, "sys.file_blocks", errno, path, "cannot stat %s", path);
+    lua_pushinteger(L, (lua_Integer)st.st_blocks * 512);
+    lua_pushinteger(L, (lua_Integer)st.st_size);
+    return 2;
+}
+
+/* Opens path as a directory (O_RDONLY|O_DIRECTORY|O_CLOEXEC) or raises as op. */
+static int open_dir(lua_State *L, const char *op, const char *path)
+{
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) raise_errno(L, op, errno, path, "cannot open directory %s", path);
+    return fd;
+}
+
+/* sys.btrfs_subvol_create(path) -> true. Creates path (its parent must exist, on btrfs) as a new
+ * btrfs subvolume: a directory with its own quota group. Raises (op "sys.btrfs_subvol_create")
+ * exists, ... naming path. Inline: one metadata ioctl that joins the running transaction (no
+ * commit, no writeback). Does not yield. */
+static int l_btrfs_subvol_create(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    const char *slash = strrchr(path, '/');
+    if (path[0] != '/' || !slash || !slash[1])
+        return luaL_error(L, "sys.btrfs_subvol_create: path must be absolute, got '%s'", path);
+    struct btrfs_ioctl_vol_args args;
+    memset(&args, 0, sizeof args);
+    if (strlen(slash + 1) >= sizeof args.name)
+        return raise_errno(L, "sys.btrfs_subvol_create", ENAMETOOLONG, path, "cannot create %s",
+                           path);
+    strcpy(args.name, slash + 1);
+    char parent[PATH_MAX];
+    size_t plen = (size_t)(slash - path);
+    if (plen == 0) plen = 1;
+    if (plen >= sizeof parent)
+        return raise_errno(L, "sys.btrfs_subvol_create", ENAMETOOLONG, path, "cannot create %s",
+                           path);
+    memcpy(parent, path, plen);
+    parent[plen] = '\0';
+    int fd = open_dir(L, "sys.btrfs_subvol_create", parent);
+    int rc = ioctl(fd, BTRFS_IOC_SUBVOL_CREATE, &args);
+    int e = errno;
+    close(fd);
+    if (rc != 0)
+        return raise_errno(L, "sys.btrfs_subvol_create", e, path, "cannot create the subvolume %s",
+                           path);
+    lua_pushboolean(L, 1);
+    return 1;
+}
+
+/* sys.btrfs_quota_enable(mountpoint) -> "simple" | "qgroups". Turns on quota accounting of the
+ * btrfs filesystem at mountpoint: simple quotas (Linux 6.7+: each extent is charged to the
+ * subvolume that wrote it, no backref walks) where the kernel has them, else full quota groups.
+ * A no-op when it is on already. Raises (op "sys.btrfs_quota_enable") naming mountpoint. Inline
+ * but slow (it commits a transaction): for a backend's start only. Does not yield. */
+static int l_btrfs_quota_enable(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    int fd = open_dir(L, "sys.btrfs_quota_enable", path);
+    struct btrfs_ioctl_quota_ctl_args q;
+    memset(&q, 0, sizeof q);
+    q.cmd = 4; /* BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA */
+    const char *kind = "simple";
+    int rc = ioctl(fd, BTRFS_IOC_QUOTA_CTL, &q);
+    if (rc != 0 && errno == EINVAL) {
+        q.cmd = BTRFS_QUOTA_CTL_ENABLE;
+        kind = "qgroups";
+        rc = ioctl(fd, BTRFS_IOC_QUOTA_CTL, &q);
+    }
+    int e = errno;
+    close(fd);
+    if (rc != 0)
+        return raise_errno(L, "sys.btrfs_quota_enable", e, path, "cannot enable quotas on %s",
+                           path);
+    lua_pushstring(L, kind);
+    return 1;
+}
+
+/* sys.btrfs_qgroup_limit(subvol, bytes) -> true. Limits what the subvolume at path may hold to
+ * bytes (0: no limit); a write past it fails with EDQUOT ("Disk quota exceeded"). Raises (op
+ * "sys.btrfs_qgroup_limit") naming path. Inline: one metadata ioctl joining the running
+ * transaction. Does not yield. */
+static int l_btrfs_qgroup_limit(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    lua_Integer bytes = luaL_checkinteger(L, 2);
+    if (bytes < 0) return luaL_error(L, "sys.btrfs_qgroup_limit: bytes must be >= 0");
+    int fd = open_dir(L, "sys.btrfs_qgroup_limit", path);
+    struct btrfs_ioctl_qgroup_limit_args a;
+    memset(&a, 0, sizeof a);
+    a.qgroupid = 0; /* the subvolume of fd */
+    a.lim.flags = BTRFS_QGROUP_LIMIT_MAX_RFER | BTRFS_QGROUP_LIMIT_MAX_EXCL;
+    a.lim.max_rfer = a.lim.max_excl = bytes ? (uint64_t)bytes : UINT64_MAX;
+    int rc = ioctl(fd, BTRFS_IOC_QGROUP_LIMIT, &a);
+    int e = errno;
+    close(fd);
+    if (rc != 0)
+        return raise_errno(L, "sys.btrfs_qgroup_limit", e, path, "cannot set the quota of %s",
+                           path);
+    lua_pushboolean(L, 1);
+    return 1;
+}
+
+/* sys.btrfs_qgroup(subvol) -> used, limit: the bytes the btrfs subvolume at path holds (its
+ * quota group's referenced bytes, as of the last commit) and may hold (nil: no limit). Raises (op
+ * "sys.btrfs_qgroup") naming path. Inline: two metadata ioctls reading cached btree pages
+ * (runtime/host_fs.c). Does not yield. */
+static int l_btrfs_qgroup(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    uint64_t used, limit;
+    int e = host_fs_qgroup(path, &used, &limit);
+    if (e) return raise_errno(L, "sys.btrfs_qgroup", e, path, "cannot read the quota of %s", path);
+    lua_pushinteger(L, (lua_Integer)used);
+    if (limit == UINT64_MAX)
+        lua_pushnil(L);
+    else
+        lua_pushinteger(L, (lua_Integer)limit);
+    return 2;
+}
+
+/* sys.room(path) -> bytes a write under path can still take: the filesystem's available space,
+ * and no more than its quota allows when path is a btrfs subvolume with a limit (the check the
+ * HTTP server makes before an upload's body, runtime/host_fs.c). Raises (op "sys.room") naming
+ * path. Inline: a statfs and two metadata ioctls. Does not yield. */
+static int l_room(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    uint64_t room;
+    int e = host_fs_room(path, &room);
+    if (e) return raise_errno(L, "sys.room", e, path, "cannot stat the filesystem of %s", path);
+    lua_pushinteger(L, (lua_Integer)room);
+    return 1;
+}
+
+/* sys.btrfs_start_sync(path) -> true. Asks the btrfs filesystem holding path to commit its
+ * running transaction, without waiting for it: space freed by a deletion is back (and counted
+ * in statvfs and the quota groups) once the commit is done, not at the next 30 s commit.
+ * Raises (op "sys.btrfs_start_sync") naming path. Inline: it only starts the commit. Does not
+ * yield. */
+static int l_btrfs_start_sync(lua_State *L)
+{
+    const char *path = luaL_checkstring(L, 1);
+    int fd = open_dir(L, "sys.btrfs_start_sync", path);
+    uint64_t transid = 0;
+    int rc = ioctl(fd, BTRFS_IOC_START_SYNC, &transid);
+    int e = errno;
+    close(fd);
+    if (rc != 0)
+        return raise_errno(L, "sys.btrfs_start_sync", e, path, "cannot start a commit of %s", path);
+    lua_pushboolean(L, 1);
+    return 1;
+}
+
 /* ---- jobs on a worker thread: umount, remove_tree ------------------------------------------- */
 
 enum { JOB_UMOUNT, JOB_REMOVE_TREE };
@@ -443,11 +629,24 @@ static const luaL_Reg lock_methods[] = {
 };
 
 static const luaL_Reg sys_functions[] = {
-    {"mkdir_p", l_mkdir_p},   {"mount_overlay", l_mount_overlay},
-    {"kill", l_kill},         {"listdir", l_listdir},
-    {"getcwd", l_getcwd},     {"setenv", l_setenv},
-    {"umount", l_umount},     {"remove_tree", l_remove_tree},
-    {"try_lock", l_try_lock}, {NULL, NULL},
+    {"mkdir_p", l_mkdir_p},
+    {"mount_overlay", l_mount_overlay},
+    {"kill", l_kill},
+    {"listdir", l_listdir},
+    {"getcwd", l_getcwd},
+    {"setenv", l_setenv},
+    {"umount", l_umount},
+    {"remove_tree", l_remove_tree},
+    {"try_lock", l_try_lock},
+    {"statvfs", l_statvfs},
+    {"file_blocks", l_file_blocks},
+    {"btrfs_subvol_create", l_btrfs_subvol_create},
+    {"btrfs_quota_enable", l_btrfs_quota_enable},
+    {"btrfs_qgroup_limit", l_btrfs_qgroup_limit},
+    {"btrfs_qgroup", l_btrfs_qgroup},
+    {"room", l_room},
+    {"btrfs_start_sync", l_btrfs_start_sync},
+    {NULL, NULL},
 };
 
 int luaopen_moonbox_sys(lua_State *L)

@@ -16,6 +16,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <endian.h>
+#include <linux/btrfs.h>
+#include <linux/btrfs_tree.h>
+#include <linux/magic.h>
+#include <sys/ioctl.h>
+#include <sys/vfs.h>
+
 /* Directory levels whose open stream is kept while their children are removed; deeper ones
  * are closed on the way down and scanned again on the way up (only what is left, since every
  * entry seen was removed). A tree of any depth is removed with at most this many descriptors. */
@@ -282,4 +289,68 @@ int host_fs_umount(const char *target, int detach_fallback, int *how)
         return 0;
     }
     return first;
+}
+
+/* ---- room: free space and btrfs quota groups ----------------------------------------------- */
+
+int host_fs_qgroup(const char *path, uint64_t *used, uint64_t *limit)
+{
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return errno;
+    struct btrfs_ioctl_ino_lookup_args il;
+    memset(&il, 0, sizeof il);
+    il.objectid = BTRFS_FIRST_FREE_OBJECTID;
+    if (ioctl(fd, BTRFS_IOC_INO_LOOKUP, &il) != 0) {
+        int e = errno;
+        close(fd);
+        return e;
+    }
+    /* The quota tree's items of qgroup 0/treeid: INFO (generation, rfer, ...) then LIMIT
+     * (flags, max_rfer, ...), keyed (0, type, qgroupid). */
+    struct btrfs_ioctl_search_args sa;
+    memset(&sa, 0, sizeof sa);
+    sa.key.tree_id = BTRFS_QUOTA_TREE_OBJECTID;
+    sa.key.min_type = BTRFS_QGROUP_INFO_KEY;
+    sa.key.max_type = BTRFS_QGROUP_LIMIT_KEY;
+    sa.key.min_offset = sa.key.max_offset = il.treeid;
+    sa.key.max_transid = UINT64_MAX;
+    sa.key.nr_items = 4;
+    int rc = ioctl(fd, BTRFS_IOC_TREE_SEARCH, &sa);
+    int e = errno;
+    close(fd);
+    if (rc != 0) return e;
+    *used = 0;
+    *limit = UINT64_MAX;
+    size_t off = 0;
+    for (uint32_t i = 0; i < sa.key.nr_items; i++) {
+        struct btrfs_ioctl_search_header h;
+        if (off + sizeof h > sizeof sa.buf) break;
+        memcpy(&h, sa.buf + off, sizeof h);
+        off += sizeof h;
+        if (off + h.len > sizeof sa.buf) break;
+        uint64_t v[2];
+        if (h.len >= sizeof v && h.offset == il.treeid) {
+            memcpy(v, sa.buf + off, sizeof v);
+            if (h.type == BTRFS_QGROUP_INFO_KEY) *used = le64toh(v[1]);
+            if (h.type == BTRFS_QGROUP_LIMIT_KEY && (le64toh(v[0]) & BTRFS_QGROUP_LIMIT_MAX_RFER))
+                *limit = le64toh(v[1]);
+        }
+        off += h.len;
+    }
+    return 0;
+}
+
+int host_fs_room(const char *path, uint64_t *room)
+{
+    struct statfs sf;
+    if (statfs(path, &sf) != 0) return errno;
+    uint64_t avail = (uint64_t)sf.f_bavail * (uint64_t)sf.f_bsize;
+    uint64_t used, limit;
+    if ((unsigned long)sf.f_type == BTRFS_SUPER_MAGIC && host_fs_qgroup(path, &used, &limit) == 0 &&
+        limit != UINT64_MAX) {
+        uint64_t left = used < limit ? limit - used : 0;
+        if (left < avail) avail = left;
+    }
+    *room = avail;
+    return 0;
 }

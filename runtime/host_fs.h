@@ -10,6 +10,7 @@
 #define MOONBOX_HOST_FS_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 /* host_fs_remove_tree flag: make a directory the owner may not enter or empty 0700 first (trees
@@ -47,5 +48,16 @@ int host_fs_mount_overlay(const char *source, const char *target, int readonly,
  * `umount || umount -l`). Returns 0 with *how 1 (unmounted) or 2 (detached), or the errno of
  * the plain unmount. */
 int host_fs_umount(const char *target, int detach_fallback, int *how);
+
+/* What the quota group of the btrfs subvolume at path holds (used, bytes) and may hold (limit,
+ * bytes; UINT64_MAX when unlimited). Returns 0, or an errno (ENOTTY/EINVAL: not btrfs, or quotas
+ * off). Two metadata ioctls reading cached btree pages: fine on the loop thread. */
+int host_fs_qgroup(const char *path, uint64_t *used, uint64_t *limit);
+
+/* The bytes a write under path can still take: the filesystem's available space (statvfs
+ * f_bavail) and, when path is a btrfs subvolume with a quota limit, no more than that limit
+ * less what it holds. Returns 0, or the errno of statvfs. A statfs and at most two metadata
+ * ioctls: fine on the loop thread (the HTTP server asks it before reading an upload's body). */
+int host_fs_room(const char *path, uint64_t *room);
 
 #endif

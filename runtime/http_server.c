@@ -18,6 +18,7 @@
  */
 #include "http_server.h"
 
+#include "host_fs.h"
 #include "jsonq.h"
 
 #include <microhttpd.h>
@@ -75,12 +76,15 @@ typedef struct hs_route {
     int auth;         /* enum hs_auth_mode */
     char *auth_scope; /* HS_AUTH_TOKEN: the scope tokens must be bound to */
     int handler_id;
+    int space_check; /* HS_BODY_FILE: refuse a declared length that does not fit (507) */
+    char *space_dir; /* and check the room of space_dir/<:id> too */
 } hs_route;
 
 /* A connect token: which sandbox (":id" capture) and scope it opens, until when. */
 typedef struct hs_token {
     char *token, *id, *scope;
     double expires; /* ev_now() time */
+    int used;       /* a request has passed the gate with it: it opens nothing more */
     struct hs_token *next;
 } hs_token;
 
@@ -130,6 +134,8 @@ struct hs_request {
     char *target;
     char *path;
     char *method;
+    const char *uri_end;    /* in MHD's buffer: where the raw target's C string ended */
+    const char *bad_target; /* why the raw target is refused, or NULL */
     char remote[INET6_ADDRSTRLEN];
     hs_pair *headers;
     size_t nheaders;
@@ -371,6 +377,7 @@ static void hs_route_free(hs_route *rt)
     free(rt->method);
     free(rt->upload_dir);
     free(rt->auth_scope);
+    free(rt->space_dir);
 }
 
 /* Parses pattern into rt's segments. Returns HS_OK or HS_ERR_INVALID/HS_ERR_NOMEM. */
@@ -496,6 +503,50 @@ int hs_server_add_route(hs_server *s, const char *method, const char *pattern, i
     return HS_OK;
 }
 
+int hs_server_route_space(hs_server *s, const char *space_dir)
+{
+    if (s->nroutes == 0 || s->routes[s->nroutes - 1].body_mode != HS_BODY_FILE)
+        return HS_ERR_INVALID;
+    hs_route *rt = &s->routes[s->nroutes - 1];
+    char *d = space_dir ? strdup(space_dir) : NULL;
+    if (space_dir && !d) return HS_ERR_NOMEM;
+    free(rt->space_dir);
+    rt->space_dir = d;
+    rt->space_check = 1;
+    return HS_OK;
+}
+
+/* Whether a file body of declared bytes fits where it goes (hs_server_route_space): the upload
+ * directory's free space, then the room of the sandbox its ":id" names. 0, or 507 with msg
+ * (no host path in it). */
+static unsigned hs_space_refusal(hs_server *s, const hs_route *rt, hs_request *r,
+                                 unsigned long long declared, char *msg, size_t cap)
+{
+    const char *dir = rt->upload_dir ? rt->upload_dir : s->upload_dir;
+    uint64_t room;
+    if (host_fs_room(dir, &room) == 0 && declared > room) {
+        snprintf(msg, cap,
+                 "the upload of %llu bytes does not fit: the backend has %llu bytes of disk left "
+                 "for uploads; nothing was read",
+                 declared, (unsigned long long)room);
+        return 507;
+    }
+    const char *id = NULL;
+    for (size_t i = 0; i < r->ncaptures; i++)
+        if (strcmp(r->captures[i].name, "id") == 0) id = r->captures[i].value;
+    if (!rt->space_dir || !id || strchr(id, '/') || id[0] == '.') return 0;
+    char path[PATH_MAX];
+    if ((size_t)snprintf(path, sizeof path, "%s/%s", rt->space_dir, id) >= sizeof path) return 0;
+    if (host_fs_room(path, &room) == 0 && declared > room) {
+        snprintf(msg, cap,
+                 "the upload of %llu bytes does not fit: sandbox %s has %llu bytes of its disk "
+                 "left; nothing was read",
+                 declared, id, (unsigned long long)room);
+        return 507;
+    }
+    return 0;
+}
+
 /* ---- authentication before the body ------------------------------------------------------------
  */
 
@@ -615,7 +666,7 @@ static unsigned hs_check_auth(hs_server *s, const hs_route *rt, hs_request *r, c
         snprintf(msg, len, "unauthorized: send Authorization: Bearer <RENDER_API_KEY>");
         return MHD_HTTP_UNAUTHORIZED;
     }
-    const hs_token *t = NULL;
+    hs_token *t = NULL;
     if (b)
         for (t = s->tokens[hs_token_hash(tok)]; t; t = t->next)
             if (hs_same_secret(t->token, tok)) break;
@@ -634,6 +685,14 @@ static unsigned hs_check_auth(hs_server *s, const hs_route *rt, hs_request *r, c
         snprintf(msg, len, "this connect token is for another sandbox or operation");
         return MHD_HTTP_FORBIDDEN;
     }
+    if (t->used) {
+        snprintf(msg, len,
+                 "this connect token was used already: a token opens its endpoint once; mint a "
+                 "new one");
+        return MHD_HTTP_FORBIDDEN;
+    }
+    /* Single use: the first request through the gate spends it, whatever the handler does. */
+    t->used = 1;
     return 0;
 }
 
@@ -753,6 +812,12 @@ static void *hs_uri_cb(void *cls, const char *uri, struct MHD_Connection *conn)
         free(r);
         return NULL;
     }
+    r->uri_end = uri + strlen(uri);
+    for (const char *c = uri; *c; c++)
+        if ((unsigned char)*c <= 0x20 || *c == 0x7f) {
+            r->bad_target = "the request target holds a space or a control byte";
+            break;
+        }
     r->srv = s;
     r->conn = conn;
     r->refs = 1;
@@ -797,6 +862,227 @@ static enum MHD_Result hs_copy_header(void *cls, enum MHD_ValueKind kind, const 
     return MHD_YES;
 }
 
+/* ---- framing: what is refused before any handler ------------------------------------------- */
+
+/* One header as MHD parsed it: pointers into its read buffer (0.9.75) or elsewhere. */
+#define HS_MAX_HEADERS_CHECKED 256
+
+typedef struct hs_raw_header {
+    const char *k, *v;
+    size_t kn, vn;
+} hs_raw_header;
+
+typedef struct hs_raw_headers {
+    hs_raw_header *h;
+    size_t n, cap;
+} hs_raw_headers;
+
+static enum MHD_Result hs_collect_header(void *cls, enum MHD_ValueKind kind, const char *key,
+                                         size_t key_size, const char *value, size_t value_size)
+{
+    hs_raw_headers *rh = (hs_raw_headers *)cls;
+    (void)kind;
+    if (rh->n < rh->cap) {
+        rh->h[rh->n].k = key ? key : "";
+        rh->h[rh->n].kn = key ? key_size : 0;
+        rh->h[rh->n].v = value ? value : "";
+        rh->h[rh->n].vn = value ? value_size : 0;
+        rh->n++;
+    }
+    return MHD_YES;
+}
+
+/* value without the spaces and tabs around it, as (p, n). */
+static void hs_trim(const char *v, size_t n, const char **p, size_t *len)
+{
+    while (n && (*v == ' ' || *v == '\t'))
+        v++, n--;
+    while (n && (v[n - 1] == ' ' || v[n - 1] == '\t'))
+        n--;
+    *p = v;
+    *len = n;
+}
+
+static int hs_name_is(const hs_raw_header *h, const char *name)
+{
+    return h->kn == strlen(name) && strncasecmp(h->k, name, h->kn) == 0;
+}
+
+/* Whether the bytes [a, b) are all NUL, spaces or tabs, and how many NULs they hold. */
+static int hs_only_gap(const char *a, const char *b, size_t *nuls)
+{
+    *nuls = 0;
+    for (const char *c = a; c < b; c++) {
+        if (*c == '\0')
+            (*nuls)++;
+        else if (*c != ' ' && *c != '\t')
+            return 0;
+    }
+    return 1;
+}
+
+/* Checks the request's framing and header bytes before any handler sees it (RFC 9112 §6.1, §6.3;
+ * docs/reference/httpd.md, "Framing"). MHD 0.9.75 hands header values over NUL-terminated, so a
+ * NUL inside one would cut it short unseen: where the header block is still MHD's read buffer
+ * (method .. method + header size, line ends and the colons overwritten with NULs), what lies
+ * between one field's value and the next field's name must be line ends only. Returns 0, or the
+ * status (400, 501) with a message in msg and Render's error code in *code. */
+static unsigned hs_framing_fault(hs_request *r, struct MHD_Connection *conn, const char *method,
+                                 const char *version, char *msg, size_t len, const char **code)
+{
+    *code = "invalid_request";
+    if (r->bad_target) {
+        snprintf(msg, len, "%s", r->bad_target);
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    /* The target's C string must end where MHD put the NUL before the version: an earlier end
+     * is a NUL byte inside the target. */
+    const union MHD_ConnectionInfo *hi =
+        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    const char *blk = method, *blk_end = hi ? method + hi->header_size : NULL;
+    int in_buffer = blk_end && version > blk && version < blk_end;
+    if (in_buffer && r->uri_end && r->uri_end + 1 != version) {
+        snprintf(msg, len, "the request target holds a NUL byte");
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    int n = MHD_get_connection_values_n(conn, MHD_HEADER_KIND, NULL, NULL);
+    hs_raw_header hb[HS_MAX_HEADERS_CHECKED];
+    hs_raw_headers rh = {hb, 0, HS_MAX_HEADERS_CHECKED};
+    if (n > 0) MHD_get_connection_values_n(conn, MHD_HEADER_KIND, hs_collect_header, &rh);
+    if (n > (int)rh.cap) {
+        snprintf(msg, len, "the request has %d header fields, more than the %zu accepted", n,
+                 rh.cap);
+        return MHD_HTTP_REQUEST_HEADER_FIELDS_TOO_LARGE;
+    }
+    const char *prev_end = in_buffer ? version + strlen(version) : NULL;
+    int ncl = 0, nte = 0, cl_bad = 0, nhost = 0;
+    char te[256];
+    size_t telen = 0;
+    for (size_t i = 0; i < rh.n; i++) {
+        const hs_raw_header *h = &rh.h[i];
+        if (h->kn == 0) {
+            snprintf(msg, len, "a header field has an empty name");
+            return MHD_HTTP_BAD_REQUEST;
+        }
+        for (size_t k = 0; k < h->kn; k++)
+            if (!hs_is_tchar((unsigned char)h->k[k])) {
+                snprintf(msg, len, "header field name %.*s holds a byte a name may not hold",
+                         (int)(h->kn > 64 ? 64 : h->kn), h->k);
+                return MHD_HTTP_BAD_REQUEST;
+            }
+        for (size_t k = 0; k < h->vn; k++) {
+            unsigned char c = (unsigned char)h->v[k];
+            if ((c < 0x20 && c != '\t') || c == 0x7f) {
+                snprintf(msg, len, "header field %.*s holds a control byte",
+                         (int)(h->kn > 64 ? 64 : h->kn), h->k);
+                return MHD_HTTP_BAD_REQUEST;
+            }
+        }
+        if (in_buffer) {
+            size_t nuls;
+            int inside = h->k >= blk && h->k < blk_end && h->v >= blk && h->v <= blk_end;
+            /* A folded line (obs-fold) makes MHD copy the field elsewhere or leaves its
+             * continuation between this field and the one before. */
+            if (!inside || !prev_end || !hs_only_gap(prev_end, h->k, &nuls) || nuls < 1 ||
+                nuls > 2 || h->k[h->kn] != '\0' || !hs_only_gap(h->k + h->kn + 1, h->v, &nuls) ||
+                nuls) {
+                snprintf(msg, len,
+                         "header field %.*s is malformed: a NUL byte, a bare CR or a folded "
+                         "line (obs-fold) in the header block",
+                         (int)(h->kn > 64 ? 64 : h->kn), h->k);
+                return MHD_HTTP_BAD_REQUEST;
+            }
+            prev_end = h->v + h->vn;
+        }
+        if (hs_name_is(h, "Host")) {
+            nhost++;
+        } else if (hs_name_is(h, "Content-Length")) {
+            ncl++;
+            const char *p;
+            size_t pn;
+            hs_trim(h->v, h->vn, &p, &pn);
+            if (pn == 0 || pn > 19) cl_bad = 1;
+            for (size_t k = 0; k < pn; k++)
+                if (p[k] < '0' || p[k] > '9') cl_bad = 1;
+        } else if (hs_name_is(h, "Transfer-Encoding")) {
+            nte++;
+            if (telen + h->vn + 2 >= sizeof te) {
+                snprintf(msg, len, "Transfer-Encoding is too long");
+                return MHD_HTTP_BAD_REQUEST;
+            }
+            if (telen) te[telen++] = ',';
+            memcpy(te + telen, h->v, h->vn);
+            telen += h->vn;
+        }
+    }
+    if (in_buffer && prev_end) {
+        size_t nuls;
+        if (!hs_only_gap(prev_end, blk_end, &nuls) || nuls > 4) {
+            snprintf(msg, len,
+                     "the header block is malformed: a NUL byte, a bare CR or a folded line "
+                     "(obs-fold) after the last field");
+            return MHD_HTTP_BAD_REQUEST;
+        }
+    }
+    if (nhost > 1) {
+        snprintf(msg, len,
+                 "the request has %d Host fields; send exactly one (RFC 9112 section 3.2)", nhost);
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    if (ncl && nte) {
+        snprintf(msg, len,
+                 "the request has both Content-Length and Transfer-Encoding: its end is "
+                 "ambiguous (RFC 9112 section 6.1); send one of them");
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    if (ncl > 1) {
+        snprintf(msg, len, "the request has %d Content-Length fields; send exactly one", ncl);
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    if (cl_bad) {
+        snprintf(msg, len, "Content-Length must be a decimal number of bytes");
+        return MHD_HTTP_BAD_REQUEST;
+    }
+    if (nte) {
+        /* The only coding accepted is chunked, alone: anything else is not implemented (501),
+         * and chunked anywhere but last, or twice, leaves the end unknown (400). */
+        te[telen] = '\0';
+        int nchunked = 0, other = 0, last_chunked = 0;
+        char *save = NULL;
+        for (char *tok = strtok_r(te, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+            const char *p;
+            size_t pn;
+            hs_trim(tok, strlen(tok), &p, &pn);
+            if (pn == 0) continue;
+            last_chunked = pn == 7 && strncasecmp(p, "chunked", 7) == 0;
+            if (last_chunked)
+                nchunked++;
+            else
+                other++;
+        }
+        if (other) {
+            *code = "unsupported_transfer_coding";
+            snprintf(msg, len,
+                     "Transfer-Encoding names a coding this server does not implement: only "
+                     "chunked is");
+            return MHD_HTTP_NOT_IMPLEMENTED;
+        }
+        if (nchunked != 1 || !last_chunked) {
+            snprintf(msg, len, "Transfer-Encoding must be chunked, once");
+            return MHD_HTTP_BAD_REQUEST;
+        }
+    }
+    return 0;
+}
+
+/* Whether the decoded capture v[0..n) holds a NUL or another control byte. */
+static int hs_has_control(const char *v, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)v[i] < 0x20 || v[i] == 0x7f) return 1;
+    return 0;
+}
+
 /* Queues an answer made here (not by the handler): JSON {"message": msg}, optionally one more
  * header. Only valid in the access handler with no answer queued yet. */
 static enum MHD_Result hs_answer_now(hs_request *r, unsigned status, const char *msg,
@@ -814,6 +1100,27 @@ static enum MHD_Result hs_answer_now(hs_request *r, unsigned status, const char 
     r->responded = 1;
     hs_body_file_remove(r);
     hs_request_drop_body(r);
+    return ret;
+}
+
+/* Queues a refusal of the request's framing: {"message", "code"} and Connection: close, so
+ * that nothing after it on the connection is read as a request. First handler call only. */
+static enum MHD_Result hs_answer_framing(hs_request *r, unsigned status, const char *code,
+                                         const char *msg)
+{
+    char body[4096]; /* jsonq_message keeps msg whole when cap is six times its length */
+    size_t blen = jsonq_message(body, sizeof body - 64, msg, strlen(msg));
+    if (blen && body[blen - 1] == '}')
+        blen = blen - 1 +
+               (size_t)snprintf(body + blen - 1, sizeof body - blen + 1, ",\"code\":\"%s\"}", code);
+    struct MHD_Response *resp = MHD_create_response_from_buffer(blen, body, MHD_RESPMEM_MUST_COPY);
+    if (!resp) return MHD_NO;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
+    enum MHD_Result ret = MHD_queue_response(r->conn, status, resp);
+    MHD_destroy_response(resp);
+    r->phase = PH_REJECTED;
+    r->responded = 1;
     return ret;
 }
 
@@ -860,7 +1167,7 @@ static int hs_body_to_drain(struct MHD_Connection *conn)
 /* The first access-handler call: headers are complete. Copies what the handler will read,
  * routes, and decides the body's fate before any of it is read. */
 static enum MHD_Result hs_begin(hs_server *s, hs_request *r, struct MHD_Connection *conn,
-                                const char *method)
+                                const char *method, const char *version)
 {
     char msg[600];
     r->method = strdup(method ? method : "");
@@ -889,6 +1196,12 @@ static enum MHD_Result hs_begin(hs_server *s, hs_request *r, struct MHD_Connecti
     r->view.headers = r->headers;
     r->view.nheaders = r->nheaders;
     s->stats.requests++;
+    const char *code;
+    unsigned bad = hs_framing_fault(r, conn, method, version, msg, sizeof msg, &code);
+    if (bad) {
+        s->stats.rejected_framing++;
+        return hs_answer_framing(r, bad, code, msg);
+    }
 
     hs_span caps[HS_MAX_CAPTURES], rest = {NULL, 0};
     char allow[256];
@@ -908,19 +1221,30 @@ static enum MHD_Result hs_begin(hs_server *s, hs_request *r, struct MHD_Connecti
         if (!rt->segs[i].capture) continue;
         char *v = (char *)malloc(caps[k].n + 1);
         if (!v) return MHD_NO;
-        hs_percent_decode(caps[k].p, caps[k].n, v, 0);
+        size_t vn = hs_percent_decode(caps[k].p, caps[k].n, v, 0);
         r->captures[r->ncaptures].name = rt->segs[i].text;
         r->captures[r->ncaptures].value = v;
         r->ncaptures++;
         k++;
+        if (hs_has_control(v, vn)) {
+            s->stats.rejected_framing++;
+            snprintf(msg, sizeof msg, "path segment :%s holds a NUL or another control byte",
+                     rt->segs[i].text);
+            return hs_answer_framing(r, MHD_HTTP_BAD_REQUEST, "invalid_path", msg);
+        }
     }
     if (rt->rest) {
         char *v = (char *)malloc(rest.n + 1);
         if (!v) return MHD_NO;
-        hs_percent_decode(rest.p, rest.n, v, 0);
+        size_t vn = hs_percent_decode(rest.p, rest.n, v, 0);
         r->captures[r->ncaptures].name = "rest";
         r->captures[r->ncaptures].value = v;
         r->ncaptures++;
+        if (hs_has_control(v, vn)) {
+            s->stats.rejected_framing++;
+            return hs_answer_framing(r, MHD_HTTP_BAD_REQUEST, "invalid_path",
+                                     "the path holds a NUL or another control byte");
+        }
     }
     r->view.captures = r->captures;
     r->view.ncaptures = r->ncaptures;
@@ -958,6 +1282,10 @@ static enum MHD_Result hs_begin(hs_server *s, hs_request *r, struct MHD_Connecti
         snprintf(msg, sizeof msg, "request body of %llu bytes exceeds the limit of %zu bytes",
                  declared, r->max_body);
         return hs_answer_now(r, MHD_HTTP_CONTENT_TOO_LARGE, msg, NULL, NULL);
+    }
+    if (have_length && rt->space_check) {
+        unsigned full = hs_space_refusal(s, rt, r, declared, msg, sizeof msg);
+        if (full) return hs_answer_now(r, full, msg, NULL, NULL);
     }
     if (rt->body_mode == HS_BODY_FILE) {
         const char *dir = rt->upload_dir ? rt->upload_dir : s->upload_dir;
@@ -1036,6 +1364,12 @@ static enum MHD_Result hs_complete(hs_server *s, hs_request *r, struct MHD_Conne
         snprintf(msg, sizeof msg, "request body exceeds the limit of %zu bytes", r->max_body);
         return hs_answer_now(r, MHD_HTTP_CONTENT_TOO_LARGE, msg, NULL, NULL);
     }
+    if (r->store_errno == ENOSPC || r->store_errno == EDQUOT) {
+        snprintf(msg, sizeof msg,
+                 "the backend's disk is full: the request body could not be "
+                 "stored; nothing was written");
+        return hs_answer_now(r, 507, msg, NULL, NULL);
+    }
     if (r->store_errno) {
         snprintf(msg, sizeof msg, "cannot store the request body: %s", strerror(r->store_errno));
         return hs_answer_now(r, MHD_HTTP_INTERNAL_SERVER_ERROR, msg, NULL, NULL);
@@ -1068,11 +1402,10 @@ static enum MHD_Result hs_access_cb(void *cls, struct MHD_Connection *conn, cons
     hs_server *s = (hs_server *)cls;
     hs_request *r = (hs_request *)*req_cls;
     (void)url;
-    (void)version;
     if (!r) return MHD_NO; /* the URI callback ran out of memory */
     switch (r->phase) {
     case PH_NEW:
-        return hs_begin(s, r, conn, method);
+        return hs_begin(s, r, conn, method, version);
     case PH_BODY:
         if (*upload_data_size > 0) {
             hs_take_body(s, r, upload_data, *upload_data_size);

@@ -106,13 +106,14 @@ typedef struct hs_request_view {
 } hs_request_view;
 
 typedef struct hs_stats {
-    uint64_t requests;       /* requests routed since start */
-    unsigned active;         /* requests in flight on connections now */
-    unsigned max_active;     /* the most in flight at once */
-    unsigned connections;    /* open connections now */
-    size_t peak_body_bytes;  /* the largest in-memory body buffer allocated */
-    uint64_t rejected_large; /* 413 answers */
-    uint64_t rejected_auth;  /* 401/403 answers given before the body */
+    uint64_t requests;         /* requests routed since start */
+    unsigned active;           /* requests in flight on connections now */
+    unsigned max_active;       /* the most in flight at once */
+    unsigned connections;      /* open connections now */
+    size_t peak_body_bytes;    /* the largest in-memory body buffer allocated */
+    uint64_t rejected_large;   /* 413 answers */
+    uint64_t rejected_auth;    /* 401/403 answers given before the body */
+    uint64_t rejected_framing; /* 400/501 answers to requests whose framing or bytes are refused */
 } hs_stats;
 
 /* ---- servers -------------------------------------------------------------------------------- */
@@ -132,12 +133,22 @@ int hs_server_add_route(hs_server *s, const char *method, const char *pattern, i
                         size_t max_body, const char *upload_dir, int auth, const char *auth_scope,
                         int handler_id, char *err, size_t errlen);
 
+/* Makes the last route added (a HS_BODY_FILE one) refuse, with 507 before a byte of its body is
+ * read, a request whose declared Content-Length does not fit: in the upload directory's free
+ * space, or (space_dir not NULL) in the room of space_dir/<its ":id" capture> (free space and,
+ * on btrfs, that subvolume's quota: host_fs_room). A body that runs out of space while it is
+ * stored is answered 507 too. HS_OK, HS_ERR_INVALID (no route, not a file route) or
+ * HS_ERR_NOMEM. */
+int hs_server_route_space(hs_server *s, const char *space_dir);
+
 /* Sets (a copy of) the key HS_AUTH_KEY routes require; NULL lets nobody in. */
 int hs_server_set_key(hs_server *s, const char *key);
 
-/* Lets requests bearing token into HS_AUTH_TOKEN routes of scope whose ":id" capture is id,
- * for ttl seconds from now (after that they get 401 "expired" until the token is dropped).
- * Putting a token again replaces it. O(1) average (a hash table). HS_OK or HS_ERR_NOMEM. */
+/* Lets one request bearing token into HS_AUTH_TOKEN routes of scope whose ":id" capture is id,
+ * for ttl seconds from now (after that they get 401 "expired" until the token is dropped). The
+ * first request through the gate spends it: later ones get 403 "used already" (a request refused
+ * for another id or scope does not). Putting a token again replaces it (unspent). O(1) average (a
+ * hash table). HS_OK or HS_ERR_NOMEM. */
 int hs_server_token_put(hs_server *s, const char *token, const char *id, const char *scope,
                         double ttl);
 /* Forgets token (unknown tokens are ignored). */

@@ -62,7 +62,7 @@ end
 describe("moonbox local allow-list", function()
   setup(async(function()
     net = N.start()
-    eng = Engine.new { state_dir = STATE, image = image.path(), dns = net.addr }
+    eng = Engine.new { state_dir = STATE, image = image.path(), dns = net.addr, disk = false }
     local chk = eng:check()
     assert(chk.ok, "this machine cannot run sandboxes: " .. table.concat(chk.problems, "; "))
   end))
@@ -70,7 +70,7 @@ describe("moonbox local allow-list", function()
   teardown(async(function()
     for _, id in ipairs(created) do pcall(eng.terminate, eng, id) end
     if net then net:close() end
-    proc.run { "rm", "-rf", "--one-file-system", STATE }
+    L.remove_trees(STATE)
   end))
 
   describe("an exact name", function()
@@ -199,6 +199,196 @@ PY]])
       assert.matches("opened %d+", out)
       assert.are.equal("served allowed.test\n[0]", curl(id, "https://allowed.test/"))
     end))
+  end)
+
+  -- DNS a sandbox makes by hand, against a resolver that answers whatever it is asked with the
+  -- attacker's address (net.far, where nginx serves any Host): a name the gate checked must be
+  -- the name that goes upstream, so a NUL, a dot or an odd byte inside a label, or a compression
+  -- pointer, is refused at the gate and never asked; what goes upstream is the query rebuilt; an
+  -- answer counts only for the question it answers.
+  describe("a DNS query made by hand", function()
+    local evil_eng, resolver, id
+    local sentinels = 0
+
+    -- Logs every query as "query <hex>"; answers each with its own question and one A record,
+    -- net.far (argv[1]), except mismatch.wild.test, answered as if it had asked allowed.test.
+    local RESOLVER = [[
+import socket, struct, sys
+far = sys.argv[1]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((far, 53))
+print("ready", flush=True)
+def enc(name):
+    return b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+while True:
+    q, a = s.recvfrom(4096)
+    print("query", q.hex(), flush=True)
+    if len(q) < 17:
+        continue
+    off = 12
+    while off < len(q) and 0 < q[off] < 64:
+        off += q[off] + 1
+    off += 2 if off < len(q) and q[off] >= 192 else 1
+    question = q[12:off + 4]
+    if question[:-4] == enc("mismatch.wild.test"):
+        question = enc("allowed.test") + question[-4:]
+    r = q[:2] + struct.pack(">HHHHH", 0x8180, 1, 1, 0, 0) + question
+    r += b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 60, 4) + socket.inet_aton(far)
+    s.sendto(r, a)
+]]
+
+    -- Sends each hand-made query to the sandbox's resolver; prints "<case> <rcode> <addrs>" or
+    -- "<case> none" (no answer in 2 s).
+    local ASK = [[
+import random, socket, struct
+def enc(*labels):
+    return b"".join(bytes([len(l)]) + l for l in labels) + b"\0"
+cases = [
+    ("nul-exact", enc(b"allowed", b"test\0", b"evil")),
+    ("nul-last", enc(b"allowed", b"test\0")),
+    ("nul-wild", enc(b"a", b"wild", b"test\0", b"evil")),
+    ("dot-exact", enc(b"allowed.test")),
+    ("dot-wild", enc(b"x.wild", b"test")),
+    ("dot-wild-suffix", enc(b"y", b"wild.test")),
+    ("odd-byte", enc(b"allowed\xff", b"test")),
+    ("space", enc(b"a b", b"wild", b"test")),
+    ("pointer", b"\x01p\xc0\x14"),  # to offset 20, after the question
+    ("pointer-loop", b"\xc0\x0c"),
+    ("label-type", b"\x41" + b"a" * 65 + enc(b"test")),
+    ("ctl", enc(b"CTL", b"Wild", b"test")),
+    ("mismatch", enc(b"mismatch", b"wild", b"test")),
+]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(2)
+for name, qname in cases:
+    qid = random.randrange(65536)
+    ar = 1 if name == "ctl" else 0
+    q = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, ar) + qname + struct.pack(">HH", 1, 1)
+    if name == "pointer":
+        q += enc(b"wild", b"test")  # what the pointer points at, after the question
+    if name == "ctl":
+        q += b"\0" + struct.pack(">HHIH", 41, 1232, 0, 0) + b"trailing bytes"  # EDNS, then junk
+    s.sendto(q, ("10.200.0.1", 53))
+    try:
+        while True:
+            m = s.recv(4096)
+            if m[:2] == q[:2]:
+                break
+    except socket.timeout:
+        print(name, "none")
+        continue
+    rcode, qd, an = m[3] & 15, struct.unpack(">H", m[4:6])[0], struct.unpack(">H", m[6:8])[0]
+    addrs = []
+    try:
+        off = 12
+        for _ in range(qd):
+            while m[off] and m[off] < 192:
+                off += m[off] + 1
+            off += (2 if m[off] >= 192 else 1) + 4
+        for _ in range(an):
+            while m[off] and m[off] < 192:
+                off += m[off] + 1
+            off += 2 if m[off] >= 192 else 1
+            t, _, _, rdlen = struct.unpack(">HHIH", m[off:off + 10])
+            off += 10
+            if t == 1:
+                addrs.append(socket.inet_ntoa(m[off:off + 4]))
+            off += rdlen
+    except (IndexError, struct.error):
+        addrs.append("(malformed)")
+    print(name, rcode, " ".join(addrs))
+]]
+
+    -- The queries the resolver got before one the host sends it now, as byte strings. [yields]
+    local function queries_before_sentinel()
+      sentinels = sentinels + 1
+      local mark = "sentinel-" .. sentinels
+      local r = proc.run { H.PYTHON, "-c", N.DNS_QUERY, mark .. ".test", net.far }
+      assert(r.code == 0, "the resolver did not answer the sentinel: " .. r.stderr)
+      local got = {}
+      while true do
+        local line = assert(resolver.lines(), "the spec's resolver ended")
+        local hex = line:match("^query (%x+)$")
+        if hex then
+          local q = hex:gsub("%x%x", function(h) return string.char(tonumber(h, 16)) end)
+          if q:find(string.char(#mark) .. mark .. "\4test\0", 1, true) then return got end
+          got[#got + 1] = q
+        end
+      end
+    end
+
+    -- The question name of query q as "a.b.c" if it is length-prefixed labels of host-name
+    -- bytes alone, and whether q is that one question and nothing else (a rebuilt query).
+    local function question_of(q)
+      local off, labels = 13, {}
+      while true do
+        local l = q:byte(off)
+        if not l or l == 0 or l > 63 then break end
+        local label = q:sub(off + 1, off + l)
+        if not label:match("^[%w_-]+$") then return nil, false end
+        labels[#labels + 1] = label
+        off = off + 1 + l
+      end
+      local counts = { q:byte(5, 12) }
+      local clean = q:byte(off) == 0 and #q == off + 4 and
+        table.concat(counts, ",") == "0,1,0,0,0,0,0,0"
+      return table.concat(labels, "."), clean
+    end
+
+    setup(async(function()
+      local p = proc.spawn { H.IP, "netns", "exec", net.ns, H.PYTHON, "-c", RESOLVER, net.far }
+      resolver = { p = p, lines = p:lines("stdout") }
+      assert(resolver.lines() == "ready", "the spec's resolver did not start")
+      evil_eng = Engine.new { state_dir = STATE .. "-evil", image = image.path(), dns = net.far, disk = false }
+      id = "al-byhand"
+      evil_eng:create(id, { network = "allow-list", allowed = { "allowed.test", "*.wild.test" } })
+    end))
+
+    teardown(async(function()
+      if evil_eng then pcall(evil_eng.terminate, evil_eng, id) end
+      if resolver then
+        pcall(resolver.p.kill, resolver.p, "KILL")
+        pcall(resolver.p.wait, resolver.p)
+      end
+      proc.run { "rm", "-rf", "--one-file-system", STATE .. "-evil" }
+    end))
+
+    it("refuses a name with a NUL, a dot or an odd byte in a label, or a pointer, and asks " ..
+      "upstream only the rebuilt query it checked", async(function()
+        local before = {}
+        for _, host in ipairs { "allowed.test", "a.wild.test", "x.wild.test", "y.wild.test", "p.wild.test",
+          "mismatch.wild.test" } do
+          before[host] = requests_for(host)
+        end
+        local r = evil_eng:run(id, "python3 - <<'PY'\n" .. ASK .. "\nPY")
+        assert.are.equal(0, r.code, r.stderr)
+        local far = net.far
+        assert.are.equal(table.concat({
+          "nul-exact 5 ", "nul-last 5 ", "nul-wild 5 ", "dot-exact 5 ", "dot-wild 5 ", "dot-wild-suffix 5 ",
+          "odd-byte 5 ", "space 5 ", "pointer 1 ", "pointer-loop 1 ", "label-type 1 ",
+          "ctl 0 " .. far, "mismatch none", "" }, "\n"), r.stdout)
+
+        -- upstream got only the two names that passed, each as one clean question
+        local asked = {}
+        for _, q in ipairs(queries_before_sentinel()) do
+          local name, clean = question_of(q)
+          asked[#asked + 1] = tostring(name) .. (clean and "" or " (not rebuilt: " .. #q .. " bytes)")
+        end
+        table.sort(asked)
+        assert.are.same({ "ctl.wild.test", "mismatch.wild.test" }, asked)
+
+        -- and no answer of the attacker's became an address of a listed name
+        local function to_far(host)
+          local c = evil_eng:run(id, "curl -sS --max-time 10 -H 'Host: " .. host .. "' http://" .. far .. "/ 2>&1")
+          return c.stdout
+        end
+        for host in pairs(before) do
+          local pattern = "the host " .. host:gsub("%p", "%%%0") .. " was not resolved to this address"
+          assert.matches(pattern, to_far(host))
+        end
+        assert.are.equal("served ctl.wild.test\n", to_far("ctl.wild.test"))
+        for host, n in pairs(before) do assert.are.equal(n, requests_for(host), host) end
+      end))
   end)
 
   it("contrast: allow-all reaches the same servers without the gate; deny-all none", async(function()

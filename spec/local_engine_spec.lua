@@ -12,6 +12,7 @@ local httpd = require "moonbox.httpd"
 local Engine = require "moonbox.local.engine"
 local image = require "moonbox.local.image"
 local files = require "spec.support.files"
+local L = require "spec.support.local_backend"
 
 local STATE = "/tmp/moonbox-engine-spec-" .. files.run_tag()
 local IMAGE = image.path()
@@ -93,7 +94,7 @@ describe("moonbox.local.engine", function()
   teardown(async(function()
     for _, c in ipairs(created) do pcall(c.eng.terminate, c.eng, c.id) end
     pcall(eng.close, eng)
-    proc.run { "sh", "-c", 'rm -rf -- "$1" "$1"-*', "rm", STATE }
+    L.remove_trees(STATE)
   end))
 
   it("passes its own check on this machine", async(function()

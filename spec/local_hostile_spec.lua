@@ -613,7 +613,8 @@ describe("create env values", function()
     T.async(function()
       local state = proc.run({ "mktemp", "-d", "/tmp/moonbox-local-spec.XXXXXX" }).stdout:gsub("%s+$", "")
       local log = state .. "-backend.log"
-      local b = L.start { state = state, env = BACKEND_ENV, stderr = { file = log } }
+      -- A small sandbox disk: grep reads its image (sparse) whole, freed blocks included.
+      local b = L.start { state = state, env = BACKEND_ENV, stderr = { file = log }, args = { "--disk-size", "512M" } }
       local ok, err = pcall(function()
         local secret = "mbx-secret-" .. tostring(math.random(1e9)) .. "-" .. tostring(os.time())
         local sb = b:create { networkPolicy = { default = "deny-all" }, env = { PLANTED = secret } }

@@ -286,7 +286,7 @@ describe("moonbox local isolation: an attacker with root inside a sandbox", func
     for _, c in ipairs(created) do pcall(c.eng.terminate, c.eng, c.id) end
     pcall(eng.close, eng)
     for i = #cleanups, 1, -1 do pcall(cleanups[i]) end
-    proc.run { "sh", "-c", 'rm -rf --one-file-system -- "$1" "$1"-*', "rm", STATE }
+    L.remove_trees(STATE)
   end))
 
   it("has a working engine on this machine (root, helper, slirp4netns, cgroups, image)", async(function()
@@ -1083,6 +1083,74 @@ print("made")'
         local grown = hwm() - before
         assert.is_true(grown < 128 * 1024 * 1024, string.format("one list (status %d) of 20,000 entries " ..
           "grew the server by %.0f MB", status, grown / 1e6))
+      end))
+  end)
+
+  describe("the server's key and binary", function()
+    local backend
+    setup(async(function() backend = L.start() end))
+    teardown(async(function() if backend then backend:destroy() end end))
+
+    -- Starts `moonbox local` with args and env (no --api-key of L.start's); returns its process
+    -- and the RENDER_API_KEY it printed. [yields]
+    local function start_local(args, env)
+      local state = STATE .. "-key-" .. #cleanups
+      local argv = { L.BIN, "local", "--port", "0", "--state", state, "--workspace", L.WORKSPACE, env = env,
+        stderr = "inherit" }
+      for _, a in ipairs(args) do argv[#argv + 1] = a end
+      local p = proc.spawn(argv)
+      cleanup(function()
+        pcall(p.kill, p, "TERM")
+        pcall(p.wait, p)
+        proc.run { "rm", "-rf", "--one-file-system", state }
+      end)
+      local lines, key = p:lines("stdout"), nil
+      for _ = 1, 3 do
+        local line = lines()
+        if not line then break end
+        key = key or line:match("^RENDER_API_KEY=(.*)$")
+      end
+      return p, key
+    end
+
+    it("keeps --api-key's value out of its /proc/PID/cmdline, and takes the key from a file or " ..
+      "the environment", async(function()
+        local cmdline = H.read("/proc/" .. backend.p.pid .. "/cmdline")
+        assert.truthy(cmdline:find("--api-key", 1, true), cmdline)
+        assert.is_nil(cmdline:find(L.KEY, 1, true), "every host user reads the key in " ..
+          cmdline:gsub("%z", " "))
+        assert.are.equal(200, (backend:req("GET", "/v1/sandboxes")))
+
+        local p = start_local { "--api-key=rnd_eqformsecret42" }
+        assert.is_nil(H.read("/proc/" .. p.pid .. "/cmdline"):find("rnd_eqformsecret42", 1, true))
+
+        local key_file = STATE .. "-keyfile"
+        write_host_file(key_file, "rnd_fromafile1234567\n")
+        cleanup(function() os.remove(key_file) end)
+        local _, key = start_local { "--api-key-file", key_file }
+        assert.are.equal("rnd_fromafile1234567", key)
+        _, key = start_local({}, { MOONBOX_LOCAL_API_KEY = "rnd_fromtheenv123456" })
+        assert.are.equal("rnd_fromtheenv123456", key)
+      end))
+
+    it("refuses to download /proc/self/exe (the file helper's host binary), a sandbox's symlink to " ..
+      "it, and the other magic links of /proc", async(function()
+        local sb = backend:create { networkPolicy = { default = "deny-all" } }
+        local made = backend:exec(sb.id, "ln -s /proc/self/exe /root/exe-link && ln -s /proc/thread-self " ..
+          "/root/thread-link")
+        assert.are.equal(0, made.code, made.stderr)
+        for _, path in ipairs { "/proc/self/exe", "/root/exe-link", "/root/thread-link/exe", "/proc/thread-self/exe",
+          "/proc/1/exe", "/proc/self/fd/1", "/proc/self/map_files" } do
+          local st, tok = backend:req("POST", "/v1/sandboxes/" .. sb.id .. "/files/download/token",
+            { query = { path = path } })
+          assert.are.equal(201, st, path)
+          local r = require("moonbox.http").request { url = tok.uri, timeout = 60,
+            headers = { Authorization = "Bearer " .. tok.token } }
+          assert.is_nil(r.body:find("\127ELF", 1, true), path .. " downloaded a binary (" .. r.status .. ")")
+          assert.is_true(r.status >= 400 and r.status < 500, path .. " was answered " .. r.status .. ": " ..
+            r.body:sub(1, 200))
+        end
+        backend:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate")
       end))
   end)
 end)

@@ -29,7 +29,7 @@ describe("plans as limits", function()
   teardown(T.async(function()
     for _, id in ipairs(ids) do pcall(eng.terminate, eng, id) end
     pcall(eng.close, eng)
-    require("moonbox.proc").run { "rm", "-rf", "--one-file-system", STATE }
+    require("spec.support.local_backend").remove_tree(STATE)
   end))
 
   it("has the controllers a plan needs on this machine", T.async(function()

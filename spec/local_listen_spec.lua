@@ -71,7 +71,7 @@ describe("moonbox local on a port another program holds on ::1", function()
     local state = proc.run({ "mktemp", "-d", "/tmp/moonbox-listen-spec.XXXXXX" }).stdout:gsub("%s+$", "")
     local r = proc.run { L.BIN, "local", "--port", tostring(other.port), "--state", state, "--quiet",
       timeout = 120 }
-    proc.run { "rm", "-rf", "--one-file-system", state }
+    L.remove_tree(state)
     assert.are_not.equal(0, r.code)
     assert.matches("::1 port " .. other.port .. ".*in use", r.stderr)
   end))

@@ -56,7 +56,7 @@ setup(run(function()
   work = proc.run({ "mktemp", "-d", "/tmp/moonbox-files-spec.XXXXXX" }).stdout:gsub("%s+$", "")
 end))
 teardown(run(function()
-  if work then proc.run { "rm", "-rf", "--one-file-system", work } end
+  if work then L.remove_tree(work) end
 end))
 
 describe("render.normalize_path", function()

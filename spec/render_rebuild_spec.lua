@@ -247,6 +247,6 @@ describe("recipes/rebuild_schedule.lua", function()
       assert.are.equal(math.min(i, 2), #named("rebuild-base"))
       assert.are.equal(0, B:live())
     end
-    proc.run { "rm", "-rf", "--one-file-system", state }
+    L.remove_tree(state)
   end))
 end)

@@ -34,6 +34,32 @@ describe("render.sandboxes", function()
     assert.are.equal("terminated", got.status)
   end))
 
+  it("refuses an option it does not know, at the caller's line, before sending anything", T.async(function()
+    -- A misspelt network option must never create an allow-all sandbox without a word.
+    local mark = journal_mark()
+    local cases = {
+      { function() local r = render.sandboxes.create { netwrok = "deny-all" }; return r end,
+        "render.sandboxes.create: unknown option 'netwrok' (did you mean 'network'?)" },
+      { function() local r = render.sandboxes.create { network = "deny-all", timout = 5 }; return r end,
+        "render.sandboxes.create: unknown option 'timout' (did you mean 'timeout'?)" },
+      { function() local r = render.restore(nil, { count = 2, netwrok = "deny-all" }); return r end,
+        "render.restore: unknown option 'netwrok' (did you mean 'network'?)" },
+      { function() local r = render.restore(nil, { count = 2, wait = true }); return r end,
+        "render.restore: unknown option 'wait'" },
+      { function() local r = render.sandboxes.create { [1] = "deny-all" }; return r end,
+        "render.sandboxes.create: unknown option '1'" },
+    }
+    for _, c in ipairs(cases) do
+      local line = debug.getinfo(c[1], "S").linedefined
+      local ok, err = pcall(c[1])
+      assert.is_false(ok)
+      assert.matches(c[2], tostring(err), 1, true)
+      -- the location is the recipe's call (not a tail call: its frame must be there), not moonbox's
+      assert.matches("render_spec.lua:" .. line .. ":", tostring(err), 1, true)
+    end
+    assert.are.same({}, runs.requests(B, mark, "POST", "/v1/sandboxes"))
+  end))
+
   it("keeps a sandbox past its scope after keep()", T.async(function()
     local id
     do
@@ -221,7 +247,7 @@ describe("a running moonbox local in the default state dir", function()
       ")\n", r.stderr)
     p:kill("TERM")
     p:wait()
-    proc.run { "rm", "-rf", "--one-file-system", home }
+    L.remove_tree(home)
   end))
 end)
 

@@ -341,6 +341,17 @@ M.parse_flags = parse_flags
 
 M.state_home = require("moonbox.path").state_home
 
+--- cli.parse_size(text) -> bytes, or nil: "512", "64K", "512M", "40G", "1T" (powers of 1024; a
+-- trailing "iB" or "B" allowed).
+function M.parse_size(text)
+  local n, unit = tostring(text):match("^(%d+)%s*([KkMmGgTt]?)i?[Bb]?$")
+  n = n and math.tointeger(tonumber(n))
+  if not n then return nil end
+  local shift = ({ [""] = 0, k = 10, m = 20, g = 30, t = 40 })[unit:lower()]
+  if n >= (1 << (62 - shift)) then return nil end
+  return n << shift
+end
+
 --- A path given on the command line, made absolute against the working directory (nil stays nil).
 local function absolute(p)
   if p == nil or p:sub(1, 1) == "/" then return p end
@@ -349,8 +360,10 @@ end
 
 command("local", "serve Render's sandbox API on this machine",
   "moonbox local [--port N] [--state DIR] [--image DIR | --host-root] [--faults SPEC]\n" ..
-  "                     [--api-key KEY] [--workspace tea-...] [--concurrency-limit N] [--seed N]\n" ..
-  "                     [--dns IPV4] [--rate-limit N] [--public-url URL]",
+  "                     [--api-key KEY | --api-key-file FILE] [--workspace tea-...]\n" ..
+  "                     [--concurrency-limit N] [--seed N] [--dns IPV4] [--rate-limit N]\n" ..
+  "                     [--public-url URL] [--disk PLAN=SIZE]... [--disk-size SIZE]\n" ..
+  "       moonbox local --check [--state DIR]",
   [[Serves Render's sandbox API (under /v1) on 127.0.0.1 and ::1 and runs real, isolated sandboxes on
 this machine: each in its own user namespace (root inside is an unprivileged id on the host),
 with a seccomp filter, its plan's cgroup limits, and an overlay root over a Debian 12 image
@@ -363,6 +376,9 @@ at it:
   RENDER_WORKSPACE_ID=tea-...
 
 --port 0 picks a free port (the same on both addresses).
+--api-key-file FILE (its first word), or MOONBOX_LOCAL_API_KEY in the environment, fixes the API key
+instead of the generated one; --api-key KEY does too, but every user of the host can read a
+process's argv: moonbox wipes the value from its own at start, a moment after it was visible.
 --state DIR defaults to $XDG_STATE_HOME/moonbox/local.
 --dns IPV4 is the resolver that allow-list sandboxes' gates ask for the allowed names (default:
 the host's, through slirp4netns; see docs/local-isolation.md).
@@ -371,10 +387,18 @@ every /v1 answer carries RateLimit-Limit, -Remaining and -Reset; a low N rehears
 --public-url URL (e.g. https://sandbox.example.test): the base of the exec and file URIs it
 hands out; without it they follow the request's Host, or a loopback proxy's X-Forwarded-Host and
 X-Forwarded-Proto (docs/local.md: "Behind a TLS proxy").
+--disk PLAN=SIZE (repeatable) bounds each sandbox of PLAN to SIZE bytes of writes (K, M, G, T:
+powers of 1024; default 40G, Render's figure, every plan); --disk-size SIZE is the size of the
+sandbox disk when it is first made (default: the state directory's free space less its
+reserve). See docs/local.md: "Disk".
 --faults injects errors (see docs/local.md: "Fault injection"); the control endpoint
 /_moonbox/faults changes them at run time and /_moonbox/journal lists the requests received.
 Stops cleanly on SIGINT/SIGTERM (exit status 0). --embedded is how moonbox starts its embedded
-backend (docs/reference/render.md): it also stops when no moonbox process uses it any more.]],
+backend (docs/reference/render.md): it also stops when no moonbox process uses it any more.
+--check serves nothing: it reads every layer of every available snapshot in the state dir in
+full and compares it with the manifest written at capture, one line per snapshot and a summary;
+exit status 1 when any does not match. It needs the state dir's lock: it refuses while a backend
+serves that dir (docs/local.md: "Snapshots").]],
   -- The command: checks every flag before anything starts (usage errors, status 2: a port out
   -- of range, a host that is not loopback, a bad --public-url, --dns or --rate-limit, an
   -- unreadable @faults file), then in the root task starts the backend (moonbox.local.start),
@@ -383,10 +407,52 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
   -- 1 (the error printed) when it cannot start.
   function(args)
     local opts, rest = parse_flags(args, { port = "value", state = "value", image = "value",
-      ["host-root"] = "flag", faults = "value", ["api-key"] = "value", workspace = "value",
+      ["host-root"] = "flag", faults = "value", ["api-key"] = "value", ["api-key-file"] = "value",
+      workspace = "value",
       ["concurrency-limit"] = "value", seed = "value", host = "value", quiet = "flag", embedded = "flag",
-      dns = "value", ["rate-limit"] = "value", ["public-url"] = "value" })
+      dns = "value", ["rate-limit"] = "value", ["public-url"] = "value", disk = "list",
+      ["disk-size"] = "value", check = "flag" })
     if not opts then return usage_error("local: %s", rest) end
+    if opts.check then
+      for k in pairs(opts) do
+        if k ~= "check" and k ~= "state" then
+          return usage_error("local: --check takes only --state DIR, not --%s", k)
+        end
+      end
+      if #rest > 0 then return usage_error("local: unexpected argument '%s'", rest[1]) end
+      local status
+      local code, err = M.run_root_opts({ quiet_signals = true }, function()
+        local state_dir = absolute(opts.state) or (M.state_home() .. "/local")
+        status = require("moonbox.local.check").run(state_dir, function(line)
+          io.stdout:write(line, "\n")
+          io.stdout:flush()
+        end)
+      end)
+      if err ~= nil then
+        eprintf("moonbox local --check: %s\n", M.format_error(err))
+        return EXIT_FAIL
+      end
+      return status or code
+    end
+    local disk, disk_size
+    for _, d in ipairs(opts.disk or {}) do
+      local plan, size = d:match("^([^=]+)=(.*)$")
+      local bytes = size and M.parse_size(size)
+      local service = require "moonbox.local.service"
+      if not (plan and service.PLANS[plan] and bytes and bytes > 0) then
+        return usage_error(
+          "local: --disk wants PLAN=SIZE (PLAN one of %s; SIZE such as 512M or 40G), got '%s'",
+          service.PLAN_NAMES, d)
+      end
+      disk = disk or {}
+      disk[service.PLAN_ALIASES[plan] or plan] = bytes
+    end
+    if opts["disk-size"] then
+      disk_size = M.parse_size(opts["disk-size"])
+      if not (disk_size and disk_size > 0) then
+        return usage_error("local: --disk-size wants a size such as 100G, got '%s'", opts["disk-size"])
+      end
+    end
     local rate_limit = opts["rate-limit"] and math.tointeger(tonumber(opts["rate-limit"]))
     if opts["rate-limit"] and not (rate_limit and rate_limit >= 1) then
       return usage_error("local: --rate-limit wants a whole number of requests per minute >= 1, got '%s'",
@@ -410,6 +476,27 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
     if opts.dns and not opts.dns:match("^%d+%.%d+%.%d+%.%d+$") then
       return usage_error("local: --dns must be an IPv4 address (the resolver allow-list sandboxes ask)")
     end
+    -- The key: --api-key (wiped from argv by main.c), else --api-key-file's first word, else
+    -- $MOONBOX_LOCAL_API_KEY (unset once read, so no child inherits it).
+    local api_key = opts["api-key"]
+    if api_key and opts["api-key-file"] then
+      return usage_error("local: --api-key and --api-key-file exclude each other")
+    end
+    if opts["api-key-file"] then
+      local f = io.open(opts["api-key-file"])
+      api_key = f and f:read("a"):match("^%s*(%S+)")
+      if f then f:close() end
+      if not api_key then
+        return usage_error("local: --api-key-file %s: cannot read a key from it (one word, e.g. rnd_...)",
+          opts["api-key-file"])
+      end
+    end
+    local env_key = os.getenv("MOONBOX_LOCAL_API_KEY")
+    if env_key then
+      require("moonbox.sys").setenv("MOONBOX_LOCAL_API_KEY", nil)
+      api_key = api_key or env_key:match("^%s*(%S+)")
+    end
+    if api_key == "" then return usage_error("local: --api-key wants a key, got an empty one") end
     local faults = opts.faults
     if faults and faults:sub(1, 1) == "@" then
       local f = io.open(faults:sub(2))
@@ -428,9 +515,10 @@ backend (docs/reference/render.md): it also stops when no moonbox process uses i
         host = opts.host, port = port, state_dir = state_dir,
         image = absolute(opts.image), host_root = opts["host-root"], faults = faults,
         on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
-        api_key = opts["api-key"], workspace = opts.workspace,
+        api_key = api_key, workspace = opts.workspace,
         concurrency_limit = tonumber(opts["concurrency-limit"]), seed = tonumber(opts.seed),
         dns = opts.dns, rate_limit = rate_limit, public_url = opts["public-url"],
+        disk = disk, disk_size = disk_size,
       }
       local _close <close> = setmetatable({}, { __close = function()
         backend:close()

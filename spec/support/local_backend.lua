@@ -40,18 +40,26 @@ end
 
 --- M.start(opts) -> backend. opts.args: extra `moonbox local` arguments; opts.state: reuse a
 -- state directory (restart specs); opts.edge: put an nginx TLS + HTTP/2 edge in front (default
--- M.edge). With an edge, backend.url is the edge's https URL (what clients use),
--- backend.direct_url the backend's own, and backend.edge the edge (spec/support/edge.lua).
--- [yields]
+-- M.edge); opts.port: listen there (default 0: any free port); opts.nowait = true (with a
+-- port): return at once, before the backend has printed its address or even listens (specs of
+-- what a client sent the moment the port opens meets). With an edge, backend.url is the edge's
+-- https URL (what clients use), backend.direct_url the backend's own, and backend.edge the edge
+-- (spec/support/edge.lua). [yields]
 function M.start(opts)
   opts = opts or {}
   local state = opts.state or proc.run({ "mktemp", "-d", "/tmp/moonbox-local-spec.XXXXXX" }).stdout:gsub("%s+$", "")
-  local argv = { M.BIN, "local", "--port", "0", "--state", state, "--api-key", M.KEY,
+  local argv = { M.BIN, "local", "--port", tostring(opts.port or 0), "--state", state, "--api-key", M.KEY,
     "--workspace", M.WORKSPACE }
   for _, a in ipairs(opts.args or {}) do argv[#argv + 1] = a end
   argv.stderr = opts.stderr or "inherit"
   argv.env = opts.env
   local p = proc.spawn(argv)
+  if opts.nowait then
+    assert(opts.port and opts.port > 0, "local_backend.start: nowait needs a port")
+    local url = "http://127.0.0.1:" .. opts.port
+    return setmetatable({ p = p, state = state, url = url, direct_url = url, key = M.KEY,
+      workspace = M.WORKSPACE }, Backend)
+  end
   local lines = p:lines("stdout")
   local env = {}
   for _ = 1, 3 do
@@ -136,10 +144,38 @@ function Backend:faults(spec)
   if status ~= 200 then error("PUT /_moonbox/faults answered " .. tostring(status) .. ": " .. json.encode(body), 2) end
 end
 
+--- M.remove_tree(dir): removes dir and everything in it, having first detached (lazily,
+-- deepest first) every mount under it: a state directory's sandbox disk is a loop-mounted
+-- filesystem at <dir>/sandboxes, and a backend that was SIGKILLed leaves it mounted (its loop
+-- device goes when the mount does). Never follows a mount. [yields]
+function M.remove_tree(dir)
+  if not dir or dir == "" or dir == "/" then return end
+  local f = io.open("/proc/self/mountinfo")
+  local info = f and f:read("a") or ""
+  if f then f:close() end
+  local under = {}
+  for line in info:gmatch("[^\n]+") do
+    local mp = line:match("^%S+ %S+ %S+ %S+ (%S+)")
+    mp = mp and mp:gsub("\\(%d%d%d)", function(o) return string.char(tonumber(o, 8)) end)
+    if mp and (mp == dir or mp:sub(1, #dir + 1) == dir .. "/") then under[#under + 1] = mp end
+  end
+  table.sort(under, function(a, b) return #a > #b end)
+  for _, mp in ipairs(under) do proc.run { "umount", "-l", mp } end
+  proc.run { "rm", "-rf", "--one-file-system", dir }
+end
+
+--- L.remove_trees(dir): L.remove_tree of dir and of every sibling named dir-*. [yields]
+function M.remove_trees(dir)
+  M.remove_tree(dir)
+  local parent, base = dir:match("^(.*)/([^/]+)$")
+  local r = proc.run { "find", parent, "-mindepth", "1", "-maxdepth", "1", "-name", base .. "-*", "-print0" }
+  for sib in (r.stdout or ""):gmatch("([^%z]+)%z") do M.remove_tree(sib) end
+end
+
 --- backend:destroy(): stop and remove the state directory. [yields]
 function Backend:destroy()
   self:stop()
-  proc.run { "rm", "-rf", "--one-file-system", self.state }
+  M.remove_tree(self.state)
 end
 
 local encode_query = require("moonbox.render.api").encode_query

@@ -161,7 +161,7 @@ end
 
 --- home:destroy(): removes the home (after stopping nothing: its processes must be gone). [yields]
 function Home:destroy()
-  proc.run { "rm", "-rf", "--one-file-system", self.dir }
+  L.remove_tree(self.dir)
 end
 
 --- runs.ps_sandboxes(text) -> {id = status} of every sandbox `moonbox ps` says a dead run holds

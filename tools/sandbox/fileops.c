@@ -23,7 +23,7 @@
  *
  * Failures: one line "CODE message" on stderr and an exit status the engine maps: 2 not_found,
  * 13 permission_denied, 20 not_directory, 21 is_directory, 22 not_regular, 23 invalid,
- * 24 too_large, 27 too_many, 1 io_error.
+ * 24 too_large, 27 too_many, 30 read_only_path, 1 io_error.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -53,6 +53,7 @@
 #define EX_TOO_MANY    27
 #define EX_TOO_LARGE   24
 #define EX_DENIED      13
+#define EX_READ_ONLY   30
 #define EX_IO          1
 
 /* Bounds: entries and bytes one list answers with, directory levels a walk descends (one fd
@@ -90,6 +91,12 @@ static int errno_fail(const char *what, const char *path, int e)
                        "%s %s: permission denied inside the sandbox", what, path);
     if (e == ENXIO || e == ENODEV)
         return fail_op(EX_NOT_REGULAR, "not_regular", "%s is a device that cannot be opened", path);
+    if (e == ENAMETOOLONG)
+        return fail_op(EX_INVALID, "path_too_long", "%s %.48s...: a name or the path is too long",
+                       what, path);
+    if (e == EROFS)
+        return fail_op(EX_READ_ONLY, "read_only_path",
+                       "%s %s: the file system there is read-only inside the sandbox", what, path);
     return fail_op(EX_IO, "io_error", "%s %s: %s", what, path, strerror(e));
 }
 
@@ -147,19 +154,61 @@ static char type_letter(mode_t m)
     return 'b';
 }
 
-/* Whether dirfd is on procfs, whose symlinks are magic links: /proc/<pid>/exe of this very
- * helper would name its host path, so their targets are not reported. */
-static int on_procfs(int dirfd)
+/* Whether the entry name of dirfd (not followed) is on procfs, whose symlinks are magic links:
+ * /proc/<pid>/exe of this very helper would name its host path, so their targets are not
+ * reported. The entry itself is asked, not dirfd: with AT_FDCWD, name is a whole path. */
+static int on_procfs(int dirfd, const char *name)
 {
     struct statfs sf;
-    return fstatfs(dirfd, &sf) == 0 && sf.f_type == PROC_SUPER_MAGIC;
+    int fd = openat(dirfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return 1; /* gone meanwhile: report no target */
+    int proc = fstatfs(fd, &sf) != 0 || sf.f_type == PROC_SUPER_MAGIC;
+    close(fd);
+    return proc;
+}
+
+/* Whether fd is on procfs. */
+static int fd_on_procfs(int fd)
+{
+    struct statfs sf;
+    return fstatfs(fd, &sf) == 0 && sf.f_type == PROC_SUPER_MAGIC;
+}
+
+/* Opens path (flags: O_RDONLY, O_PATH, maybe O_DIRECTORY; O_CLOEXEC added) following
+ * symlinks inside the sandbox but never a /proc magic link (RESOLVE_NO_MAGICLINKS): the
+ * exe, cwd, root, fd/N and map_files/ entries of /proc/<pid> lead wherever that process's
+ * file is, and for this helper's own process, /proc/self/exe, that is its binary on the host
+ * (issue 23). Returns the fd, or -1 with *code set by fail_op (permission_denied for a magic
+ * link, else errno_fail's). */
+static int open_nomagic(const char *path, int flags, const char *what, int *code)
+{
+    struct open_how how = {.flags = (unsigned long long)(flags | O_CLOEXEC),
+                           .resolve = RESOLVE_NO_MAGICLINKS};
+    int fd = (int)syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how);
+    if (fd >= 0) return fd;
+    int e = errno;
+    if (e == ELOOP) {
+        /* too many symlinks, or a magic link: the latter resolves when allowed (O_PATH opens
+         * nothing of it) */
+        int probe = open(path, O_PATH | O_CLOEXEC);
+        if (probe >= 0) {
+            close(probe);
+            *code = fail_op(EX_DENIED, "permission_denied",
+                            "%s leads through a /proc magic link (a process's exe, cwd, root, fd "
+                            "or map_files entry), which the file helper does not follow",
+                            path);
+            return -1;
+        }
+    }
+    *code = errno_fail(what, path, e);
+    return -1;
 }
 
 /* One entry record as find -printf '%f\0%y\0%s\0%T@\0%l\0%m\0' would print it. */
 static int entry_record(int dirfd, const char *name, const char *shown, const struct stat *st)
 {
     char ty[2] = {type_letter(st->st_mode), 0}, target[4096] = "";
-    if (S_ISLNK(st->st_mode) && !on_procfs(dirfd)) {
+    if (S_ISLNK(st->st_mode) && !on_procfs(dirfd, name)) {
         ssize_t n = readlinkat(dirfd, name, target, sizeof target - 1);
         target[n > 0 ? n : 0] = 0;
     }
@@ -184,8 +233,15 @@ static const char *base_name(const char *p)
 static int op_stat(const struct spec *s)
 {
     struct stat st;
-    int rc = s->follow ? stat(s->path, &st) : lstat(s->path, &st);
-    if (rc < 0) return errno_fail("stat", s->path, errno);
+    if (s->follow) {
+        int code, fd = open_nomagic(s->path, O_PATH, "stat", &code);
+        if (fd < 0) return code;
+        int rc = fstat(fd, &st);
+        close(fd);
+        if (rc < 0) return errno_fail("stat", s->path, errno);
+    } else if (lstat(s->path, &st) < 0) {
+        return errno_fail("stat", s->path, errno);
+    }
     if (entry_record(AT_FDCWD, s->path, base_name(s->path), &st) || oflush())
         return fail_op(EX_IO, "io_error", "writing the answer failed");
     return 0;
@@ -239,8 +295,8 @@ static int op_list(const struct spec *s)
             return fail_op(EX_IO, "io_error", "writing the answer failed");
         return 0;
     }
-    int dfd = open(s->path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd < 0) return errno_fail("open", s->path, errno);
+    int code, dfd = open_nomagic(s->path, O_RDONLY | O_DIRECTORY, "open", &code);
+    if (dfd < 0) return code;
     int rc = list_dir(dfd, "", s->depth);
     if (rc == -1)
         return fail_op(
@@ -258,11 +314,8 @@ static int op_list(const struct spec *s)
 /* Opens path for reading without blocking on a FIFO and refuses what is not a regular file. */
 static int open_regular(const char *path, struct stat *st, int *code)
 {
-    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
-    if (fd < 0) {
-        *code = errno_fail("open", path, errno);
-        return -1;
-    }
+    int fd = open_nomagic(path, O_RDONLY | O_NONBLOCK | O_NOCTTY, "open", code);
+    if (fd < 0) return -1;
     if (fstat(fd, st) < 0) {
         *code = errno_fail("stat", path, errno);
         close(fd);
@@ -376,8 +429,15 @@ static int create_file(int dirfd, const char *name, int in, long long len, unsig
                        const char *shown)
 {
     struct stat st;
-    if (fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode))
-        return fail_op(EX_IS_DIR, "is_directory", "%s is a directory", shown);
+    if (fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        if (S_ISDIR(st.st_mode))
+            return fail_op(EX_IS_DIR, "is_directory", "%s is a directory", shown);
+        /* A device, fifo or socket is never replaced by an upload (a device node in /dev is
+         * often a mount point, and replacing one is not what a client that names it means). */
+        if (!S_ISREG(st.st_mode) && !S_ISLNK(st.st_mode))
+            return fail_op(EX_NOT_REGULAR, "not_regular",
+                           "%s is a device, fifo or socket, not a regular file", shown);
+    }
     int fd = openat(dirfd, ".", O_TMPFILE | O_WRONLY | O_CLOEXEC, 0600);
     char tmp[64];
     snprintf(tmp, sizeof tmp, ".moonbox-upload.%d.%lu", (int)getpid(), upload_seq++);
@@ -602,6 +662,8 @@ static int pack_dir(const struct spec *s, int dfd, const char *rel, int level)
         struct stat st;
         if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0) continue;
         if (!S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode) && !S_ISLNK(st.st_mode)) continue;
+        /* a symlink of procfs may be a magic link, whose target names a file of the host */
+        if (S_ISLNK(st.st_mode) && on_procfs(dirfd(d), de->d_name)) continue;
         char sub[8192];
         if ((size_t)snprintf(sub, sizeof sub, "%s%s%s", rel, *rel ? "/" : "", de->d_name) >=
             sizeof sub)
@@ -609,6 +671,10 @@ static int pack_dir(const struct spec *s, int dfd, const char *rel, int level)
         if ((e = pack_entry(dirfd(d), de->d_name, sub, &st))) break;
         if (S_ISDIR(st.st_mode) && level + 1 < DEPTH_MAX) {
             int fd = openat(dirfd(d), de->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (fd >= 0 && fd_on_procfs(fd)) { /* a /proc mounted below: not packed */
+                close(fd);
+                fd = -1;
+            }
             if (fd >= 0) e = pack_dir(s, fd, sub, level + 1);
         }
     }
@@ -619,8 +685,15 @@ static int pack_dir(const struct spec *s, int dfd, const char *rel, int level)
 static int op_pack(const struct spec *s)
 {
     pack_max = s->max_bytes ? s->max_bytes : PACK_MAX_BYTES;
-    int dfd = open(s->path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd < 0) return errno_fail("open", s->path, errno);
+    int code, dfd = open_nomagic(s->path, O_RDONLY | O_DIRECTORY, "open", &code);
+    if (dfd < 0) return code;
+    if (fd_on_procfs(dfd)) {
+        close(dfd);
+        return fail_op(EX_DENIED, "permission_denied",
+                       "%s is on /proc, whose directories hold magic links to processes' files: "
+                       "it is not packed (download its files one at a time)",
+                       s->path);
+    }
     fputs("ok\n", stderr);
     fflush(stderr);
     int e = pack_dir(s, dfd, "", 0);

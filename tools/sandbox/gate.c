@@ -8,9 +8,12 @@
  * DNS to us, no forwarding at all), as an unprivileged process of the sandbox's id range, outside
  * the sandbox's PID and mount namespaces, confined like everything else (confine.c). One epoll
  * loop serves:
- *   - DNS (UDP): a query for a listed name is forwarded to the upstream resolver (slirp4netns's,
- *     or one given) and its answer relayed, after noting the IPv4 addresses it holds for that
- *     name; AAAA gets an empty answer (the sandbox has IPv4 only); any other name NXDOMAIN.
+ *   - DNS (UDP): a query whose name is no host name (a label with a NUL, a dot or an odd byte;
+ *     gate_parse.c) is refused and goes nowhere; for a listed name the gate asks the upstream
+ *     resolver (slirp4netns's, or one given) a query it builds from the checked name (a fresh
+ *     id, one question), and relays the answer to exactly that question, after noting the IPv4
+ *     addresses it holds for that name; AAAA gets an empty answer (the sandbox has IPv4 only);
+ *     any other name NXDOMAIN.
  *   - HTTP: the request head is read (at most HEAD_MAX bytes, HEAD_SECONDS to arrive), its Host
  *     checked against the list, and the connection relayed to where the sandbox sent it;
  *   - TLS: the ClientHello is read the same way and its SNI checked.
@@ -33,6 +36,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/epoll.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -91,16 +95,31 @@ static int resolved_to(const char *name, uint32_t addr)
 
 struct pending {
     int used;
-    uint16_t client_id, our_id;
+    uint16_t client_id;
+    struct gate_query asked; /* what we asked upstream: our id, the checked name, type, class */
+    unsigned char question[GATE_NAME_MAX + 2 + 4]; /* the client's question, echoed back */
+    int qlen;
     struct sockaddr_in client;
-    char name[GATE_NAME_MAX + 1];
     time_t at;
 };
 static struct pending pend[PENDING_MAX];
-static uint16_t next_id = 1;
 
 static int dns_fd, up_fd;
 static struct sockaddr_in upstream;
+
+/* A fresh id for a query upstream, none of those in flight: an answer is taken only for the
+ * id, and the question, we sent. */
+static uint16_t fresh_id(void)
+{
+    for (;;) {
+        uint16_t id;
+        if (getrandom(&id, sizeof id, 0) != (ssize_t)sizeof id) die("gate: getrandom", NULL, errno);
+        int taken = 0;
+        for (int i = 0; i < PENDING_MAX && !taken; i++)
+            taken = pend[i].used && pend[i].asked.id == id;
+        if (!taken) return id;
+    }
+}
 
 /* Answers query q (its header and question, qend bytes) with no records and rcode. */
 static void dns_reply_empty(const unsigned char *q, int qend, int rcode,
@@ -115,22 +134,38 @@ static void dns_reply_empty(const unsigned char *q, int qend, int rcode,
     sendto(dns_fd, r, (size_t)qend, 0, (const struct sockaddr *)to, sizeof *to);
 }
 
+/* Answers a query whose question was not read (or is refused) with its header alone: its id,
+ * opcode and RD, and rcode (FORMERR, NOTIMP, REFUSED). */
+static void dns_reply_header(const struct gate_query *gq, int rcode, const struct sockaddr_in *to)
+{
+    unsigned char r[12] = {(unsigned char)(gq->id >> 8), (unsigned char)gq->id,
+                           (unsigned char)(0x80 | gq->flags), (unsigned char)(0x80 | rcode)};
+    sendto(dns_fd, r, sizeof r, 0, (const struct sockaddr *)to, sizeof *to);
+}
+
+/* One query of the sandbox: refused unless its question is a host name (gate_dns_parse_query:
+ * a label with a NUL, a dot or another odd byte is REFUSED, a pointer or a malformed question
+ * FORMERR, and nothing goes upstream); NXDOMAIN unless the name is listed; an empty answer
+ * for any type but A; else a query the gate builds from the checked name goes upstream. */
 static void dns_query(void)
 {
     unsigned char q[1500];
     struct sockaddr_in from;
     socklen_t fl = sizeof from;
     ssize_t n = recvfrom(dns_fd, q, sizeof q, 0, (struct sockaddr *)&from, &fl);
-    char name[GATE_NAME_MAX + 1];
-    unsigned qtype = 0;
-    int qend = n > 0 ? gate_dns_question(q, (int)n, name, &qtype) : -1;
-    if (qend < 0) return; /* not a query we answer: dropped */
-    if (!name[0] || !gate_listed(allowed, name)) {
-        dns_reply_empty(q, qend, 3, &from); /* NXDOMAIN */
+    struct gate_query gq;
+    int r = n > 0 ? gate_dns_parse_query(q, (int)n, &gq) : -1;
+    if (r < 0) return; /* not a query we answer: dropped */
+    if (r != GATE_DNS_OK) {
+        dns_reply_header(&gq, r, &from);
         return;
     }
-    if (qtype != 1) { /* A only: the sandbox's side of the gate is IPv4 */
-        dns_reply_empty(q, qend, 0, &from);
+    if (!gate_listed(allowed, gq.name)) {
+        dns_reply_empty(q, gq.qend, 3, &from); /* NXDOMAIN */
+        return;
+    }
+    if (gq.qtype != 1) { /* A only: the sandbox's side of the gate is IPv4 */
+        dns_reply_empty(q, gq.qend, 0, &from);
         return;
     }
     time_t now = time(NULL);
@@ -138,17 +173,25 @@ static void dns_query(void)
     for (int i = 0; i < PENDING_MAX && !p; i++)
         if (!pend[i].used || now - pend[i].at > 10) p = &pend[i];
     if (!p) return; /* too many in flight: the client will retry */
+    unsigned char up[12 + GATE_NAME_MAX + 2 + 4];
+    p->used = 0;
+    p->asked = gq;
+    p->asked.id = fresh_id();
+    int len = gate_dns_build_query(gq.name, p->asked.id, gq.qtype, gq.qclass, up, sizeof up);
+    if (len < 0 || gq.qend - 12 > (int)sizeof p->question) return;
     p->used = 1;
-    p->client_id = (uint16_t)((q[0] << 8) | q[1]);
-    p->our_id = next_id++;
+    p->client_id = (uint16_t)gq.id;
     p->client = from;
     p->at = now;
-    snprintf(p->name, sizeof p->name, "%s", name);
-    q[0] = (unsigned char)(p->our_id >> 8);
-    q[1] = (unsigned char)p->our_id;
-    sendto(up_fd, q, (size_t)n, 0, (struct sockaddr *)&upstream, sizeof upstream);
+    p->qlen = gq.qend - 12;
+    memcpy(p->question, q + 12, (size_t)p->qlen);
+    sendto(up_fd, up, (size_t)len, 0, (struct sockaddr *)&upstream, sizeof upstream);
 }
 
+/* One message from upstream: relayed to the client only if it answers a question we asked
+ * (gate_dns_answer: our id, that name, type and class), and only then are its addresses noted
+ * as the name's; the client gets it with its own id and its own question (the same labels,
+ * in the client's letter case). */
 static void dns_answer(void)
 {
     unsigned char m[4096];
@@ -158,25 +201,26 @@ static void dns_answer(void)
     if (n < 12 || from.sin_addr.s_addr != upstream.sin_addr.s_addr ||
         from.sin_port != upstream.sin_port)
         return; /* only the upstream's answers count */
-    uint16_t id = (uint16_t)((m[0] << 8) | m[1]);
-    struct pending *p = NULL;
-    for (int i = 0; i < PENDING_MAX && !p; i++)
-        if (pend[i].used && pend[i].our_id == id) p = &pend[i];
-    if (!p) return;
-    p->used = 0;
-    /* The A records of the answer (of any owner in a CNAME chain) are where connections made
+    /* The A records of the answer (of the name or its CNAME chain) are where connections made
      * for the asked name may go; the oldest give way when a name has more than ADDRS_MAX. */
     uint32_t a[ADDRS_MAX];
-    int got = gate_dns_addrs(m, (int)n, a, ADDRS_MAX);
-    struct resolved *r = resolved_of(p->name, 1);
+    struct pending *p = NULL;
+    int got = -1;
+    for (int i = 0; i < PENDING_MAX && !p; i++)
+        if (pend[i].used && (got = gate_dns_answer(m, (int)n, &pend[i].asked, a, ADDRS_MAX)) >= 0)
+            p = &pend[i];
+    if (!p) return;
+    p->used = 0;
+    struct resolved *r = resolved_of(p->asked.name, 1);
     r->used = time(NULL);
     for (int i = 0; i < got; i++)
-        if (!resolved_to(p->name, a[i])) {
+        if (!resolved_to(p->asked.name, a[i])) {
             r->addr[r->next % ADDRS_MAX] = a[i];
             r->next++;
         }
     m[0] = (unsigned char)(p->client_id >> 8);
     m[1] = (unsigned char)p->client_id;
+    if (12 + p->qlen <= n) memcpy(m + 12, p->question, (size_t)p->qlen); /* same length: ours */
     sendto(dns_fd, m, (size_t)n, 0, (struct sockaddr *)&p->client, sizeof p->client);
 }
 

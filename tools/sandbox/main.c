@@ -13,6 +13,7 @@
  *                           --op=OP --path=PATH
  *                           [--mode=OCTAL] [--depth=N] [--follow] [--exclude=NAME]...
  *   moonbox-sandbox capture --src=UPPER --dst=LAYER --uid-base=N
+ *   moonbox-sandbox verify  --layer=LAYER --manifest=FILE [--quick]
  *
  * Options are --key=value words so that a value may hold anything but a NUL; the engine
  * (lua/moonbox/local/engine/init.lua) builds them and nothing else is expected to. Secrets never
@@ -30,11 +31,15 @@
 
 #include "sandbox.h"
 
+/* The exit status of die() and fail_msg(): EXIT_HELPER, but 2 for verify (its usage and I/O
+ * errors; see cmd_verify). */
+static int helper_exit = EXIT_HELPER;
+
 void die(const char *step, const char *what, int err)
 {
     fprintf(stderr, "moonbox-sandbox: %s%s%s: %s\n", step, what ? " " : "", what ? what : "",
             strerror(err));
-    exit(EXIT_HELPER);
+    exit(helper_exit);
 }
 
 void say(const char *head, const char *fmt, va_list ap)
@@ -52,7 +57,7 @@ void fail_msg(const char *step, const char *fmt, ...)
     va_start(ap, fmt);
     say(head, fmt, ap);
     va_end(ap);
-    exit(EXIT_HELPER);
+    exit(helper_exit);
 }
 
 int write_all(int fd, const void *buf, size_t len)
@@ -97,10 +102,10 @@ static long number(const char *key, const char *v)
 
 /* Fills s from argv: argv[1] is the command; then --key=value words (each value any string
  * but a NUL; repeatable keys such as --layer, --cgroup, --allow, --exclude accumulate), the
- * flags --setsid, --join-in-child and --follow, and "--" after which the rest is the program and its arguments.
- * Numbers are checked (number()). An unknown option, a word that is not --key=value, or a bad
- * number exits through fail_msg naming it; nothing is returned half-parsed. s points into argv,
- * which must outlive it. */
+ * flags --setsid, --join-in-child, --follow and --quick, and "--" after which the rest is the
+ * program and its arguments. Numbers are checked (number()). An unknown option, a word that is not
+ * --key=value, or a bad number exits through fail_msg naming it; nothing is returned half-parsed. s
+ * points into argv, which must outlive it. */
 static void parse(struct spec *s, int argc, char **argv)
 {
     memset(s, 0, sizeof *s);
@@ -122,6 +127,10 @@ static void parse(struct spec *s, int argc, char **argv)
         }
         if (strcmp(a, "--follow") == 0) {
             s->follow = 1;
+            continue;
+        }
+        if (strcmp(a, "--quick") == 0) {
+            s->quick = 1;
             continue;
         }
         const char *eq = strchr(a, '=');
@@ -189,6 +198,8 @@ static void parse(struct spec *s, int argc, char **argv)
             s->src = v;
         else if (KEY("dst"))
             s->dst = v;
+        else if (KEY("manifest"))
+            s->manifest = v;
         else
             fail_msg("arguments", "unknown option '%.*s'", (int)kl + 2, a);
 #undef KEY
@@ -198,7 +209,9 @@ static void parse(struct spec *s, int argc, char **argv)
 int main(int argc, char **argv)
 {
     if (argc < 2)
-        fail_msg("arguments", "usage: moonbox-sandbox start|exec|files|capture --key=value...");
+        fail_msg("arguments",
+                 "usage: moonbox-sandbox start|exec|files|capture|verify --key=value...");
+    if (strcmp(argv[1], "verify") == 0) helper_exit = 2;
     struct spec s;
     parse(&s, argc, argv);
     if (strcmp(s.cmd, "start") == 0) return cmd_start(&s, argc, argv);
@@ -206,5 +219,6 @@ int main(int argc, char **argv)
     if (strcmp(s.cmd, "exec") == 0) return cmd_exec(&s);
     if (strcmp(s.cmd, "files") == 0) return cmd_files(&s);
     if (strcmp(s.cmd, "capture") == 0) return cmd_capture(&s);
+    if (strcmp(s.cmd, "verify") == 0) return cmd_verify(&s);
     fail_msg("arguments", "unknown command '%s'", s.cmd);
 }

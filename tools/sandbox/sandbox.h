@@ -8,7 +8,10 @@
  *   enter.c    `exec` and `files`: joining a running sandbox (cgroup, namespaces, root, ids)
  *   confine.c  what every process inside gets last: capabilities, no_new_privs, seccomp
  *   fileops.c  `files`: reading and writing the sandbox's files with our own code, inside it
- *   shift.c    `capture`: copying an upper layer into a snapshot layer with ids made 0-based
+ *   shift.c    `capture`: copying an upper layer into a snapshot layer with ids made 0-based;
+ *              `verify`: checking a layer against its manifest
+ *   manifest.c a layer's manifest (file count, bytes, checksums of its tree); sha256.c
+ *   linkmap.c  the hard-link table of the copies (bounded memory, spills to files)
  *   gate.c     the allow-list gate: the only way out of an "allow-list" sandbox
  *   gate_parse.c  what the gate reads of the sandbox's traffic (fuzzed)
  *   netconf.c  the allow-list sandbox's veth pair, addresses and route
@@ -76,6 +79,8 @@ struct spec {
     struct str_list excludes;     /* files: names left out of a pack of its top directory */
     unsigned long long max_bytes; /* files: file data a pack may carry (0: the default) */
     const char *src, *dst;        /* capture: upper directory and new layer */
+    const char *manifest;         /* verify: the manifest file (the layer comes as --layer) */
+    int quick;                    /* verify: compare names and attributes only, not contents */
     int setsid;                   /* exec: make the command a session leader */
     char **argv;                  /* exec: the program and its arguments */
 };
@@ -118,6 +123,7 @@ int fileops_run(const struct spec *s);
 
 /* shift.c */
 int cmd_capture(struct spec *s);
+int cmd_verify(struct spec *s);
 
 /* gate.c: the allow-list gate's addresses (a /30 between the sandbox's eth0 and the gate's gw0)
  * and the ports its nftables rules redirect the sandbox's HTTP, TLS and DNS to. */
@@ -148,19 +154,51 @@ int gate_normalize(const char *name, size_t len, char *out);
 /* Whether normalized name is in allow: an exact entry, or below a "*.suffix" entry (at any
  * depth, never the suffix itself). */
 int gate_listed(const struct str_list *allow, const char *name);
-/* Reads the (possibly compressed) name at off of DNS message m into out ("a.b"); returns the
- * offset after it, or -1. */
-int gate_dns_name(const unsigned char *m, int len, int off, char *out, size_t outlen);
-/* The question of a DNS query: its normalized name (empty if implausible) and type; returns
- * the offset after the question, or -1 unless q is a standard query with one question. */
-int gate_dns_question(const unsigned char *q, int n, char *name, unsigned *qtype);
-/* The IPv4 addresses (network order) of the A records in answer m, at most max. */
-int gate_dns_addrs(const unsigned char *m, int n, uint32_t *addrs, int max);
-/* The host of an HTTP/1 request head (its one Host header, origin-form target): 1 found, 0
- * refused, -1 incomplete. */
+/* DNS response codes the gate answers with (RFC 1035 4.1.1). */
+#define GATE_DNS_OK      0
+#define GATE_DNS_FORMERR 1
+#define GATE_DNS_NOTIMP  4
+#define GATE_DNS_REFUSED 5
+/* The question name at off of DNS message m, uncompressed: length-prefixed labels of 1..63
+ * bytes, at most 255 bytes in all. Writes it normalized to out ("a.b", GATE_NAME_MAX + 1
+ * bytes) and the offset after it to *end. Returns GATE_DNS_OK; GATE_DNS_REFUSED if a label
+ * holds a byte outside letters, digits, '-' and '_' (a NUL, a dot, a space...) or the name is
+ * the root, so it is no host name; GATE_DNS_FORMERR for a compression pointer, a reserved label
+ * type, a name longer than 255 bytes or one past the message's end (structure is checked
+ * first: FORMERR wins over REFUSED). Never truncates. */
+int gate_dns_qname(const unsigned char *m, int n, int off, char *out, int *end);
+/* A query as the gate reads it: the client's id and flags (opcode, RD), the checked name, type
+ * and class, and where the question ends in the client's message. */
+struct gate_query {
+    unsigned id, flags;
+    char name[GATE_NAME_MAX + 1];
+    unsigned qtype, qclass;
+    int qend;
+};
+/* Reads DNS query q: -1 if it is no query to answer (shorter than a header, or QR set);
+ * GATE_DNS_NOTIMP for an opcode other than QUERY; GATE_DNS_FORMERR unless it holds exactly one
+ * question, no answer or authority records and a well-formed name (gate_dns_qname), type and
+ * class; GATE_DNS_REFUSED for a name that is no host name or a class other than IN; else
+ * GATE_DNS_OK with *out filled. The additional section and trailing bytes are ignored. */
+int gate_dns_parse_query(const unsigned char *q, int n, struct gate_query *out);
+/* Builds the query the gate sends upstream for normalized name: id, RD, one question (type,
+ * class), no other record; returns its length, or -1 if name is not normalized or cap short. */
+int gate_dns_build_query(const char *name, unsigned id, unsigned qtype, unsigned qclass,
+                         unsigned char *out, size_t cap);
+/* Whether m answers the query asked (asked->id, name, qtype, qclass: as gate_dns_build_query
+ * sent it): -1 if not (another id, no response, not exactly that one question); else the
+ * number of IPv4 addresses (network order, at most max) of its A records (class IN) whose owner
+ * is the name asked or a CNAME target reached from it; 0 for an error rcode or a malformed
+ * answer section. */
+int gate_dns_answer(const unsigned char *m, int n, const struct gate_query *asked, uint32_t *addrs,
+                    int max);
+/* The host of an HTTP/1 request head (a well-formed request line with an origin-form target,
+ * header lines of a token, a colon and visible bytes, exactly one Host header of a host name
+ * and an optional port): 1 found, 0 refused, -1 incomplete. */
 int gate_http_host(const unsigned char *b, size_t n, char *out);
-/* The SNI of a TLS ClientHello record at the start of b: 1 found, 0 absent or malformed, -1
- * incomplete. */
+/* The SNI of a TLS ClientHello record at the start of b (the whole hello in that record,
+ * exactly one server_name extension holding exactly one host_name): 1 found, 0 absent or
+ * malformed, -1 incomplete. */
 int gate_tls_sni(const unsigned char *b, size_t n, char *out);
 
 #endif

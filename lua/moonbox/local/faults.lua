@@ -9,9 +9,13 @@
 -- SPEC is a JSON array of rules, or the compact form `RULE;RULE;...` with
 --   RULE  = MATCH "=" FAULT ["@" RATE] ["#" COUNT]
 --   MATCH = "*" | METHOD " " PATH     (METHOD may be "*"; in PATH a "*" matches one segment)
---   FAULT = STATUS[":" RETRY_AFTER] | "drop" | "cut" | "edge" | "latency:" MS
+--   FAULT = STATUS[":" RETRY_AFTER] | "drop" | "cut" | "edge" | "capture" | "latency:" MS
+--         | "stall:" POINT
 -- ("edge": a 403 HTML page without Render's headers, as Render's firewall answers;
--- "capture": on POST .../snapshots, the capture then fails, as a full disk would make it).
+-- "capture": on POST .../snapshots, the capture then fails, as a full disk would make it;
+-- "stall:POINT": the next operation to reach POINT (M.STALL_POINTS) stops there for good, so a
+-- crash spec can SIGKILL the server at that point; its MATCH is "*", its `fired` count says it
+-- got there).
 -- e.g. `POST /v1/sandboxes=503@0.05;POST /v1/sandboxes=drop@0.05;*=latency:20`.
 -- RATE is a probability (default 1); COUNT caps how many times the rule fires.
 local json = require "moonbox.json"
@@ -20,7 +24,14 @@ local M = {}
 M.__index = M
 
 local KINDS = { status = true, drop = true, cut = true, latency = true, edge = true,
-  capture = true }
+  capture = true, stall = true }
+
+-- Where an operation can be stalled (moonbox.local.service calls inj:stall(point) there):
+--   terminate  a sandbox's terminate, once its first write (what is in progress) is durable
+--   upload     an upload whose body is spooled in <state>/tmp, before it is written inside
+--   capture    a snapshot's capture, once its layer is copied and before its record says so
+--   boot       a create's boot, once the sandbox's directory, cgroups and processes exist
+M.STALL_POINTS = { terminate = true, upload = true, capture = true, boot = true }
 
 local function glob_to_pattern(glob)
   local p = glob:gsub("[%^%$%(%)%%%.%[%]%+%-%?]", "%%%0"):gsub("%*", "[^/]*")
@@ -40,7 +51,8 @@ local function normalize(rule, i)
   end
   local kind = rule.fault
   if not KINDS[kind] then
-    error(where .. ": 'fault' must be status, drop, cut, edge, capture or latency, got " .. tostring(kind), 0)
+    error(where .. ": 'fault' must be status, drop, cut, edge, capture, stall or latency, got " ..
+      tostring(kind), 0)
   end
   -- JSON numbers arrive as floats; the integral ones are integers here.
   local function int(v) return type(v) == "number" and math.tointeger(v) or v end
@@ -50,7 +62,7 @@ local function normalize(rule, i)
     pattern = path ~= "*" and glob_to_pattern(path) or nil,
     fault = kind, rate = rule.rate or 1, count = rule.count,
     status = rule.status, retry_after = rule.retry_after, latency_ms = rule.latency_ms,
-    fired = 0,
+    point = rule.point, fired = 0,
   }
   if type(r.rate) ~= "number" or r.rate < 0 or r.rate > 1 then error(where .. ": 'rate' must be 0..1", 0) end
   if kind == "status" and (math.type(r.status) ~= "integer" or r.status < 400 or r.status > 599) then
@@ -58,6 +70,18 @@ local function normalize(rule, i)
   end
   if kind == "latency" and (type(r.latency_ms) ~= "number" or r.latency_ms < 0) then
     error(where .. ": 'latency_ms' must be a number >= 0", 0)
+  end
+  if kind == "stall" then
+    if not M.STALL_POINTS[r.point] then
+      local known = {}
+      for p in pairs(M.STALL_POINTS) do known[#known + 1] = p end
+      table.sort(known)
+      error(where .. ": 'point' must be one of " .. table.concat(known, ", ") .. ", got " ..
+        tostring(r.point), 0)
+    end
+    if match ~= "*" then
+      error(where .. ": a stall rule's 'match' is \"*\" (it names a point, not a request)", 0)
+    end
   end
   if r.status == 429 and r.retry_after == nil then r.retry_after = 1 end
   return r
@@ -81,6 +105,8 @@ local function parse_compact(spec)
         rule.fault, rule.status, rule.retry_after = "status", math.tointeger(tonumber(st)), tonumber(ra)
       elseif fault == "drop" or fault == "cut" or fault == "edge" or fault == "capture" then
         rule.fault = fault
+      elseif fault:match("^stall:") then
+        rule.fault, rule.point = "stall", fault:match("^stall:(.*)$")
       elseif fault:match("^latency:%d+$") then
         rule.fault, rule.latency_ms = "latency", tonumber(fault:match("%d+"))
       else
@@ -161,13 +187,22 @@ function M:decide(method, path, kinds)
   return latency, chosen
 end
 
+--- inj:stall(point) -> the stall rule that fires at point (a name of M.STALL_POINTS), or nil.
+-- Does not yield: the caller stops there (moonbox.local.service).
+function M:stall(point)
+  for _, rule in ipairs(self.rules) do
+    if rule.fault == "stall" and rule.point == point and fires(self, rule) then return rule end
+  end
+  return nil
+end
+
 --- inj:describe() -> the rules with how often each fired, for the control endpoint.
 function M:describe()
   local out = json.array()
   for _, r in ipairs(self.rules) do
     out[#out + 1] = {
       match = r.match, fault = r.fault, rate = r.rate, count = r.count, status = r.status,
-      retry_after = r.retry_after, latency_ms = r.latency_ms, fired = r.fired,
+      retry_after = r.retry_after, latency_ms = r.latency_ms, point = r.point, fired = r.fired,
     }
   end
   return { rules = out, seed = self.seed }

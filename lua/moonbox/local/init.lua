@@ -10,6 +10,11 @@
 -- The server listens on loopback only and checks the API key or a connect token before it
 -- reads a request's body (runtime/http_server.c), so no unauthenticated byte is buffered,
 -- journaled or written anywhere.
+-- Start order: the state dir's lock, the records, the engine, the port (from then on every /v1
+-- request is answered 503 with Retry-After: 1, moonbox.local.http's gate), the endpoint file,
+-- then the recovery of what the previous backend left (svc:start); local.start returns, and
+-- /v1 answers, only once it is done, so the ready line `moonbox local` prints and the
+-- embedded backend's start (moonbox.render.embedded) come after the recovery.
 local httpd = require "moonbox.httpd"
 local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
@@ -44,9 +49,9 @@ end
 -- find it there); a machine without IPv6 loopback gets 127.0.0.1 alone and a line in the log,
 -- while ::1's port taken by another program is an error like 127.0.0.1's.
 -- opts.host (one loopback address) listens there only.
-local function listen(opts, state_dir, log)
+local function listen(opts, upload_dir, log)
   local o = { host = opts.host or "127.0.0.1", port = opts.port or 8120,
-    max_body = 1024 * 1024, upload_dir = state_dir .. "/tmp", connection_limit = CONNECTION_LIMIT,
+    max_body = 1024 * 1024, upload_dir = upload_dir, connection_limit = CONNECTION_LIMIT,
     idle_timeout = IDLE_TIMEOUT, log = log }
   if opts.host == nil or opts.host == "localhost" then
     o.host, o.also_host = "127.0.0.1", "::1"
@@ -68,8 +73,10 @@ end
 -- as the base: discouraged), faults (spec), seed, api_key, workspace, concurrency_limit, log
 -- (function(line)), dns (the resolver allow-list sandboxes' gates ask; default slirp4netns's),
 -- engine (an Engine, for tests), public_url (the base of the connect URIs it hands out; default:
--- from each request's Host or a loopback proxy's X-Forwarded-*), on_image_build (function(line): progress of
--- a first image build). Raises when the state dir, the port or the image cannot be set up.
+-- from each request's Host or a loopback proxy's X-Forwarded-*), on_image_build (function(line):
+-- progress of a first image build), disk ({PLAN = bytes}: plans' disk sizes other than Render's),
+-- disk_size (bytes: the sandbox disk's size when it is made; docs/local.md, "Disk"). Raises when
+-- the state dir, the port or the image cannot be set up.
 -- [yields]
 function M.start(opts)
   opts = opts or {}
@@ -86,8 +93,10 @@ function M.start(opts)
       (endpoint and (" (at " .. endpoint:match("^(%S+)") .. ")") or "") ..
       "; use it, stop it, or start this one with --state DIR", 0)
   end
+  -- An endpoint file now is a killed backend's: nobody serves there.
+  os.remove(state_dir .. "/endpoint")
   local self = setmetatable({
-    opts = opts, state_dir = state_dir, lock = lock,
+    opts = opts, state_dir = state_dir, lock = lock, ready = false,
     log = opts.log or function(line) io.stderr:write("moonbox local: ", line, "\n") end,
     journal = Journal.new(),
   }, Backend)
@@ -129,7 +138,7 @@ function M.start(opts)
         "they can read every file of it that is not masked; use an image instead")
     end
     engine = require("moonbox.local.engine").new { state_dir = state_dir, image = base,
-      host_root = opts.host_root, dns = opts.dns,
+      host_root = opts.host_root, dns = opts.dns, disk_size = opts.disk_size,
       fairness = os.getenv("MOONBOX_LOCAL_FAIRNESS") ~= "off" } -- off: bench/neighbour.lua's "before"
   end
   self.engine = engine
@@ -155,28 +164,80 @@ function M.start(opts)
     if not url then error("--public-url " .. tostring(opts.public_url) .. ": " .. why, 0) end
     self.public_url = url
   end
-  self.srv = listen(opts, state_dir, self.log)
+  -- Upload spools and file-operation temporaries live on the sandbox disk when there is one,
+  -- so that they cannot eat the state directory's reserve (moonbox.local.engine.disk).
+  local disk = engine.disk
+  self.spool_dir = disk and disk.spool or state_dir .. "/tmp"
+  self.space_dir = disk and disk.mnt or nil
+  self.srv = listen(opts, self.spool_dir, self.log)
   self.srv:set_key(self.api_key)
   self.url = self.srv.url
   self.port = self.srv.port
   local srv = self.srv
   self.svc = service.new {
     st = self.st, engine = engine, state_dir = state_dir, workspace = self.workspace, user = user,
-    log = self.log,
+    log = self.log, faults = self.faults,
     limits = { concurrency_limit = opts.concurrency_limit,
       token_ttl = tonumber(os.getenv("MOONBOX_LOCAL_TOKEN_TTL") or ""),
-      idle_scale = tonumber(os.getenv("MOONBOX_LOCAL_IDLE_SCALE") or "") },
-        -- test only: tokens that expire fast, idle timeouts scaled down (0.005: 300 s → 1.5 s)
+      idle_scale = tonumber(os.getenv("MOONBOX_LOCAL_IDLE_SCALE") or ""), disk = opts.disk,
+      capture_timeout = tonumber(os.getenv("MOONBOX_LOCAL_CAPTURE_TIMEOUT") or "") },
+        -- test only: tokens that expire fast, idle timeouts scaled down (0.005: 300 s → 1.5 s);
+        -- the bound on a capture's freeze (seconds, default 60; docs/local.md, "Snapshots")
     on_token = function(op, token, info, ttl)
       if srv.closed then return end
       if op == "put" then srv:token_put(token, info.sandbox, info.op, ttl) else srv:token_drop(token) end
     end,
   }
   require("moonbox.local.http").install(self)
-  -- Where clients find a running backend (moonbox.render.conn reuses it): "URL WORKSPACE".
+  -- Where clients find a running backend (moonbox.render.embedded reuses it): "URL WORKSPACE".
+  -- Written as soon as the port is open, before the recovery: a client that finds the backend
+  -- while it recovers is answered 503 (its /_moonbox/health says ready: false) and waits,
+  -- rather than taking the backend for gone and starting another on the same state dir.
   write_secret(state_dir .. "/endpoint", self.url .. " " .. self.workspace .. "\n")
+  local t0 = require("moonbox.core").now()
   self.svc:start()
+  self.ready = true
+  self.recovered_in = require("moonbox.core").now() - t0
   return self
+end
+
+--- backend:disk_health() -> { ok, problems = {sentence...}, sandboxes = {size, avail, low} | nil,
+-- state = {size, avail, reserve, low} }: the free space of the sandbox disk and of the state
+-- directory's filesystem (bytes; state.avail leaves out what the sparse sandbox disk may still
+-- grow by). low: the sandbox disk has less than a tenth of its size (at most 4 GiB) left, or
+-- the state directory less than half its reserve. Does not yield.
+function Backend:disk_health()
+  local sys_ = require "moonbox.sys"
+  local problems = {}
+  local out = { problems = problems }
+  local disk = self.engine.disk
+  local ok, sp = pcall(function()
+    if disk then return disk:space() end
+    local sv = sys_.statvfs(self.state_dir)
+    return { state = { size = sv.size, avail = sv.avail, reserve = 64 * 1024 * 1024 } }
+  end)
+  if not ok then
+    problems[1] = "cannot read the free space: " .. tostring(type(sp) == "table" and sp.message or sp)
+    out.ok = false
+    return out
+  end
+  local st = sp.state
+  out.state = { size = st.size, avail = st.avail, reserve = st.reserve, low = st.avail < st.reserve // 2 }
+  if out.state.low then
+    problems[#problems + 1] = string.format("the state directory's filesystem has %d MiB left, less " ..
+      "than half its reserve of %d MiB", st.avail // 1048576, st.reserve // 1048576)
+  end
+  if sp.disk then
+    local d = sp.disk
+    local floor = math.min(d.size // 10, 4 * 1024 * 1024 * 1024)
+    out.sandboxes = { size = d.size, avail = d.avail, low = d.avail < floor }
+    if out.sandboxes.low then
+      problems[#problems + 1] = string.format("the sandbox disk has %d MiB of %d MiB left",
+        d.avail // 1048576, d.size // 1048576)
+    end
+  end
+  out.ok = #problems == 0
+  return out
 end
 
 --- backend:close(): stops serving, stops every sandbox's processes (their records stay, and

@@ -19,6 +19,7 @@ local host = require "moonbox.local.engine.host"
 local ids = require "moonbox.ids"
 local json = require "moonbox.json"
 local image = require "moonbox.local.image"
+local State = require "moonbox.local.state"
 
 local M = {}
 local Service = {}
@@ -39,16 +40,19 @@ M.DEFAULTS = {
   sync_output_max = 1024 * 1024, -- bytes kept per stream of a runs/sync answer
   idle_scale = 1, -- specs only: idle timeouts are multiplied by this (MOONBOX_LOCAL_IDLE_SCALE)
   max_upload = 8 * 1024 * 1024 * 1024,
+  capture_timeout = 60, -- seconds a capture may keep its sandbox frozen (docs/local.md, "Snapshots")
 }
 
--- Plans and what each limits: CPUs (a quota), memory (no swap beyond it), processes. Render's
--- older names are accepted as the sizes that replaced them.
+-- Plans and what each limits: CPUs (a quota), memory (no swap beyond it), processes, disk (the
+-- sandbox's writable layer: Render's 40 GB of writable storage per sandbox, every plan; `moonbox
+-- local --disk PLAN=SIZE` sets another, limits.disk). Render's older names are accepted as the
+-- sizes that replaced them.
 local GiB = 1024 * 1024 * 1024
 M.PLANS = {
-  ["1c-2g"] = { cpus = 1, memory = 2 * GiB, pids = 1024 },
-  ["2c-4g"] = { cpus = 2, memory = 4 * GiB, pids = 2048 },
-  ["4c-8g"] = { cpus = 4, memory = 8 * GiB, pids = 4096 },
-  ["8c-16g"] = { cpus = 8, memory = 16 * GiB, pids = 8192 },
+  ["1c-2g"] = { cpus = 1, memory = 2 * GiB, pids = 1024, disk = 40 * GiB },
+  ["2c-4g"] = { cpus = 2, memory = 4 * GiB, pids = 2048, disk = 40 * GiB },
+  ["4c-8g"] = { cpus = 4, memory = 8 * GiB, pids = 4096, disk = 40 * GiB },
+  ["8c-16g"] = { cpus = 8, memory = 16 * GiB, pids = 8192, disk = 40 * GiB },
 }
 -- Older names get the limits of the size that replaced them, and are answered as sent: an
 -- older SDK parses the plan into its own enum, which has no "2c-4g".
@@ -107,15 +111,25 @@ local function message_of(err)
   return tostring(err)
 end
 
+-- A message of the engine or a helper as the API may show it: layer files by their names,
+-- nothing else of the state dir, the helper by its name.
+local function hide_paths(self, msg)
+  local dir = self.state_dir:gsub("%p", "%%%0")
+  msg = msg:gsub(dir .. "/layers/", ""):gsub("'?" .. dir .. "[^%s:']*'?", "(the state directory)")
+  return (msg:gsub("'?/[^%s:']*/moonbox%-sandbox'?", "moonbox-sandbox"))
+end
+
 -- ---- construction --------------------------------------------------------------------------
 
 --- Service.new(opts) -> Service. opts: st (an open moonbox.local.state), engine, state_dir,
 -- workspace, user, limits (overrides of DEFAULTS), log (function(line)), on_token (function(op,
--- token, info): the wire's pre-body gate learns about tokens). Does not yield.
+-- token, info): the wire's pre-body gate learns about tokens), faults (a moonbox.local.faults
+-- injector: its stall rules stop operations at named points). Does not yield.
 function M.new(opts)
   local self = setmetatable({
     st = opts.st, engine = opts.engine, state_dir = opts.state_dir, workspace = opts.workspace,
     user = opts.user, log = opts.log or function() end, on_token = opts.on_token or function() end,
+    faults = opts.faults,
     limits = setmetatable({}, { __index = M.DEFAULTS }),
     tokens = {}, runtime = {}, logs = {}, log_conds = {}, tasks = {}, closing = false,
     ended_logs = { first = 1, last = 0 }, snap_timers = {},
@@ -217,13 +231,50 @@ end
 
 -- ---- sandbox lifecycle ---------------------------------------------------------------------
 
+-- A crash point (docs/local.md, "Fault injection": stall:POINT): when a stall rule fires at
+-- point, the operation on id stops here until the server stops, so that a spec can SIGKILL the
+-- server with the operation half done. [yields] when it stalls.
+local function crash_point(self, point, id)
+  if not (self.faults and self.faults:stall(point)) then return end
+  self.log("stalled at " .. point .. " of " .. id .. " (injected fault stall:" .. point .. ")")
+  while true do task.sleep(3600) end
+end
+
+-- Writes fields into a sandbox's record, in memory only once the database has them
+-- (moonbox.local.state: update). Raises insufficient_storage when the disk is full, internal
+-- for another failed write, both naming the sandbox; nothing has changed then. Does not yield.
+local function persist(self, rec, fields)
+  local ok, err = pcall(self.st.update, self.st, "sandbox", rec, fields)
+  if ok then return end
+  self.log(message_of(err))
+  if type(err) == "table" and err.code == "disk_full" then
+    fail("insufficient_storage", "sandbox " .. rec.id .. ": the backend's disk is full, so its record " ..
+      "could not be written; nothing was changed (free space and retry)")
+  end
+  fail("internal", "sandbox " .. rec.id .. ": its record could not be written (" ..
+    message_of(err):gsub("^cannot write the record of sandbox %S+: ", "") .. "); nothing was changed")
+end
+
+-- Records a sandbox's new status (and the extra fields) once the database has it, then tells
+-- its log stream and its watcher. Raises as persist, with nothing changed. Does not yield.
 local function set_status(self, rec, status, extra)
-  rec.status = status
-  for k, v in pairs(extra or {}) do rec[k] = v end
-  self.st:save("sandbox", rec)
+  local fields = { status = status }
+  for k, v in pairs(extra or {}) do fields[k] = v end
+  persist(self, rec, fields)
   if status ~= "suspending" then self:emit(rec.id, "lifecycle", { type = status }) end
   local runtime = self.runtime[rec.id]
   if runtime and runtime.wake then runtime.wake:broadcast() end
+end
+
+-- set_status for a task of the service's own (a boot, a freeze): a write that fails is logged
+-- and leaves the record as it was (the next start's recovery settles it). Returns whether it
+-- was written. Does not yield.
+local function try_status(self, rec, status, extra)
+  local ok, err = pcall(set_status, self, rec, status, extra)
+  if not ok then
+    self.log("sandbox " .. rec.id .. ": could not record " .. status .. ": " .. message_of(err))
+  end
+  return ok
 end
 
 --- svc:runtime_of(id) -> the runtime (unpersisted) state of a sandbox, made on first use: its
@@ -248,29 +299,50 @@ function M.plan(name)
   return p
 end
 
--- Boots a sandbox's namespaces and filesystem in its own task: creating → running or errored.
+--- svc:plan_limits(name) -> the limits a sandbox of plan name gets: the plan's, with the disk
+-- size limits.disk[PLAN] sets (`moonbox local --disk PLAN=SIZE`; an older name follows the size
+-- it maps to).
+function Service:plan_limits(name)
+  local p = M.PLANS[name]
+  local disk = self.limits.disk and self.limits.disk[M.PLAN_ALIASES[name] or name]
+  if not (p and disk) then return p end
+  local out = {}
+  for k, v in pairs(p) do out[k] = v end
+  out.disk = disk
+  return out
+end
+
+-- Boots a sandbox's namespaces and filesystem in its own task: creating → running or errored
+-- (its log stream says why, naming ids and layer names, never a host path).
 function Service:boot(rec, env)
   local runtime = self:runtime_of(rec.id)
   runtime.boot = task.spawn(function()
-    local snap = rec._snapshot and self.st.snapshots[rec._snapshot]
+    -- The record names what it boots from (its lowers, its snapshot's /dev capture), which the
+    -- collector keeps while it boots and lives, its snapshot deleted or not.
     local ok, err = pcall(self.engine.create, self.engine, rec.id, {
       lowers = rec._lowers or {}, network = rec.networkPolicy.default, env = env,
       allowed = rec.networkPolicy.allowedDomains,
-      dev_records = snap and snap._dev_records, limits = M.PLANS[rec.plan],
+      dev_records = rec._dev, limits = self:plan_limits(rec.plan),
     })
+    if ok then crash_point(self, "boot", rec.id) end
+    if not ok then err = hide_paths(self, message_of(err)) end
     runtime.boot = nil
-    if rec.status ~= "creating" then return end -- terminated meanwhile
+    if rec.status ~= "creating" or rec._pending then return end -- terminated meanwhile
     if ok then
       runtime.started = now()
       runtime.last_activity = now()
-      set_status(self, rec, "running")
-      self:watch(rec)
+      if try_status(self, rec, "running") then
+        self:watch(rec)
+      else
+        -- Not recorded running: it must not run unrecorded.
+        pcall(self.engine.terminate, self.engine, rec.id)
+        try_status(self, rec, "errored", { _error = "its record could not be written (disk full?)" })
+      end
     else
       self.log("sandbox " .. rec.id .. " failed to boot: " .. message_of(err))
-      rec._error = message_of(err)
       self:emit(rec.id, "log", { stream = "stderr", data = "the sandbox could not start: " .. message_of(
         err) .. "\n" })
-      set_status(self, rec, "errored")
+      try_status(self, rec, "errored", { _error = message_of(err) })
     end
     runtime.ready:broadcast()
   end)
@@ -285,6 +357,7 @@ function Service:ensure_running(rec)
   local deadline = now() + 120
   while true do
     local s = rec.status
+    if rec._pending == "terminate" then fail("not_found", "sandbox " .. rec.id .. " is being terminated") end
     if s == "running" then return runtime end
     if s == "terminated" then fail("not_found", "sandbox " .. rec.id .. " is terminated") end
     if s == "errored" then fail("conflict", "sandbox " .. rec.id .. " is errored", "sandbox_not_running") end
@@ -315,17 +388,26 @@ function Service:activity(id, delta)
 end
 
 --- svc:terminate(rec): terminates a sandbox (idempotent): stops its processes, frees its disk
--- and the layers nothing needs any more, records the time. [yields]
+-- and the layers nothing needs any more, records the time. Write-ahead: the record says
+-- `_pending = "terminate"` (durable) before anything is torn down, and `terminated` once it
+-- is; a backend killed in between finishes the terminate at its next start (svc:recover).
+-- Raises insufficient_storage (internal) when the first write fails: then nothing changed and
+-- the sandbox runs on. [yields]
 function Service:terminate(rec)
   if rec.status == "terminated" then return end
+  if rec._pending ~= "terminate" then persist(self, rec, { _pending = "terminate" }) end
   local runtime = self:runtime_of(rec.id)
   if runtime.boot then task.cancel(runtime.boot) end
-  rec.terminatedAt = ids.iso(now())
   runtime.watch = nil -- its deadlines are over; close() must not cancel a watcher terminating it
-  set_status(self, rec, "terminated")
+  crash_point(self, "terminate", rec.id)
   runtime.ready:broadcast()
   local ok, err = pcall(self.engine.terminate, self.engine, rec.id)
+  -- What the engine could not free is freed by the next start (its recovery removes the
+  -- directory and cgroups of every sandbox not live).
   if not ok then self.log("terminating " .. rec.id .. ": " .. message_of(err)) end
+  if rec.status == "terminated" then return end -- a concurrent terminate finished first
+  set_status(self, rec, "terminated", { terminatedAt = ids.iso(now()), _pending = State.NONE })
+  runtime.ready:broadcast()
   self.runtime[rec.id] = nil
   retire_logs(self, rec.id)
   self:gc_layers()
@@ -335,12 +417,12 @@ end
 -- freeze fails; nothing when its status changed meanwhile (a terminate). [yields]
 local function suspend_now(self, rec)
   local ok, err = pcall(self.engine.freeze, self.engine, rec.id)
-  if rec.status ~= "suspending" then return end
+  if rec.status ~= "suspending" or rec._pending then return end
   if ok then
-    set_status(self, rec, "suspended")
+    if not try_status(self, rec, "suspended") then pcall(self.engine.thaw, self.engine, rec.id) end
   else
     self.log("suspending " .. rec.id .. ": " .. message_of(err))
-    set_status(self, rec, "running")
+    try_status(self, rec, "running")
   end
 end
 
@@ -356,56 +438,229 @@ function Service:suspend(rec)
   return rec
 end
 
---- svc:gc_layers(): removes layer directories (and /dev captures) no live sandbox and no kept
--- snapshot needs. [yields]
-function Service:gc_layers()
+-- The files a snapshot owns under <state>/layers: its layer, the layer while it is being
+-- copied (.partial), its /dev capture (.dev, runtime snapshots) and its manifest (.manifest).
+-- Named from the snapshot's id, so a record written before its capture starts names them all.
+local function own_files(self, snap)
+  local layer = snap._layer or (self.state_dir .. "/layers/" .. snap.id)
+  return { layer, layer .. ".partial", layer .. ".dev", layer .. ".manifest" }
+end
+
+-- The layer files something still needs: the lowers and /dev capture of every sandbox that is
+-- booting or live, and every file of every snapshot that is being captured or is available and
+-- not deleted (its own files and the lower layers it stacks on). A lower layer is needed with
+-- its manifest: a restore (and a capture's snapshot, which stacks on the same lowers) checks
+-- every layer of its stack against its manifest.
+local function needed_files(self)
   local needed = {}
+  local function layer(l)
+    needed[l] = true
+    needed[l .. ".manifest"] = true
+  end
   for _, s in pairs(self.st.sandboxes) do
-    if M.LIVE[s.status] then for _, l in ipairs(s._lowers or {}) do needed[l] = true end end
+    if M.LIVE[s.status] then
+      for _, l in ipairs(s._lowers or {}) do layer(l) end
+      if s._dev then needed[s._dev] = true end
+    end
   end
   for _, s in pairs(self.st.snapshots) do
-    if not s._deleted then
-      for _, l in ipairs(s._layers or {}) do needed[l] = true end
+    if s.status == "creating" or (s.status == "available" and not s._deleted) then
+      for _, f in ipairs(own_files(self, s)) do needed[f] = true end
+      for _, l in ipairs(s._layers or {}) do layer(l) end
       if s._dev_records then needed[s._dev_records] = true end
     end
   end
-  local dir = self.state_dir .. "/layers"
-  local ok, names = pcall(sys.listdir, dir)
-  if not ok then return end
-  table.sort(names)
-  for _, name in ipairs(names) do
-    local path = dir .. "/" .. name
-    if not needed[path] then
-      local freed, err = pcall(host.remove_tree, path)
-      if not freed then self.log("cannot free layer " .. name .. ": " .. message_of(err)) end
+  return needed
+end
+
+-- The snapshots whose files wait to be freed (deleted or failed, not yet _freed), by id; on
+-- first use, those a previous backend left so.
+local function pending(self)
+  if not self.unfreed then
+    self.unfreed = {}
+    for _, row in ipairs(self.st.db:rows([[SELECT id FROM records WHERE kind = 'snapshot'
+        AND status IN ('deleted', 'failed') AND instr(doc, '"_freed"') = 0]])) do
+      self.unfreed[row.id] = true
+    end
+  end
+  return self.unfreed
+end
+
+-- One pass of the collector: frees the files of each snapshot waiting for it (deleted or
+-- failed, its capture over) that nothing needs; a snapshot all of whose files are gone is
+-- marked _freed and leaves the list. [yields]
+local function collect(self)
+  local needed = needed_files(self)
+  local ids_ = {}
+  for sid in pairs(self.unfreed) do ids_[#ids_ + 1] = sid end
+  table.sort(ids_)
+  for _, sid in ipairs(ids_) do
+    local snap = self.st.snapshots[sid]
+    if not snap or snap._freed or not (snap._deleted or snap.status == "failed") then
+      self.unfreed[sid] = nil
+    elseif snap.status ~= "creating" then -- a capture's files are its own until it ends
+      local all = true
+      for _, f in ipairs(own_files(self, snap)) do
+        if needed[f] then
+          all = false
+        elseif host.exists(f) then
+          local freed, err = pcall(host.remove_tree, f)
+          if freed then
+            if self.engine.forget_layer then self.engine:forget_layer(f) end
+          else
+            all = false
+            self.log("cannot free " .. f:match("[^/]*$") .. " of snapshot " .. sid .. ": " .. message_of(err))
+          end
+        end
+      end
+      if all then
+        snap._freed = true
+        self.st:save("snapshot", snap)
+        self.unfreed[sid] = nil
+      end
     end
   end
 end
 
---- svc:recover(): after a restart, the previous backend's sandboxes died with its keepers.
--- Their records say so honestly (errored, with the reason in their log stream) and what is left
--- of them on disk is freed. [yields]
+--- svc:gc_layers(): frees the layer files of deleted and failed snapshots that no booting or
+-- live sandbox and no kept snapshot needs. It works only from the records: a capture's files
+-- are named by its snapshot record (status creating) before the capture starts, a sandbox
+-- record names the lowers and the /dev capture it boots from; nothing is removed because a
+-- directory listing shows it (recovery at start sweeps what no record names). Passes never
+-- overlap: a call made while one runs waits for the next, which sees its change. [yields]
+function Service:gc_layers()
+  pending(self)
+  local gc = self.gc or { wanted = 0, done = 0, cond = core.cond() }
+  self.gc = gc
+  gc.wanted = gc.wanted + 1
+  local mine = gc.wanted
+  if gc.running then
+    while gc.done < mine do gc.cond:wait() end
+    return
+  end
+  gc.running = true
+  local ok, err = pcall(function()
+    while gc.done < gc.wanted do
+      local target = gc.wanted
+      collect(self)
+      gc.done = target
+      gc.cond:broadcast()
+    end
+  end)
+  gc.running = false
+  if not ok then
+    gc.done = gc.wanted
+    gc.cond:broadcast()
+    error(err, 0)
+  end
+end
+
+-- A snapshot that no longer keeps its files (deleted, or failed): the collector frees them once
+-- nothing needs them. [yields]
+local function release(self, snap)
+  pending(self)[snap.id] = true
+  self:gc_layers()
+end
+
+-- Removes path (a file or a tree), logging what it cannot. [yields]
+local function remove(self, path, what)
+  local ok, err = pcall(host.remove_tree, path)
+  if not ok then self.log("cannot remove " .. what .. ": " .. message_of(err)) end
+end
+
+local function listdir(path)
+  local ok, names = pcall(sys.listdir, path)
+  if not ok then return {} end
+  table.sort(names)
+  return names
+end
+
+-- Whether id can name a sandbox directory the engine may be asked to free.
+local function sandbox_id_ok(id)
+  return id:match("^[%w][%w._-]*$") ~= nil and #id <= 63
+end
+
+--- svc:recover(): at start, before the server answers (moonbox.local's gate), finishes or rolls
+-- back what the previous backend left in progress and removes what a crash leaves on disk:
+-- - a sandbox whose terminate was in progress (`_pending = "terminate"`) is terminated;
+-- - a sandbox that was live (creating, running, suspended, ...) died with the previous backend's
+--   keepers: it is errored, saying so in its log stream;
+-- - a capture in progress is failed;
+-- - everything in <state>/tmp (spooled uploads, decompressed ones, archives: the state dir's lock
+--   is exclusive, so they belong to a dead process);
+-- - the directories and cgroups of every sandbox (none is live at this point), and the mounts
+--   a previous backend left under the state dir (moonbox.local.engine: recover, terminate);
+--   anything else under sandboxes/ but the sandbox disk's spool;
+-- - every file in <state>/layers that no snapshot kept (not deleted, not failed) needs: a layer
+--   snp-X, its /dev records snp-X.dev, its manifest snp-X.manifest, an unfinished snp-X.partial.
+-- Nothing runs yet, so the listings see no operation in flight. Raises (and the backend does
+-- not start) when a record cannot be written. [yields]
 function Service:recover()
-  local stale = {}
-  for id, rec in pairs(self.st.sandboxes) do
-    if M.LIVE[rec.status] then stale[#stale + 1] = id end
-  end
+  local tmp = self.state_dir .. "/tmp"
+  for _, name in ipairs(listdir(tmp)) do remove(self, tmp .. "/" .. name, "tmp/" .. name) end
+  local report = {}
   if self.engine.recover then
-    local ok, err = pcall(self.engine.recover, self.engine)
-    if not ok then self.log("recovering the previous run's sandboxes: " .. message_of(err)) end
+    local ok, got = pcall(self.engine.recover, self.engine)
+    if ok then
+      report = got or {}
+    else
+      self.log("recovering the previous run's sandboxes: " .. message_of(got))
+    end
   end
-  for _, id in ipairs(stale) do
+  local ended = {}
+  for id, rec in pairs(self.st.sandboxes) do
+    if rec._pending == "terminate" or M.LIVE[rec.status] then ended[#ended + 1] = id end
+  end
+  table.sort(ended)
+  for _, id in ipairs(ended) do
     local rec = self.st.sandboxes[id]
-    rec._error = "the moonbox local backend restarted; this sandbox's processes did not survive"
-    self:emit(id, "log", { stream = "stderr", data = rec._error .. "\n" })
-    set_status(self, rec, "errored")
     pcall(self.engine.terminate, self.engine, id)
+    if rec._pending == "terminate" then
+      set_status(self, rec, "terminated", { terminatedAt = ids.iso(now()), _pending = State.NONE })
+      retire_logs(self, id)
+    else
+      local why = "the moonbox local backend restarted; this sandbox's processes did not survive"
+      self:emit(id, "log", { stream = "stderr", data = why .. "\n" })
+      set_status(self, rec, "errored", { _error = why })
+    end
+  end
+  -- What is left of sandboxes the records no longer count as live (a terminate that got as far
+  -- as its last write, an older backend's leftovers, a directory without a record).
+  for _, item in ipairs(report) do
+    local ok, err = pcall(self.engine.terminate, self.engine, item.id)
+    if not ok then self.log("freeing what sandbox " .. item.id .. " left: " .. message_of(err)) end
+  end
+  for _, id in ipairs(listdir(self.state_dir .. "/sandboxes")) do
+    if sandbox_id_ok(id) then
+      local ok, err = pcall(self.engine.terminate, self.engine, id)
+      if not ok then self.log("freeing what sandbox " .. id .. " left: " .. message_of(err)) end
+    elseif id ~= ".spool" then -- the sandbox disk's upload spool (emptied when the disk is prepared)
+      remove(self, self.state_dir .. "/sandboxes/" .. id, "sandboxes/" .. id)
+    end
   end
   for _, snap in pairs(self.st.snapshots) do
     if snap.status == "creating" then
-      snap.status, snap.error = "failed", "the backend restarted during capture"
-      self.st:save("snapshot", snap)
+      local ok, err = pcall(self.st.update, self.st, "snapshot", snap,
+        { status = "failed", error = "the backend restarted during capture" })
+      if not ok then error(err, 0) end
     end
+  end
+  -- Layers are named by the file's name, not its path: a state dir reached by another path
+  -- (a symlink) holds the same layers.
+  local needed = {}
+  local function need(path) needed[path:match("([^/]+)$")] = true end
+  for _, snap in pairs(self.st.snapshots) do
+    if not snap._deleted and snap.status ~= "failed" then
+      for _, l in ipairs(snap._layers or {}) do
+        need(l)
+        need(l .. ".manifest")
+      end
+      if snap._dev_records then need(snap._dev_records) end
+    end
+  end
+  local layers = self.state_dir .. "/layers"
+  for _, name in ipairs(listdir(layers)) do
+    if not needed[name] then remove(self, layers .. "/" .. name, "layers/" .. name) end
   end
 end
 
@@ -414,8 +669,11 @@ end
 
 -- Idle suspend: running → suspending → suspended (back to running when the freeze fails).
 local function idle_suspend(self, rec)
-  set_status(self, rec, "suspending")
-  suspend_now(self, rec)
+  if try_status(self, rec, "suspending") then
+    suspend_now(self, rec)
+  else
+    self:runtime_of(rec.id).last_activity = now() -- not recorded: try again an idle timeout later
+  end
 end
 
 -- Waits on cond for at most secs (math.huge: without a deadline); re-raises a cancellation.
@@ -445,7 +703,13 @@ function Service:watch(rec)
         or math.huge
       if t >= lifetime and (rec.status == "running" or rec.status == "suspended") then
         self:emit(rec.id, "log", { stream = "stderr", data = "sandbox reached its timeoutSeconds\n" })
-        self:terminate(rec)
+        local ok, err = pcall(self.terminate, self, rec)
+        if not ok then
+          if task.is_cancelled(err) then error(err, 0) end
+          self.log("sandbox " .. rec.id .. " reached its timeoutSeconds; terminating it failed: " ..
+            message_of(err))
+          wait_for(runtime.wake, 5) -- and try again
+        end
       elseif t >= idle_due then
         idle_suspend(self, rec)
       else
@@ -464,9 +728,10 @@ function Service:expire_later(snap)
     task.sleep(math.max(0, at - now()))
     self.snap_timers[snap.id] = nil
     if not snap._deleted then
+      -- A snapshot still being captured keeps its files until its capture ends (which frees them).
       snap._deleted = true
       self.st:save("snapshot", snap)
-      self:gc_layers()
+      release(self, snap)
     end
   end)
 end
@@ -611,22 +876,62 @@ local function restore_source(self, p, group)
   return snap
 end
 
+-- The layer of a snapshot whose record says its capture wrote a manifest (a layer's name is its
+-- snapshot's id).
+local function had_manifest(self, layer)
+  local owner = self.st.snapshots[layer:match("[^/]*$")]
+  return owner ~= nil and owner._manifest ~= nil
+end
+
+-- Checks that a restore's data is there and is what was captured, before the sandbox starts:
+-- each layer of its stack against its manifest (the quick check: names, types, sizes, modes,
+-- owners; kept per layer for the life of the backend), its /dev capture there. Layers captured
+-- before manifests existed are only looked for. On a mismatch the snapshot becomes failed,
+-- saying why, and the restore answers conflict snapshot_not_available. [yields]
+local function check_restore(self, snap)
+  local why
+  for _, l in ipairs(snap._layers or {}) do
+    local ok, res, diff, code = pcall(self.engine.verify_layer, self.engine, l)
+    if not ok then
+      fail("internal", "snapshot " .. snap.id .. " could not be checked: " ..
+        hide_paths(self, message_of(res)))
+    end
+    if not res and (code ~= "no_manifest" or had_manifest(self, l)) then
+      why = code == "missing" and "its data is gone (" .. diff .. ")" or diff
+      break
+    end
+  end
+  if not why and snap._dev_records and not host.exists(snap._dev_records) then
+    why = "its /dev capture is gone"
+  end
+  if not why then return end
+  if snap.status == "available" then
+    snap.status, snap.error = "failed", "snapshot " .. snap.id .. " does not match what was captured: " .. why
+    self.st:save("snapshot", snap)
+    self.log(snap.error)
+    release(self, snap)
+  end
+  fail("conflict", "snapshot " .. snap.id .. " cannot be restored: " .. why, "snapshot_not_available")
+end
+
 --- svc:create_sandbox(p) -> rec (status creating; it boots in a task). p: plan, timeout,
 -- idle_timeout, network ("allow-all" | "deny-all" | "allow-list"), allowed_domains (with
 -- allow-list: names checked by the caller), env, name, snapshot_id, snapshot_name,
--- group_id — decoded and type-checked by the caller. Raises invalid (plan, snapshot name),
--- not_found (group, snapshot), conflict (snapshot rules), rate_limited (group at its limit).
+-- group_id — decoded and type-checked by the caller. A restore's layers are checked against
+-- their manifests first (check_restore). Raises invalid (plan, snapshot name), not_found (group,
+-- snapshot), conflict (snapshot rules; snapshot_not_available for data that does not match),
+-- rate_limited (group at its limit). [yields]
 function Service:create_sandbox(p)
   if p.plan then M.plan(p.plan) end
   local group = p.group_id and self:find_group(p.group_id) or self:default_group()
   local snap = restore_source(self, p, group)
-  if snap then
-    for _, l in ipairs(snap._layers or {}) do
-      if not host.exists(l) then
-        fail("conflict", "snapshot " .. snap.id .. " cannot be restored: its data is gone",
-          "snapshot_not_available")
-      end
-    end
+  -- The check yields: the snapshot may be deleted or fail meanwhile, so it is resolved again.
+  for _ = 1, 3 do
+    if not snap then break end
+    check_restore(self, snap)
+    local again = restore_source(self, p, group)
+    if again == snap then break end
+    snap = again
   end
   if live_count(self, group.id) >= group.concurrencyLimit then
     fail("rate_limited", string.format("sandbox group %s is at its concurrency limit (%d)", group.id,
@@ -642,10 +947,9 @@ function Service:create_sandbox(p)
     idleTimeoutSeconds = p.idle_timeout or self.limits.idle_timeout_seconds,
     createdAt = ids.iso(now()), terminatedAt = nil,
     sandboxGroupId = group.id, name = p.name,
-    _lowers = snap and snap._layers or {}, _snapshot = snap and snap.id,
+    _lowers = snap and snap._layers or {}, _snapshot = snap and snap.id, _dev = snap and snap._dev_records,
   }
-  self.st.sandboxes[rec.id] = rec
-  set_status(self, rec, "creating")
+  set_status(self, rec, "creating") -- its first write: in memory only once recorded
   self:boot(rec, p.env or {})
   return rec
 end
@@ -711,8 +1015,9 @@ function Service:mint_file(rec, op, path, shown)
 end
 
 --- svc:check_token(token, sandbox_id, scope) -> rec, info. The wire's gate has checked the
--- token before the body was read; this is the second look, with the records. Raises
--- unauthorized, forbidden, not_found.
+-- token before the body was read; this is the second look, with the records, and spends it (a
+-- token opens its endpoint once). Raises unauthorized, forbidden (another sandbox or
+-- operation, used already), not_found.
 function Service:check_token(token, sandbox_id, scope)
   local info = token and self.tokens[token]
   if not info then fail("unauthorized", "invalid or missing connect token") end
@@ -720,6 +1025,12 @@ function Service:check_token(token, sandbox_id, scope)
   if info.sandbox ~= sandbox_id or info.op ~= scope then
     fail("forbidden", "this connect token is for another sandbox or operation")
   end
+  -- Single use (the wire's gate spends it first): a run's command comes from the data-plane
+  -- body, so a token that opened its endpoint twice would run anything its holder sends.
+  if info.used then
+    fail("forbidden", "this connect token was used already: a token opens its endpoint once")
+  end
+  info.used = true
   local rec = self.st.sandboxes[info.sandbox]
   if not rec or rec.status == "terminated" then fail("not_found", "sandbox is gone") end
   return rec, info
@@ -832,6 +1143,10 @@ local function file_error(err, what)
       "not_regular_file")
   end
   if code == "permission_denied" then fail("forbidden", (msg:gsub("^sandbox %S+: ", ""))) end
+  if code == "path_too_long" then fail("invalid", (msg:gsub("^sandbox %S+: ", "")), "path_too_long") end
+  if code == "read_only_path" then
+    fail("forbidden", (msg:gsub("^sandbox %S+: ", "")), "read_only_path")
+  end
   if code == "too_many" then fail("invalid", (msg:gsub("^sandbox %S+: ", ""))) end
   if code == "unsafe_archive" then fail("invalid", msg .. "; nothing was extracted", "unsafe_archive") end
   if code == "corrupt_archive" then
@@ -841,6 +1156,9 @@ local function file_error(err, what)
   if code == "archive_too_large" or code == "too_large" then fail("too_large", (msg:gsub("^sandbox %S+: ",
     ""))) end
   if code == "invalid_path" then fail("invalid", "path contains a NUL byte or a newline") end
+  if msg:find("Disk quota exceeded", 1, true) then
+    fail("insufficient_storage", "the sandbox's disk (its plan's disk size) is full; nothing was written")
+  end
   if msg:find("No space left on device", 1, true) then
     fail("insufficient_storage", "the backend's disk is full; nothing was written")
   end
@@ -856,6 +1174,7 @@ function Service:upload(rec, info, body_file, kind)
   self:ensure_running(rec)
   self:activity(rec.id, 1)
   local ok, err = pcall(function()
+    crash_point(self, "upload", rec.id)
     if kind == "archive" then
       self.engine.files:tar_in(rec.id, info.path, body_file, { max_bytes = self.limits.max_upload })
     else
@@ -905,7 +1224,13 @@ end
 --- svc:create_snapshot(rec, p) -> snap (status creating; captured in a task). p: kind, name,
 -- expires (epoch seconds), fail_capture (fault injection: the capture fails as a full disk
 -- would make it). Raises conflict sandbox_not_running. Does not yield: the capture (freeze,
--- copy, thaw, under the sandbox's capture lock) runs in a task that sets the status.
+-- copy, thaw, under the sandbox's capture lock, its freeze bounded by limits.capture_timeout)
+-- runs in a task that sets the status. Write-ahead: the record saved before the capture starts
+-- names every file the capture makes (the layer, .partial, .dev, .manifest) and the lower
+-- layers it stacks on, so the collector keeps them from that moment. It becomes available only
+-- once the layer is complete, synced and matches the manifest written at capture (sizeBytes is
+-- the manifest's bytes, plus the /dev capture's of a runtime snapshot); failed otherwise, its
+-- files then freed.
 function Service:create_snapshot(rec, p)
   if rec.status ~= "running" then fail("conflict", "sandbox is " .. rec.status, "sandbox_not_running") end
   local t = now()
@@ -915,6 +1240,11 @@ function Service:create_snapshot(rec, p)
     expiresAt = ids.iso(p.expires or (t + self.limits.snapshot_lifetime)), name = p.name,
     capturedAt = nil, sizeBytes = nil, error = nil,
   }
+  local layer = self.state_dir .. "/layers/" .. snap.id
+  snap._layer = layer
+  snap._layers = { layer }
+  for _, l in ipairs(rec._lowers or {}) do snap._layers[#snap._layers + 1] = l end
+  if p.kind == "runtime" then snap._dev_records = layer .. ".dev" end
   self.st.snapshots[snap.id] = snap
   self.st:save("snapshot", snap)
   self:expire_later(snap)
@@ -922,35 +1252,52 @@ function Service:create_snapshot(rec, p)
   local runtime = self:runtime_of(rec.id)
   runtime.capture_lock = runtime.capture_lock or task.semaphore(1)
   task.spawn(function()
-    local layer = self.state_dir .. "/layers/" .. snap.id
+    local why, result
     if p.fail_capture then
       task.sleep(0.05)
-      self:activity(rec.id, -1)
-      snap.status, snap.error = "failed", "injected capture failure (disk full)"
-      self.st:save("snapshot", snap)
-      return
+      why = "injected capture failure (disk full)"
+    else
+      -- Captures of one sandbox take turns: each freezes it, and a thaw by one must not land in
+      -- the middle of another's copy.
+      local ok
+      ok, result = pcall(runtime.capture_lock.with, runtime.capture_lock, self.engine.capture,
+        self.engine, rec.id, layer, { kind = p.kind, timeout = self.limits.capture_timeout })
+      if not ok then
+        self.log("snapshot " .. snap.id .. " of " .. rec.id .. " failed: " .. message_of(result))
+        why = "the capture failed: " .. hide_paths(self, message_of(result))
+      elseif result.manifest then
+        local vok, v, vwhy = pcall(self.engine.verify_layer, self.engine, layer)
+        if not vok then
+          why = "its layer could not be checked: " .. hide_paths(self, message_of(v))
+        elseif not v then
+          why = "its layer does not match the manifest written at capture: " .. vwhy
+        elseif v.bytes ~= result.manifest.bytes or v.files ~= result.manifest.files then
+          why = "its layer's manifest is not the one its capture wrote"
+        end
+      end
     end
-    -- Captures of one sandbox take turns: each freezes it, and a thaw by one must not land in
-    -- the middle of another's copy.
-    local ok, result = pcall(runtime.capture_lock.with, runtime.capture_lock, self.engine.capture,
-      self.engine, rec.id, layer, { kind = p.kind })
-    if not ok then self.log("snapshot " .. snap.id .. " of " .. rec.id .. " failed: " .. message_of(
-      result)) end
+    if not why then crash_point(self, "capture", snap.id) end
     self:activity(rec.id, -1)
-    if ok then
+    if not why then
       snap.status, snap.capturedAt, snap.sizeBytes = "available", ids.iso(now()), result.size
       snap._layers = result.layers
       snap._dev_records = result.dev_records
+      snap._manifest = result.manifest and { files = result.manifest.files, bytes = result.manifest.bytes,
+        tree = result.manifest.tree } or nil
+      if result.manifest then
+        self.log(string.format("snapshot %s of %s captured: %d files, %d bytes; the capture helper peaked " ..
+          "at %s KiB", snap.id, rec.id, result.manifest.files, result.manifest.bytes,
+          tostring(result.helper_kib or "?")))
+      end
       if p.kind == "runtime" then
         snap.note = "moonbox local keeps the filesystem and /dev of a runtime snapshot; " ..
           "processes and memory are not restored"
       end
     else
-      snap.status = "failed"
-      snap.error = "the capture failed: " .. (message_of(result):gsub("/[^%s:]+", ""))
+      snap.status, snap.error = "failed", why
     end
     self.st:save("snapshot", snap)
-    if snap.status == "failed" then self:gc_layers() end
+    if snap.status == "failed" or snap._deleted then release(self, snap) end
   end)
   return snap
 end
@@ -973,7 +1320,8 @@ function Service:list_snapshots(group, statuses)
   end)
 end
 
---- svc:delete_snapshot(snap). Idempotent. Raises conflict snapshot_creating. [yields]
+--- svc:delete_snapshot(snap). Idempotent. Its files are freed once no booting or live sandbox
+-- restored from it needs them. Raises conflict snapshot_creating. [yields]
 function Service:delete_snapshot(snap)
   if snap.status == "creating" then fail("conflict", "snapshot is still being captured",
     "snapshot_creating") end
@@ -983,7 +1331,7 @@ function Service:delete_snapshot(snap)
     local timer = self.snap_timers[snap.id]
     self.snap_timers[snap.id] = nil
     if timer then task.cancel(timer) end
-    self:gc_layers()
+    release(self, snap)
   end
 end
 

@@ -12,8 +12,12 @@
 -- O(limit + statuses) reads whatever the history holds. Ordering ("newest first") uses a
 -- monotonically increasing sequence number, which is also what list cursors encode.
 -- After a restart every record is still there (the live ones are loaded back).
+-- Memory never runs ahead of the database: st:update(kind, rec, fields) writes the record as it
+-- will be and changes rec only once that write is durable; a write that fails (a full disk)
+-- raises and leaves rec, the memory tables and the database as they were.
 local store = require "moonbox.store"
 local json = require "moonbox.json"
+local core = require "moonbox.core"
 
 local M = {}
 M.__index = M
@@ -135,21 +139,24 @@ end
 
 local TABLE = { group = "groups", sandbox = "sandboxes", snapshot = "snapshots", exec = "execs" }
 
---- state:save(kind, rec): writes rec through to the database (rec._seq assigned if new) and
--- keeps it in memory while it is live, in the weak cache once it is not.
-function M:save(kind, rec)
-  if not rec._seq then rec._seq = self:next_seq() end
-  local doc = {}
-  for k, v in pairs(rec) do
+-- Writes doc (a record's fields; its _seq the row's sequence) as the row of kind doc.id.
+-- Raises the store's error. Does not yield.
+local function write(self, kind, doc, seq)
+  local fields = {}
+  for k, v in pairs(doc) do
     if k ~= "_seq" and type(v) ~= "function" and type(v) ~= "userdata" and type(v) ~= "thread" then
-      doc[k] = v
+      fields[k] = v
     end
   end
   self.db:run([[INSERT INTO records (kind, id, seq, parent, doc, status, grp, name)
     VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(kind, id) DO UPDATE SET doc = excluded.doc,
       parent = excluded.parent, status = excluded.status, grp = excluded.grp, name = excluded.name]],
-    kind, rec.id, rec._seq, parent_of(kind, rec), json.encode(doc), status_of(kind, rec),
-    kind == "sandbox" and rec.sandboxGroupId or nil, kind == "sandbox" and rec.name or nil)
+    kind, doc.id, seq, parent_of(kind, doc), json.encode(fields), status_of(kind, doc),
+    kind == "sandbox" and doc.sandboxGroupId or nil, kind == "sandbox" and doc.name or nil)
+end
+
+-- Keeps rec in memory while it is live, in the weak cache once it is not.
+local function place(self, kind, rec)
   local tbl = self[TABLE[kind]]
   if live(kind, rec) then
     rawset(tbl, rec.id, rec)
@@ -157,6 +164,59 @@ function M:save(kind, rec)
     rawset(tbl, rec.id, nil)
     self.cache[kind][rec.id] = rec
   end
+end
+
+--- state.write_error(err, kind, id) -> the error a failed record write raises: a structured
+-- error (op "local.state", code "disk_full" when the disk or the database is full, else
+-- "write_failed") whose message names the record and SQLite's reason (never the SQL or a
+-- path); kind, id and cause (the store's error) are fields. Does not raise.
+function M.write_error(err, kind, id)
+  local sqlite_code = type(err) == "table" and tonumber(err.sqlite_code) or 0
+  local msg = type(err) == "table" and tostring(err.message) or tostring(err)
+  msg = msg:gsub("%s*%(SQL:.*$", "")
+  local full = (sqlite_code & 0xff) == 13 or msg:find("disk is full", 1, true) or
+    msg:find("No space left", 1, true)
+  return core.Error.new { op = "local.state", code = full and "disk_full" or "write_failed", kind = kind,
+    id = id, cause = err, message = string.format("cannot write the record of %s %s: %s", kind, tostring(id),
+      full and "the disk is full" or msg) }
+end
+
+--- state.NONE: as a value in st:update's fields, removes the field.
+M.NONE = setmetatable({}, { __name = "moonbox.local.state.NONE", __tostring = function() return "NONE" end })
+
+--- state:update(kind, rec, fields) -> rec. Writes rec with fields applied (a value state.NONE
+-- removes its field) and, once the write is durable, applies them to rec itself and keeps rec
+-- in memory while it is live (a new record, rec._seq unset, gets its sequence then). When the
+-- write fails nothing changes, rec included, and it raises state.write_error's error (code
+-- disk_full or write_failed). Does not yield.
+function M:update(kind, rec, fields)
+  local doc = {}
+  for k, v in pairs(rec) do doc[k] = v end
+  for k, v in pairs(fields) do
+    if v == M.NONE then doc[k] = nil else doc[k] = v end
+  end
+  local seq = rec._seq or self.seq + 1
+  local ok, err = pcall(write, self, kind, doc, seq)
+  if not ok then error(M.write_error(err, kind, rec.id), 0) end
+  if not rec._seq then
+    self.seq = math.max(self.seq, seq)
+    rec._seq = seq
+  end
+  for k, v in pairs(fields) do
+    if v == M.NONE then rec[k] = nil else rec[k] = v end
+  end
+  place(self, kind, rec)
+  return rec
+end
+
+--- state:save(kind, rec): writes rec through to the database (rec._seq assigned if new) and
+-- keeps it in memory while it is live, in the weak cache once it is not. A caller that changed
+-- rec before the write raises the store's error with rec changed: use state:update, which
+-- changes nothing unless the write succeeds.
+function M:save(kind, rec)
+  if not rec._seq then rec._seq = self:next_seq() end
+  write(self, kind, rec, rec._seq)
+  place(self, kind, rec)
 end
 
 --- state:delete(kind, id): removes a record from the database and from memory.

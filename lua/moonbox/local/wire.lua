@@ -126,12 +126,28 @@ end
 --- wire.clean_path(p) -> p cleaned exactly as Go's path.Clean does.
 M.clean_path = require("moonbox.path").clean
 
+local PATH_MAX, NAME_MAX = 4095, 255
+
+local function shown(p) return string.format("%q", p:sub(1, 48)) end
+
 --- wire.sandbox_path(p) -> the absolute path inside the sandbox: relative paths are under the
 -- home directory /root. Raises invalid for a missing or unclean path, or one holding a NUL or a
 -- newline (the file helper takes paths as arguments).
 function M.sandbox_path(p)
   if p == nil or p == "" then fail("invalid", "query parameter 'path' is required") end
   if p:find("[%z\n\r]") then fail("invalid", "path contains a NUL byte, a newline or a carriage return") end
+  -- Linux's bounds (PATH_MAX with the home prefix, NAME_MAX), checked before a token is minted
+  -- so the client learns at once; the answer names only the path's head, never all of it.
+  if #p > PATH_MAX - #"/root/" then
+    fail("invalid", string.format("path %s... is %d bytes; at most %d", shown(p), #p, PATH_MAX - #"/root/"),
+      "path_too_long")
+  end
+  for name in p:gmatch("[^/]+") do
+    if #name > NAME_MAX then
+      fail("invalid", string.format("path: the name %s... is %d bytes; a name is at most %d", shown(name),
+        #name, NAME_MAX), "path_too_long")
+    end
+  end
   local clean = M.clean_path(p)
   if clean ~= p then
     fail("invalid", string.format("path %q is not clean (it would be %q); send it cleaned", p, clean))

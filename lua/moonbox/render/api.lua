@@ -22,6 +22,7 @@ local json = require "moonbox.json"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local trace = require "moonbox.trace"
+local options = require "moonbox.options"
 
 local M = {}
 
@@ -422,19 +423,15 @@ function M.shielded(fn, ...)
   return interruption, core.result(t)
 end
 
+local PAGE_OPTIONS = { page_size = true, limit = true }
+
 --- api.pages(conn, op, path, query, opts, fname, extra) -> iterator over the items of a list
 -- endpoint, every page, fetched as the iterator reaches them. opts (a recipe's): page_size
 -- (1..100, default 100: the items each request asks for), limit (stop after that many items,
 -- never asking for more), and the keys named in extra (the caller's own options); any other key
 -- raises, naming fname. query: the endpoint's query besides cursor and limit. [yields]
 function M.pages(conn, op, path, query, opts, fname, extra)
-  opts = opts or {}
-  for k in pairs(opts) do
-    if k ~= "page_size" and k ~= "limit" and not (extra and extra[k]) then
-      error(string.format("%s: unknown option '%s' (page_size = 1..100 is the page size, limit = N " ..
-        "the most items to return)", fname, tostring(k)), 3)
-    end
-  end
+  opts = options.check(opts or {}, options.union(PAGE_OPTIONS, extra or {}), fname, 4)
   local size, limit = opts.page_size or 100, opts.limit
   if math.type(size) ~= "integer" or size < 1 or size > 100 then
     error(fname .. ": page_size must be an integer from 1 to 100, got " .. tostring(opts.page_size), 3)

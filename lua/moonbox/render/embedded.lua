@@ -58,8 +58,9 @@ function M.backend_pid(dir)
 end
 
 --- embedded.advertised(dir) -> url, key, workspace of the backend that serves dir, as its files
--- there say (endpoint: "URL WORKSPACE", written by `moonbox local` once it listens and removed
--- when it stops; api-key), or nil when either is missing. Nothing is asked of the backend, so a
+-- there say (endpoint: "URL WORKSPACE", written by `moonbox local` once it listens, before it
+-- has recovered what its previous run left, and removed when it stops; api-key), or nil when
+-- either is missing. Nothing is asked of the backend, so a
 -- backend that died without removing its endpoint still answers here. Does not yield.
 function M.advertised(dir)
   local key = (read_file(dir .. "/api-key") or ""):match("%S+")
@@ -94,18 +95,38 @@ local function start_lock(dir)
       "(%s/%s) for %d s", dir, M.START_LOCK, START_LOCK_WAIT) }, 0)
 end
 
-local function healthy(url, key)
+-- Asks the backend at url how it is: "ready" (it answers /v1), "starting" (it listens but
+-- is still recovering what its previous run left: 503 from /_moonbox/health, and /v1 answers
+-- 503 too) or nil (nobody answers there). [yields]
+local function health(url, key)
   local ok, r = pcall(http.request, { url = url .. "/_moonbox/health", timeout = 2, connect_timeout = 2,
     headers = { Authorization = "Bearer " .. key } })
   if not ok and require("moonbox.render.api").is_interruption(r) then error(r, 0) end
-  return ok and r.status == 200
+  if not ok then return nil end
+  if r.status == 200 then return "ready" end
+  if r.status == 503 then return "starting" end
+  return nil
+end
+
+-- health(url, key), waiting while the backend is starting (up to START_LOCK_WAIT: a recovery
+-- that frees many sandboxes takes a while). [yields]
+local function healthy(url, key)
+  local state = health(url, key)
+  if state == "starting" then
+    poll(START_LOCK_WAIT, function()
+      state = health(url, key)
+      return state ~= "starting"
+    end)
+  end
+  return state == "ready"
 end
 
 local function say(fmt, ...)
   io.stderr:write("moonbox: ", string.format(fmt, ...), "\n")
 end
 
---- Starts `moonbox local --embedded` on dir and returns its URL, key and workspace. Its stderr
+--- Starts `moonbox local --embedded` on dir and returns its URL, key and workspace once it is
+-- ready: `moonbox local` prints them only after its recovery, when /v1 answers. Its stderr
 -- goes to dir/embedded.log, not to ours: a backend that outlives this process must not hold the
 -- pipe a caller may be reading our output from until its end. [yields]
 local function start_backend(dir)

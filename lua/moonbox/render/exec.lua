@@ -27,6 +27,7 @@ local task = require "moonbox.task"
 local core = require "moonbox.core"
 local trace = require "moonbox.trace"
 local ids = require "moonbox.ids"
+local options = require "moonbox.options"
 local utf8_cut = require("moonbox.strings").utf8_cut
 
 local M = {}
@@ -264,10 +265,7 @@ local EXEC_OPTS = { timeout = true, on_output = true, max_output = true, cwd = t
 
 -- Checks the options at the recipe's call; returns the env file's text (nil without env).
 local function check_opts(opts, fname)
-  if type(opts) ~= "table" then error("sb:" .. fname .. ": opts must be a table", 3) end
-  for k in pairs(opts) do
-    if not EXEC_OPTS[k] then error("sb:" .. fname .. ": unknown option '" .. tostring(k) .. "'", 3) end
-  end
+  options.check(opts, EXEC_OPTS, "sb:" .. fname, 4)
   if opts.env == nil then return nil end
   if type(opts.env) ~= "table" then error("sb:" .. fname .. ": env must be a table", 3) end
   if next(opts.env) == nil then return nil end

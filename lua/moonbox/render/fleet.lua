@@ -14,6 +14,7 @@ local snapshots = require "moonbox.render.snapshots"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local guard = require "moonbox.guard"
+local options = require "moonbox.options"
 
 local M = {}
 local Fleet = {}
@@ -73,6 +74,11 @@ function fleet_methods.ids(fleet)
 end
 
 local POLICIES = { all_or_nothing = true, best_effort = true }
+-- render.restore's own options and every option of render.sandboxes.create (wait is restore's
+-- to decide: it creates without waiting, then waits for each sandbox).
+local RESTORE_OPTIONS = options.union(sandbox.CREATE_OPTIONS,
+  { count = true, concurrency = true, policy = true })
+RESTORE_OPTIONS.wait = nil
 
 --- render.restore(snapshot, opts) -> Fleet. Creates opts.count (default 1) sandboxes from
 -- snapshot (a Snapshot, an id or a name), at most opts.concurrency (default 4) at a time, each
@@ -86,7 +92,7 @@ local POLICIES = { all_or_nothing = true, best_effort = true }
 -- and has no id here — the error says so. Cleanup failures never replace the error; they are
 -- attached as err.cleanup_errors. [yields]
 function M.restore(snapshot, opts)
-  opts = opts or {}
+  opts = options.check(opts or {}, RESTORE_OPTIONS, "render.restore", 3)
   local count = opts.count or 1
   local concurrency = opts.concurrency or 4
   local policy = opts.policy or "all_or_nothing"

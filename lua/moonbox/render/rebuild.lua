@@ -20,6 +20,7 @@ local duration = require "moonbox.duration"
 local task = require "moonbox.task"
 local guard = require "moonbox.guard"
 local core = require "moonbox.core"
+local options = require "moonbox.options"
 
 local M = {}
 
@@ -322,10 +323,7 @@ function M.rebuild(name, build_fn, opts)
     error("render.snapshots.rebuild: name (a non-empty string) is required", 2)
   end
   if type(build_fn) ~= "function" then error("render.snapshots.rebuild: build_fn must be a function", 2) end
-  if type(opts) ~= "table" then error("render.snapshots.rebuild: opts must be a table", 2) end
-  for k in pairs(opts) do
-    if not OPTIONS[k] then error("render.snapshots.rebuild: unknown option '" .. tostring(k) .. "'", 2) end
-  end
+  options.check(opts, OPTIONS, "render.snapshots.rebuild", 3)
   local keep = opts.keep or 3
   if math.type(keep) ~= "integer" or keep < 1 then
     error("render.snapshots.rebuild: keep must be an integer >= 1, got " .. tostring(keep), 2)

@@ -32,6 +32,7 @@ local task = require "moonbox.task"
 local core = require "moonbox.core"
 local trace = require "moonbox.trace"
 local ids = require "moonbox.ids"
+local options = require "moonbox.options"
 
 local M = {}
 
@@ -295,6 +296,12 @@ end
 
 local NETWORK = { ["allow-all"] = true, ["deny-all"] = true }
 
+--- The options render.sandboxes.create knows (docs/reference/render.md). Any other key raises
+-- at the recipe's call: a misspelt `netwrok = "deny-all"` must not create an allow-all sandbox.
+M.CREATE_OPTIONS = { plan = true, region = true, name = true, timeout = true, timeout_seconds = true,
+  idle_timeout_seconds = true, sandbox_group_id = true, env = true, network = true, network_policy = true,
+  allow = true, snapshot = true, snapshot_id = true, snapshot_name = true, wait = true, wait_timeout = true }
+
 --- Builds the create body from recipe options: snake_case names and short forms (docs/reference/render.md).
 -- Unset options are not sent (the SDKs' rule). Raises misuse at the recipe's call.
 local function create_body(c, opts)
@@ -402,7 +409,7 @@ end
 -- budget_exceeded before sending anything when the run's budget is spent
 -- (moonbox.render.budget). [yields]
 function M.create(opts)
-  opts = opts or {}
+  opts = options.check(opts or {}, M.CREATE_OPTIONS, "render.sandboxes.create", 3)
   local c = conn.default()
   local body = create_body(c, opts)
   local b = budget.current()

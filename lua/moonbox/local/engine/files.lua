@@ -9,7 +9,8 @@
 -- Directory transfers cross as "records" (see runtime/archive_records.c): a client's tar is
 -- checked and turned into records here (moonbox.archive.to_records), the helper creates what
 -- they say; the helper packs a tree into records and moonbox.archive.from_records makes the
--- tar. Temporary files live in <state_dir>/tmp (0600) and are removed when the operation ends.
+-- tar. Temporary files live in the sandbox disk's spool, else <state_dir>/tmp (0600), and are
+-- removed when the operation ends.
 -- Paths are absolute (the service checks them as Render does); NULs and newlines are refused.
 -- Owned by an Engine (eng.files); only the engine and the service call it.
 local task = require "moonbox.task"
@@ -42,10 +43,12 @@ local function check_path(fn, id, path)
   end
 end
 
--- A temporary file name under the state dir.
+-- A temporary file name: on the sandbox disk's spool when there is one (so that no file
+-- operation can eat the state directory's reserve), else under the state dir.
 function Files:temp(what)
   self.seq = self.seq + 1
-  local dir = self.engine.state_dir .. "/tmp"
+  local disk = self.engine.disk
+  local dir = disk and disk.spool or self.engine.state_dir .. "/tmp"
   sys.mkdir_p(dir, tonumber("700", 8))
   return string.format("%s/%s.%d.%s", dir, what, self.seq, host.hash(tostring(task.now()) .. tostring({})))
 end

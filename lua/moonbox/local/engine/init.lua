@@ -29,6 +29,7 @@ local core = require "moonbox.core"
 local host = require "moonbox.local.engine.host"
 local cgroup = require "moonbox.local.engine.cgroup"
 local Files = require "moonbox.local.engine.files"
+local Disk = require "moonbox.local.engine.disk"
 local sys = require "moonbox.sys"
 
 local M = {}
@@ -171,10 +172,13 @@ local function check_abs(what, path)
 end
 
 --- Engine.new{ state_dir = DIR, image = DIR | host_root = true, mask = {paths},
--- cgroup_root = DIR, slots_dir = DIR, dns = IPV4 } -> Engine. state_dir (absolute) holds
--- sandboxes/<id>/{upper,work,root}. image is the base root filesystem (0-based ids, e.g. from
--- moonbox.local.image); host_root = true uses the host's / instead (discouraged: files appear
--- owned by nobody inside, the state dir, /tmp, /var/tmp, /root, /home and mask are hidden).
+-- cgroup_root = DIR, slots_dir = DIR, dns = IPV4, disk = true | false, disk_size = bytes } ->
+-- Engine. state_dir (absolute) holds sandboxes/<id>/{upper,work,root}: on the sandbox disk
+-- (moonbox.local.engine.disk, mounted by prepare; disk_size its size when it is made) unless
+-- disk = false, and then on the state directory's filesystem, unbounded. image is the base root
+-- filesystem (0-based ids, e.g. from moonbox.local.image); host_root = true uses the host's /
+-- instead (discouraged: files appear owned by nobody inside, the state dir, /tmp, /var/tmp,
+-- /root, /home and mask are hidden).
 -- cgroup_root overrides the cgroup hierarchy; slots_dir the machine-wide id-range locks (tests);
 -- dns the resolver allow-list gates ask (default: slirp4netns's, which asks the host's).
 -- Keep the engine referenced while its sandboxes live. Does no I/O beyond looking for the
@@ -208,6 +212,10 @@ function M.new(opts)
     slots_dir = opts.slots_dir or M.SLOTS_DIR,
     dns = opts.dns,
     fairness = opts.fairness ~= false, -- see cgroup.lua (fairness); false: the bench's "before"
+    use_disk = opts.disk ~= false,
+    disk_size = opts.disk_size,
+    disk = nil,         -- the sandbox disk (moonbox.local.engine.disk), set by prepare
+    disk_problem = nil, -- why there is none
     sandboxes = {}, -- id -> sandbox record (see Engine:create)
     tools = nil,    -- absolute paths of host programs, set by prepare
   }, Engine)
@@ -309,6 +317,9 @@ function Engine:prepare()
   local ok, err = pcall(function()
     if not self.cg then fail("prepare", "unsupported", nil, self.cg_problem) end
     self.cg:prepare(self.fairness)
+    if self.use_disk and not self.disk then
+      self.disk, self.disk_problem = Disk.open(self.state_dir, { size = self.disk_size })
+    end
     sys.mkdir_p(self.state_dir .. "/sandboxes", tonumber("700", 8))
     sys.mkdir_p(self.slots_dir, tonumber("700", 8))
     local helper, looked = find_helper()
@@ -381,6 +392,8 @@ function Engine:check()
       "plans cannot limit " .. table.concat(self.cg.missing, ", ") .. " here")
   end
   if #problems == 0 then
+    local pok = pcall(self.prepare, self)
+    if pok and self.disk_problem then problem(self.disk_problem) end
     local id = "check-" .. host.hash(tostring(task.now()) .. tostring({}))
     local ok, err = pcall(self.create, self, id, { network = "deny-all" })
     if not ok then
@@ -567,8 +580,12 @@ function Engine:start(sb, opts)
   end
   local dir = self:dir(id)
   local mok, merr = pcall(function()
-    for _, d in ipairs({ dir .. "/upper", dir .. "/work" }) do
-      sys.mkdir_p(d, tonumber("755", 8))
+    if self.disk then
+      self.disk:make(dir, opts.limits and opts.limits.disk)
+    else
+      for _, d in ipairs({ dir .. "/upper", dir .. "/work" }) do
+        sys.mkdir_p(d, tonumber("755", 8))
+      end
     end
     sys.mkdir_p(self:root_dir(id), tonumber("755", 8))
     self.cg:create(id, opts.limits)
@@ -936,6 +953,7 @@ function Engine:teardown(id, sb)
       if not core.Error.is(rerr) then error(rerr, 0) end
       fail("terminate", "command_failed", id, "sandbox " .. id .. ": " .. rerr.message)
     end
+    if self.disk then self.disk:freed() end
   end
 end
 
@@ -962,15 +980,25 @@ end
 
 -- ---- snapshots ----------------------------------------------------------------------------------
 
---- eng:capture(id, layer_dir[, opts]) -> { size = bytes, dev_records = path|nil, layers = {...},
--- kind }. Freezes the sandbox, copies its upper layer to layer_dir (absolute, must not exist;
--- created atomically) with ids made 0-based (moonbox-sandbox capture), and thaws it (a sandbox
--- that was already frozen stays frozen). opts.kind = "filesystem" (default) or "runtime";
--- runtime also saves the in-memory /dev area (files created there, /dev/shm included) as
--- records in <layer_dir>.dev, beside the layer. Processes, memory and open connections are not
--- saved by either kind. layers is the lower stack a restore passes as create's lowers:
--- { layer_dir, <this sandbox's lowers>... }. Raises (op "local.engine.capture") not_found,
--- not_running, exists, busy, capture_failed. [yields]
+--- M.CAPTURE_TIMEOUT: how long (seconds) a capture may keep its sandbox frozen by default.
+M.CAPTURE_TIMEOUT = 60
+
+--- eng:capture(id, layer_dir[, opts]) -> { size = bytes, dev_records = path|nil, dev_size = bytes,
+-- manifest = {files, bytes, tree}, layers = {...}, kind }. Freezes the sandbox, copies its
+-- upper layer to layer_dir (absolute, must not exist; copied into layer_dir.partial, synced,
+-- then renamed) with ids made 0-based, and the helper writes layer_dir.manifest (moonbox-sandbox
+-- capture: what the layer holds, file count, bytes, a checksum of the tree); then thaws it (a
+-- sandbox that was already frozen stays frozen). opts.kind = "filesystem" (default) or
+-- "runtime"; runtime also saves the in-memory /dev area (files created there, /dev/shm
+-- included) as records in <layer_dir>.dev, beside the layer. Processes, memory and open
+-- connections are not saved by either kind. opts.timeout (seconds, default M.CAPTURE_TIMEOUT)
+-- bounds the freeze: a capture still copying then is stopped (its helpers killed), the sandbox
+-- thawed, and capture_timeout raised. manifest is what the helper printed; helper_kib the copying
+-- helper's peak resident memory (KiB, its getrusage ru_maxrss; nil if it did not say). layers is the lower
+-- stack a restore passes as create's lowers: { layer_dir, <this sandbox's lowers>... }. On
+-- failure nothing of the layer is left (layer, .partial, .dev, .manifest). Raises (op
+-- "local.engine.capture") not_found, not_running, exists, busy, capture_failed,
+-- capture_timeout. [yields]
 function Engine:capture(id, layer_dir, opts)
   check_id("capture", id)
   layer_dir = check_abs("layer_dir", layer_dir)
@@ -979,6 +1007,7 @@ function Engine:capture(id, layer_dir, opts)
   if kind ~= "filesystem" and kind ~= "runtime" then
     error("local.engine.capture: kind must be \"filesystem\" or \"runtime\", got " .. tostring(kind), 2)
   end
+  local limit = opts.timeout or M.CAPTURE_TIMEOUT
   local sb = self:live("capture", id, true)
   if sb.capturing then fail("capture", "busy", id, "sandbox " .. id .. " is already being captured") end
   if host.exists(layer_dir) then
@@ -993,32 +1022,100 @@ function Engine:capture(id, layer_dir, opts)
       if not fok then fail("capture", "capture_failed", id, "sandbox " .. id .. ": " .. ferr) end
     end
     sys.mkdir_p(layer_dir:match("^(.*)/[^/]*$"), tonumber("700", 8))
-    local size = 0
+    local out = { size = 0, dev_size = 0 }
     local jobs = { function()
       local r = host.run("capture", id, { self.tools.helper, "capture", "--src=" .. self:dir(id) .. "/upper",
         "--dst=" .. layer_dir, "--uid-base=" .. sb.uid_base, env = HOST_ENV, env_mode = "replace" },
         { what = "copying the upper layer", code = "capture_failed" })
-      size = size + (tonumber(r.stdout:match("^(%d+)")) or 0)
+      local files, bytes, tree = r.stdout:match("files=(%d+) bytes=(%d+) tree=(%x+)")
+      if not files then
+        fail("capture", "capture_failed", id, "sandbox " .. id .. ": the capture wrote no manifest")
+      end
+      out.manifest = { files = tonumber(files), bytes = tonumber(bytes), tree = tree }
+      out.size = tonumber(bytes)
+      out.helper_kib = tonumber(r.stderr:match("maxrss=(%d+)"))
     end }
     if dev then
       jobs[2] = function()
-        size = size + self.files:pack_records(id, "/dev", dev, { exclude = DEV_BUILTIN, sb = sb })
+        out.dev_size = self.files:pack_records(id, "/dev", dev, { exclude = DEV_BUILTIN, sb = sb })
       end
     end
-    task.all(jobs)
-    return size
+    local tok, terr = pcall(task.timeout, limit, task.all, jobs)
+    if not tok then
+      if task.is_timeout(terr) then
+        fail("capture", "capture_timeout", id, string.format("sandbox %s: the capture did not finish " ..
+          "within %g s (the limit on how long a capture keeps a sandbox frozen); it was stopped and " ..
+          "the sandbox thawed", id, limit))
+      end
+      error(terr, 0)
+    end
+    return out
   end)
   -- Thaw unless the sandbox is (now) meant to be frozen: a suspend may have come in meanwhile.
   if not sb.frozen and sb.state == "running" then self.cg:thaw(id) end
   sb.capturing = false
   if not ok then
-    if dev then os.remove(dev) end
-    if host.exists(layer_dir .. ".partial") then pcall(host.remove_tree, layer_dir .. ".partial") end
+    for _, f in ipairs({ layer_dir .. ".partial", layer_dir, layer_dir .. ".manifest", dev }) do
+      if host.exists(f) then pcall(host.remove_tree, f) end
+    end
     error(result, 0)
   end
   local layers = { layer_dir }
   for _, l in ipairs(sb.lowers) do layers[#layers + 1] = l end
-  return { size = result, dev_records = dev, layers = layers, kind = kind }
+  return { size = result.size + result.dev_size, dev_records = dev, dev_size = result.dev_size,
+    manifest = result.manifest, layers = layers, kind = kind, helper_kib = result.helper_kib }
+end
+
+--- engine.verify_layer(layer[, opts]) -> {files, bytes} | nil, why, code. Checks a snapshot layer
+-- against the manifest its capture wrote beside it (layer .. ".manifest") with moonbox-sandbox
+-- verify: opts.full also reads every file's contents and xattrs (--check); without it, the
+-- quick check (names, types, sizes, modes, owners, counts). code is "mismatch" (why names the
+-- first difference, by its path inside the layer), "missing" (no layer) or "no_manifest"
+-- (a layer captured without one). Raises (op "local.engine.verify") verify_failed when the
+-- check itself cannot run (the helper's usage or I/O error). Never names a host path. [yields]
+function M.verify_layer(layer, opts)
+  opts = opts or {}
+  local name = layer:match("[^/]*$")
+  if not host.exists(layer) then return nil, "layer " .. name .. " is gone", "missing" end
+  local manifest = layer .. ".manifest"
+  if not host.exists(manifest) then return nil, "layer " .. name .. " has no manifest", "no_manifest" end
+  local helper, places = find_helper()
+  if not helper then
+    fail("verify", "verify_failed", nil, "cannot find moonbox-sandbox (looked at " .. places .. ")")
+  end
+  local argv = { helper, "verify", "--layer=" .. layer, "--manifest=" .. manifest, env = HOST_ENV,
+    env_mode = "replace" }
+  if not opts.full then argv[#argv + 1] = "--quick" end
+  local r = proc.run(argv)
+  local function said(text)
+    local msg = host.trim(text):gsub("^moonbox%-sandbox: ", ""):gsub("^verify: ", "")
+    return (msg:gsub(layer:gsub("%p", "%%%0"), name))
+  end
+  if r.code == 0 then
+    return { files = tonumber(r.stdout:match("files=(%d+)")),
+      bytes = tonumber(r.stdout:match("bytes=(%d+)")) }
+  elseif r.code == 1 then
+    return nil, "layer " .. name .. ": " .. said(r.stderr), "mismatch"
+  end
+  fail("verify", "verify_failed", nil, "checking layer " .. name .. " failed (" ..
+    (r.code and ("exit " .. r.code) or ("signal " .. tostring(r.signal))) .. "): " .. said(r.stderr))
+end
+
+--- eng:verify_layer(layer[, opts]) -> as engine.verify_layer. A successful check is kept for the
+-- life of the engine (layers never change once captured): the quick check of a layer already
+-- checked answers at once; opts.full always reads the layer. [yields]
+function Engine:verify_layer(layer, opts)
+  opts = opts or {}
+  self.verified = self.verified or {}
+  if not opts.full and self.verified[layer] then return self.verified[layer] end
+  local res, why, code = M.verify_layer(layer, opts)
+  if res then self.verified[layer] = res end
+  return res, why, code
+end
+
+--- eng:forget_layer(layer): the layer was freed; a later one of the same name is checked anew.
+function Engine:forget_layer(layer)
+  if self.verified then self.verified[layer] = nil end
 end
 
 -- ---- recovery -----------------------------------------------------------------------------------
@@ -1062,7 +1159,10 @@ function Engine:recover()
   local prefix = self.state_dir .. "/"
   for line in info:gmatch("[^\n]+") do
     local mp = line:match("^%S+ %S+ %S+ %S+ (%S+)")
-    if mp and mp:sub(1, #prefix) == prefix and mp ~= self.base_root then pcall(host.umount, mp, true) end
+    if mp and mp:sub(1, #prefix) == prefix and mp ~= self.base_root and not (self.disk and mp ==
+      self.disk.mnt) then
+      pcall(host.umount, mp, true)
+    end
   end
   table.sort(report, function(a, b) return a.id < b.id end)
   return report
@@ -1073,6 +1173,10 @@ end
 function Engine:close()
   if next(self.sandboxes) then return false end
   if self.base_root and host.mounted(self.base_root) then pcall(host.umount, self.base_root, true) end
+  if self.disk then
+    self.disk:close()
+    self.disk = nil
+  end
   if self.cg then
     for _, dir in pairs(self.cg.dirs) do os.remove(dir) end
     if self.cg:host_dir() then os.remove(self.cg:host_dir()) end -- kept while a process is in it

@@ -44,13 +44,41 @@ function M.clear_journal(backend)
   return 204
 end
 
---- GET /_moonbox/health -> 200 {ok, workspace, version, sandboxes, problems}: sandboxes is
--- whether the start-up check found this machine able to run sandboxes, problems what it found
--- missing. Raises nothing. Does not yield.
+-- The free-space part of both health answers (backend:disk_health()).
+local function disk_of(h)
+  local function part(p)
+    return p and { sizeBytes = p.size, freeBytes = p.avail, reserveBytes = p.reserve, low = p.low }
+  end
+  return { ok = h.ok, sandboxDisk = part(h.sandboxes), stateDir = part(h.state),
+    problems = json.array(h.problems) }
+end
+
+--- GET /healthz (no key) -> 200 {ok = true, ready = true, disk}, or 503 {ok = false, ...} while
+-- the start's recovery runs (ready = false) or when the sandbox disk or the state directory's
+-- filesystem is low on space (disk.problems says which). disk: {sandboxDisk = {sizeBytes,
+-- freeBytes, low}, stateDir = {sizeBytes, freeBytes, reserveBytes, low}, problems}. Raises
+-- nothing. Does not yield.
+function M.healthz(backend)
+  local d = disk_of(backend:disk_health())
+  return { ok = d.ok and backend.ready or false, ready = backend.ready or false, disk = d }
+end
+
+--- GET /_moonbox/health -> 200 {ok, ready, workspace, version, sandboxes, problems, disk}:
+-- sandboxes is whether the start-up check found this machine able to run sandboxes, problems what
+-- it found missing; ok is false when the disk is low (disk as /healthz's). While the start's
+-- recovery runs, 503 with Retry-After: 1 and ready = false (/v1 answers 503 then too). Raises
+-- nothing. Does not yield.
 function M.health(backend)
-  return 200, { ok = true, workspace = backend.workspace, version = require("moonbox.core").version,
+  local d = disk_of(backend:disk_health())
+  local body = { ok = d.ok and backend.ready or false, ready = backend.ready or false,
+    workspace = backend.workspace, version = require("moonbox.core").version,
     sandboxes = backend.check and backend.check.ok or false,
-    problems = json.array(backend.check and backend.check.problems or {}) }
+    problems = json.array(backend.check and backend.check.problems or {}), disk = d }
+  if not backend.ready then
+    body.message = "moonbox local is starting: it is recovering what its previous run left"
+    return 503, body, { ["Retry-After"] = "1" }
+  end
+  return 200, body
 end
 
 --- control.install(control): registers the routes above through control(method, pattern,

@@ -51,7 +51,7 @@ local function gunzip(backend, src, limit)
   if count.code ~= 0 or st ~= 0 then
     fail("invalid", "the upload says Content-Encoding: gzip but is not gzip data")
   end
-  local out = backend.state_dir .. "/tmp/gunzip." .. ids.token():sub(1, 16)
+  local out = (backend.spool_dir or backend.state_dir .. "/tmp") .. "/gunzip." .. ids.token():sub(1, 16)
   local gunzip_run = proc.run { "gzip", "-dc", stdin = { file = src }, stdout = { file = out } }
   if gunzip_run.code ~= 0 then
     os.remove(out)
@@ -131,10 +131,15 @@ function M.list(backend, req)
   return 200, { path = abs, entries = out }
 end
 
-function M.install(api, data, max_upload)
+--- files.install(api, data, max_upload[, space_dir]): registers the routes. An upload whose
+-- declared length does not fit the spool's free space, or the room of space_dir/<id> (the
+-- sandbox's quota on the sandbox disk), is refused 507 before its body is read (httpd's
+-- opts.space).
+function M.install(api, data, max_upload, space_dir)
   api("POST", "/v1/sandboxes/:id/files/:op/token", M.token)
   api("GET", "/v1/sandboxes/:id/files/list", M.list)
-  data("PUT", "/proxy/:id/files/upload", M.upload, "files/upload", { body = "file", max_body = max_upload })
+  data("PUT", "/proxy/:id/files/upload", M.upload, "files/upload", { body = "file", max_body = max_upload,
+    space = space_dir or true })
   data("GET", "/proxy/:id/files/download", M.download, "files/download")
 end
 

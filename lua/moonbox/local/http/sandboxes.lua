@@ -51,6 +51,10 @@ local function env(body)
     if not k:match("^[A-Za-z_][A-Za-z0-9_]*$") then
       fail("invalid", string.format("env: %q is not a valid variable name", k))
     end
+    if v:find("\0", 1, true) then
+      fail("invalid", string.format("env: the value of %s holds a NUL byte, which no process environment "
+        .. "can carry", k), "invalid_env")
+    end
     count = count + 1
     size = size + #k + #v
   end
