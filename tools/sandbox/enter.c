@@ -58,6 +58,34 @@ static void check_target(const struct spec *s)
                  (int)s->target);
 }
 
+/* --join-in-child: the sandbox's cgroup.procs files, opened by enter_sandbox on the host side
+ * (host paths, root's credentials: the kernel checks the opener's) for the child to write. The
+ * helper itself stays in the cgroups it was started in (the backend's host side): it is not
+ * counted in the sandbox's process, memory or CPU limits, and its fork is not refused when
+ * the sandbox is at its process limit (joining is never refused, only forking inside). */
+#define MAX_CGROUPS 8
+static int cg_fds[MAX_CGROUPS] = {-1, -1, -1, -1, -1, -1, -1, -1};
+
+void enter_cgroups_child(const struct spec *s)
+{
+    if (!s->join_in_child) return;
+    for (int i = 0; i < s->cgroups.n && i < MAX_CGROUPS; i++) {
+        /* "0": the writer; its pid here would be the one in the sandbox's PID namespace */
+        if (write(cg_fds[i], "0", 1) != 1) die("joining", s->cgroups.v[i], errno);
+        close(cg_fds[i]);
+        cg_fds[i] = -1;
+    }
+}
+
+void enter_cgroups_done(void)
+{
+    for (int i = 0; i < MAX_CGROUPS; i++)
+        if (cg_fds[i] >= 0) {
+            close(cg_fds[i]);
+            cg_fds[i] = -1;
+        }
+}
+
 void enter_sandbox(const struct spec *s)
 {
     if (s->target <= 1 || !s->uid_base)
@@ -66,7 +94,13 @@ void enter_sandbox(const struct spec *s)
     snprintf(pidbuf, sizeof pidbuf, "%d\n", (int)getpid());
     for (int i = 0; i < s->cgroups.n; i++) {
         snprintf(path, sizeof path, "%s/cgroup.procs", s->cgroups.v[i]);
-        int e = write_file(path, pidbuf);
+        int e = 0;
+        if (!s->join_in_child)
+            e = write_file(path, pidbuf);
+        else if (i >= MAX_CGROUPS)
+            fail_msg("arguments", "at most %d --cgroup with --join-in-child", MAX_CGROUPS);
+        else if ((cg_fds[i] = open(path, O_WRONLY | O_CLOEXEC)) < 0)
+            e = errno;
         if (e == ENOENT) fail_msg("gone", "sandbox %s: its cgroup is gone", s->id ? s->id : "?");
         if (e) die("joining", path, e);
     }
@@ -183,6 +217,7 @@ int cmd_exec(struct spec *s)
     child = fork();
     if (child < 0) die("fork", NULL, errno);
     if (child == 0) {
+        enter_cgroups_child(s);
         reset_signals();
         /* Copy what execve needs before the argument strings are gone. */
         int n = 0;
@@ -202,6 +237,7 @@ int cmd_exec(struct spec *s)
         fprintf(stderr, "moonbox-sandbox: cannot run %s: %s\n", argv[0], strerror(e));
         _exit(e == ENOENT ? 127 : 126);
     }
+    enter_cgroups_done();
     return relay();
 }
 
@@ -213,6 +249,7 @@ int cmd_files(struct spec *s)
     child = fork();
     if (child < 0) die("fork", NULL, errno);
     if (child == 0) {
+        enter_cgroups_child(s);
         reset_signals();
         struct spec copy = *s; /* the strings it points to are duplicated below */
         const char **fields[] = {&copy.op, &copy.path, &copy.mode, &copy.id};
@@ -223,5 +260,6 @@ int cmd_files(struct spec *s)
         wipe_args();
         _exit(fileops_run(&copy));
     }
+    enter_cgroups_done();
     return relay();
 }

@@ -6,9 +6,11 @@
  *                           [--cgroup=DIR]... [--freezer=DIR] --net=none|slirp|allowlist
  *                           [--slirp=PATH] [--resolv=TEXT] [--hosts=TEXT]
  *                           [--allow=NAME]... [--dns=IPV4] [--nft=PATH]
- *   moonbox-sandbox exec    --target=PID --uid-base=N [--cgroup=DIR]... [--cwd=DIR] [--setsid]
+ *   moonbox-sandbox exec    --target=PID --uid-base=N [--cgroup=DIR]... [--join-in-child]
+ *                           [--cwd=DIR] [--setsid]
  *                           -- PROGRAM ARG...          (environment: MBENV_NAME=VALUE)
- *   moonbox-sandbox files   --target=PID --uid-base=N [--cgroup=DIR]... --op=OP --path=PATH
+ *   moonbox-sandbox files   --target=PID --uid-base=N [--cgroup=DIR]... [--join-in-child]
+ *                           --op=OP --path=PATH
  *                           [--mode=OCTAL] [--depth=N] [--follow] [--exclude=NAME]...
  *   moonbox-sandbox capture --src=UPPER --dst=LAYER --uid-base=N
  *   moonbox-sandbox verify  --layer=LAYER --manifest=FILE [--quick]
@@ -100,10 +102,10 @@ static long number(const char *key, const char *v)
 
 /* Fills s from argv: argv[1] is the command; then --key=value words (each value any string
  * but a NUL; repeatable keys such as --layer, --cgroup, --allow, --exclude accumulate), the
- * flags --setsid, --follow and --quick, and "--" after which the rest is the program and its
- * arguments. Numbers are checked (number()). An unknown option, a word that is not --key=value, or
- * a bad number exits through fail_msg naming it; nothing is returned half-parsed. s points into
- * argv, which must outlive it. */
+ * flags --setsid, --join-in-child, --follow and --quick, and "--" after which the rest is the
+ * program and its arguments. Numbers are checked (number()). An unknown option, a word that is not
+ * --key=value, or a bad number exits through fail_msg naming it; nothing is returned half-parsed. s
+ * points into argv, which must outlive it. */
 static void parse(struct spec *s, int argc, char **argv)
 {
     memset(s, 0, sizeof *s);
@@ -114,6 +116,10 @@ static void parse(struct spec *s, int argc, char **argv)
         if (strcmp(a, "--") == 0) {
             s->argv = argv + i + 1;
             return;
+        }
+        if (strcmp(a, "--join-in-child") == 0) {
+            s->join_in_child = 1;
+            continue;
         }
         if (strcmp(a, "--setsid") == 0) {
             s->setsid = 1;

@@ -59,6 +59,7 @@ struct spec {
     unsigned long id_base;  /* start: host id of slot 0's root */
     long slot_count;
     struct str_list cgroups; /* start, exec, files: cgroup directories to join */
+    int join_in_child;       /* exec, files: the child joins them, this process stays put */
     const char *freezer;     /* start: the freezer cgroup to thaw when the sandbox must die */
     const char *net;         /* start: "none" (loopback only), "slirp" or "allowlist" */
     const char *slirp;       /* start: the slirp4netns program */
@@ -101,6 +102,10 @@ int cmd_start(struct spec *s, int argc, char **argv);
  * of its user namespace in all its namespaces and its root directory, still in the host's PID
  * namespace (the next fork is in the sandbox's). Dies on failure. */
 void enter_sandbox(const struct spec *s);
+/* With s->join_in_child, enter_sandbox only opened the cgroups; the child calls this after the
+ * fork (moving itself in) and the parent enter_cgroups_done() (closing them). Dies on failure. */
+void enter_cgroups_child(const struct spec *s);
+void enter_cgroups_done(void);
 /* Lets the exec and files children overwrite the argument strings (see enter.c). */
 void enter_set_args(int argc, char **argv);
 int cmd_exec(struct spec *s);

@@ -138,7 +138,8 @@ function M.start(opts)
         "they can read every file of it that is not masked; use an image instead")
     end
     engine = require("moonbox.local.engine").new { state_dir = state_dir, image = base,
-      host_root = opts.host_root, dns = opts.dns, disk_size = opts.disk_size }
+      host_root = opts.host_root, dns = opts.dns, disk_size = opts.disk_size,
+      fairness = os.getenv("MOONBOX_LOCAL_FAIRNESS") ~= "off" } -- off: bench/neighbour.lua's "before"
   end
   self.engine = engine
   -- Say at once what this machine cannot do, rather than only through sandboxes that end
@@ -148,6 +149,15 @@ function M.start(opts)
     for _, problem in ipairs(chk.problems) do self.log("cannot run sandboxes here: " .. problem) end
   end
   self.check = ok_check and chk or { ok = false, problems = { tostring(chk) } }
+  -- Fairness (engine/cgroup.lua): this process, and every helper it starts, in the engine's
+  -- host-side CPU cgroup, weighted above all sandboxes together.
+  if not opts.engine and self.check.ok then
+    local ok_host, err_host = pcall(engine.join_host, engine)
+    if not ok_host then
+      self.log("warning: sandboxes can take CPU from the server: " ..
+        tostring(type(err_host) == "table" and err_host.message or err_host))
+    end
+  end
 
   if opts.public_url then
     local url, why = require("moonbox.local.http.public").valid_url(opts.public_url)

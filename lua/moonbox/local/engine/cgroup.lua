@@ -105,6 +105,141 @@ local function enable_v2(dir)
   if #want > 0 then host.write(dir .. "/cgroup.subtree_control", table.concat(want, " ")) end
 end
 
+-- ---- fairness: the engine's parent cgroups and the host side -------------------------------------
+-- Three rules keep one hostile sandbox from slowing the backend and the other sandboxes:
+--   * the sandboxes' parent (<hierarchy>/moonbox/<tag>) caps what all of them take together:
+--     CPU to the machine's CPUs less HOST_CPU_RESERVE (a CFS quota: with 2 CPUs, 1.5), memory to
+--     the machine's less a headroom (so their pressure is reclaimed inside their own cgroups,
+--     not in the server's allocations), processes to three quarters of the kernel's pid space;
+--   * every sandbox has the same CPU weight (SANDBOX_SHARES), whatever its plan: the plan's
+--     quota caps it, the weight only decides who waits when the parent's quota is contended;
+--   * the host side (the server and the helpers it starts) lives in the CPU cgroup
+--     <cpu>/moonbox/<tag>.host, weighted HOST_SHARES against the parent's SANDBOX_SHARES, so
+--     it wins the CPU whenever both want it, and (eng:exec, files) the helper that enters a
+--     sandbox stays there: only the process it forks joins the sandbox's cgroups, so a sandbox
+--     at its pids or memory limit does not stop the host's helper, and the helper is never
+--     counted in a sandbox's limits.
+-- cg:prepare(false) (MOONBOX_LOCAL_FAIRNESS=off, for the noisy-neighbour bench) undoes the
+-- first and last rules: the parent unlimited, the host side not weighted.
+M.HOST_CPU_RESERVE = 0.5
+M.SANDBOX_SHARES = 1024
+M.HOST_SHARES = 8192
+M.MEMORY_HEADROOM = 1024 * 1024 * 1024 -- at least; 1/8 of the machine's memory when larger
+M.PERIOD = 100000
+
+-- The machine's CPUs (online), memory (bytes) and pid space, from /sys and /proc.
+local function machine()
+  local cpus = 0
+  local online = host.read("/sys/devices/system/cpu/online") or "0"
+  for a, b in online:gmatch("(%d+)%-?(%d*)") do
+    cpus = cpus + (b ~= "" and (tonumber(b) - tonumber(a) + 1) or 1)
+  end
+  local mem = tonumber((host.read("/proc/meminfo") or ""):match("MemTotal:%s+(%d+)")) or 0
+  local pid_max = tonumber(host.read("/proc/sys/kernel/pid_max") or "") or 32768
+  local threads = tonumber(host.read("/proc/sys/kernel/threads-max") or "") or pid_max
+  return math.max(cpus, 1), mem * 1024, math.min(pid_max, threads)
+end
+M.machine = machine
+
+--- cg:fair_limits() -> { cpus, memory, pids }: what the sandboxes' parent is capped to (see
+-- above), from this machine's size.
+function Cgroup:fair_limits()
+  local cpus, mem, pids = machine()
+  return { cpus = math.max(cpus - M.HOST_CPU_RESERVE, 0.5),
+    memory = math.max(mem - math.max(M.MEMORY_HEADROOM, mem // 8), M.MEMORY_HEADROOM),
+    pids = math.floor(pids * 3 / 4) }
+end
+
+--- cg:host_dir() -> the CPU cgroup of this engine's host side (v1: <cpu>/moonbox/<tag>.host; v2:
+-- <root>/moonbox/<tag>.host), nil without a CPU hierarchy.
+function Cgroup:host_dir()
+  local d = self.dirs.cpu or self.dirs.unified
+  return d and (d .. ".host")
+end
+
+--- cg:prepare(fair) makes the engine's parent cgroups and its host side's, and sets or (fair ==
+-- false) clears the parent's caps and the host side's weight (see above). Idempotent. Raises a
+-- plain error naming the file that could not be written. Does not yield.
+function Cgroup:prepare(fair)
+  self.fair = fair ~= false
+  local lim = self:fair_limits()
+  for c, dir in pairs(self.dirs) do
+    sys.mkdir_p(dir, tonumber("755", 8))
+    if self.version == 2 then
+      enable_v2(self.root)
+      enable_v2(self.root .. "/moonbox")
+      enable_v2(dir)
+    end
+    if c == "cpu" then
+      if self.fair then -- an older backend's sandboxes may have more than the cap (see cg:quota)
+        local ok, names = pcall(sys.listdir, dir)
+        for _, n in ipairs(ok and names or {}) do
+          local q = tonumber(host.read(dir .. "/" .. n .. "/cpu.cfs_quota_us") or "")
+          if q and (q < 0 or q > lim.cpus * M.PERIOD) then
+            host.write(dir .. "/" .. n .. "/cpu.cfs_quota_us", tostring(math.floor(lim.cpus * M.PERIOD)))
+          end
+        end
+      end
+      write(dir .. "/cpu.cfs_period_us", tostring(M.PERIOD))
+      write(dir .. "/cpu.cfs_quota_us", self.fair and tostring(math.floor(lim.cpus * M.PERIOD)) or "-1")
+      write(dir .. "/cpu.shares", tostring(M.SANDBOX_SHARES))
+    elseif c == "memory" then
+      -- memsw first when lowering: it may never be below limit_in_bytes (and the reverse
+      -- when raising); "-1" is unlimited for both.
+      local v = self.fair and tostring(lim.memory) or "-1"
+      local sw = host.exists(dir .. "/memory.memsw.limit_in_bytes")
+      if self.fair then
+        write(dir .. "/memory.limit_in_bytes", v)
+        if sw then write(dir .. "/memory.memsw.limit_in_bytes", v) end
+      else
+        if sw then write(dir .. "/memory.memsw.limit_in_bytes", v) end
+        write(dir .. "/memory.limit_in_bytes", v)
+      end
+    elseif c == "pids" then
+      write(dir .. "/pids.max", self.fair and tostring(lim.pids) or "max")
+    elseif c == "unified" then
+      if host.exists(dir .. "/cpu.max") then
+        write(dir .. "/cpu.max", (self.fair and tostring(math.floor(lim.cpus * M.PERIOD)) or "max")
+          .. " " .. M.PERIOD)
+      end
+      if host.exists(dir .. "/memory.max") then
+        write(dir .. "/memory.max", self.fair and tostring(lim.memory) or "max")
+      end
+      if host.exists(dir .. "/pids.max") then
+        write(dir .. "/pids.max", self.fair and tostring(lim.pids) or "max")
+      end
+    end
+  end
+  local hd = self:host_dir()
+  if hd then
+    sys.mkdir_p(hd, tonumber("755", 8))
+    if self.version == 1 then
+      write(hd .. "/cpu.shares", tostring(self.fair and M.HOST_SHARES or 1024))
+    elseif host.exists(hd .. "/cpu.weight") then
+      -- v2 weights: 100 is a default task's; the same ratio as v1's shares
+      write(hd .. "/cpu.weight", tostring(self.fair and (100 * M.HOST_SHARES // 1024) or 100))
+    end
+  end
+end
+
+--- cg:quota(cpus) -> the CFS quota (µs per 100 ms) of a sandbox of cpus CPUs: at most the
+-- parent's while it is capped (v1 refuses a child's quota above its parent's: a 2c-4g plan
+-- on a 2-CPU machine gets 1.5 CPUs, which is all that sandboxes get together there).
+function Cgroup:quota(cpus)
+  local q = math.floor(cpus * M.PERIOD)
+  if self.fair then q = math.min(q, math.floor(self:fair_limits().cpus * M.PERIOD)) end
+  return q
+end
+
+--- cg:join_host(pid): moves process pid (all its threads) into the host side's CPU cgroup
+-- (cg:prepare first). No-op without one. Raises a plain error when the write fails. On v2 a
+-- process in a cgroup with children ("no internal processes") cannot be moved there: the
+-- host side's cgroup has none. Does not yield.
+function Cgroup:join_host(pid)
+  local hd = self:host_dir()
+  if hd then write(hd .. "/cgroup.procs", tostring(pid)) end
+end
+
 --- cg:create(id, limits): makes sandbox id's cgroups and both leaves, and sets limits:
 -- { memory = bytes, cpus = n (may be fractional), pids = n } (any may be nil: unlimited).
 -- Raises a plain error naming the file that could not be written. Does not yield.
@@ -129,9 +264,12 @@ function Cgroup:create(id, limits)
       if host.exists(top .. "/memory.memsw.limit_in_bytes") then
         write(top .. "/memory.memsw.limit_in_bytes", tostring(limits.memory))
       end
-    elseif c == "cpu" and limits.cpus then
-      write(top .. "/cpu.cfs_period_us", "100000")
-      write(top .. "/cpu.cfs_quota_us", tostring(math.floor(limits.cpus * 100000)))
+    elseif c == "cpu" then
+      write(top .. "/cpu.shares", tostring(M.SANDBOX_SHARES)) -- the same for every plan
+      if limits.cpus then
+        write(top .. "/cpu.cfs_period_us", "100000")
+        write(top .. "/cpu.cfs_quota_us", tostring(self:quota(limits.cpus)))
+      end
     elseif c == "pids" and limits.pids then
       write(top .. "/pids.max", tostring(limits.pids))
     elseif c == "unified" then
@@ -140,7 +278,7 @@ function Cgroup:create(id, limits)
         if host.exists(top .. "/memory.swap.max") then write(top .. "/memory.swap.max", "0") end
       end
       if limits.cpus and host.exists(top .. "/cpu.max") then
-        write(top .. "/cpu.max", math.floor(limits.cpus * 100000) .. " 100000")
+        write(top .. "/cpu.max", self:quota(limits.cpus) .. " 100000")
       end
       if limits.pids and host.exists(top .. "/pids.max") then write(top .. "/pids.max", tostring(
         limits.pids)) end

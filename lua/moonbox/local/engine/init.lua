@@ -211,6 +211,7 @@ function M.new(opts)
     cg_problem = cg_problem,
     slots_dir = opts.slots_dir or M.SLOTS_DIR,
     dns = opts.dns,
+    fairness = opts.fairness ~= false, -- see cgroup.lua (fairness); false: the bench's "before"
     use_disk = opts.disk ~= false,
     disk_size = opts.disk_size,
     disk = nil,         -- the sandbox disk (moonbox.local.engine.disk), set by prepare
@@ -220,6 +221,14 @@ function M.new(opts)
   }, Engine)
   self.files = Files.new(self)
   return self
+end
+
+--- eng:join_host([pid]): moves process pid (default: this one, all its threads) into the engine's host-side CPU
+-- cgroup, weighted above every sandbox (cgroup.lua, fairness); prepares the engine first. A
+-- no-op with fairness off. Raises what prepare raises, or a plain error. [yields]
+function Engine:join_host(pid)
+  self:prepare()
+  if self.fairness then self.cg:join_host(pid or 0) end -- 0: the writer itself
 end
 
 --- eng:dir(id) -> the sandbox directory of id.
@@ -307,6 +316,7 @@ function Engine:prepare()
   self.preparing = cond
   local ok, err = pcall(function()
     if not self.cg then fail("prepare", "unsupported", nil, self.cg_problem) end
+    self.cg:prepare(self.fairness)
     if self.use_disk and not self.disk then
       self.disk, self.disk_problem = Disk.open(self.state_dir, { size = self.disk_size })
     end
@@ -674,6 +684,8 @@ end
 function Engine:enter_args(sb, leaf)
   local a = { "--id=" .. sb.id, "--target=" .. sb.init, "--uid-base=" .. sb.uid_base }
   for _, d in ipairs(self.cg:leaves(sb.id, leaf)) do a[#a + 1] = "--cgroup=" .. d end
+  -- the helper stays on the host side; only what it forks joins (cgroup.lua, fairness)
+  if self.cg.fair then a[#a + 1] = "--join-in-child" end
   return a
 end
 
@@ -1167,6 +1179,7 @@ function Engine:close()
   end
   if self.cg then
     for _, dir in pairs(self.cg.dirs) do os.remove(dir) end
+    if self.cg:host_dir() then os.remove(self.cg:host_dir()) end -- kept while a process is in it
   end
   self.prepared = false
   return true
