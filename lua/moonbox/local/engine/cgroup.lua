@@ -142,8 +142,8 @@ end
 M.machine = machine
 
 --- cg:fair_limits() -> { cpus, memory, pids }: what the sandboxes' parent is capped to (see
--- above), from this machine's size.
-function Cgroup:fair_limits()
+-- above), from this machine's size (the same for every engine).
+function Cgroup.fair_limits()
   local cpus, mem, pids = machine()
   return { cpus = math.max(cpus - M.HOST_CPU_RESERVE, 0.5),
     memory = math.max(mem - math.max(M.MEMORY_HEADROOM, mem // 8), M.MEMORY_HEADROOM),

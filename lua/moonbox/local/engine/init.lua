@@ -223,9 +223,9 @@ function M.new(opts)
   return self
 end
 
---- eng:join_host([pid]): moves process pid (default: this one, all its threads) into the engine's host-side CPU
--- cgroup, weighted above every sandbox (cgroup.lua, fairness); prepares the engine first. A
--- no-op with fairness off. Raises what prepare raises, or a plain error. [yields]
+--- eng:join_host([pid]): moves process pid (default: this one, all its threads) into the
+-- engine's host-side CPU cgroup, weighted above every sandbox (cgroup.lua, fairness); prepares
+-- the engine first. A no-op with fairness off. Raises what prepare raises, or a plain error. [yields]
 function Engine:join_host(pid)
   self:prepare()
   if self.fairness then self.cg:join_host(pid or 0) end -- 0: the writer itself
