@@ -53,19 +53,8 @@ end
 
 local function terminate(b, id) b:req("POST", "/v1/sandboxes/" .. id .. "/terminate") end
 
-local function snapshot_path(snap) return "/v1/sandbox-groups/" .. snap.sandboxGroupId .. "/snapshots/" .. snap.id end
-
 -- Captures sandbox id and waits until the snapshot is no longer creating (five minutes at most).
-local function capture(b, id)
-  local s, snap = b:req("POST", "/v1/sandboxes/" .. id .. "/snapshots", { body = { kind = "filesystem" } })
-  assert(s == 202, "capture of " .. id .. ": " .. s .. " " .. json.encode(snap))
-  for _ = 1, 3000 do
-    local _, got = b:req("GET", snapshot_path(snap))
-    if got.status ~= "creating" then return got end
-    task.sleep(0.1)
-  end
-  error("snapshot " .. snap.id .. " is still creating after five minutes")
-end
+local function capture(b, id) return b:settled(b:snapshot(id), 300) end
 
 local function restore(b, snap)
   local sb = create(b, { snapshotId = snap.id })

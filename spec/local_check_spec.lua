@@ -7,7 +7,6 @@
 -- restore the truncated snapshot (409, the snapshot then failed) while the untouched one
 -- restores. Before 9a3c1fa there was no --check. Needs root; CI has it.
 local T = require "moonbox.testing"
-local task = require "moonbox.task"
 local json = require "moonbox.json"
 local proc = require "moonbox.proc"
 local L = require "spec.support.local_backend"
@@ -17,20 +16,12 @@ local function check(state)
   return r.code, r.stdout .. r.stderr
 end
 
-local function snapshot_path(snap) return "/v1/sandbox-groups/" .. snap.sandboxGroupId .. "/snapshots/" .. snap.id end
+local snapshot_path = L.snapshot_path
 
 local function capture(b, id)
-  local s, snap = b:req("POST", "/v1/sandboxes/" .. id .. "/snapshots", { body = { kind = "filesystem" } })
-  assert(s == 202, "capture of " .. id .. ": " .. s .. " " .. json.encode(snap))
-  for _ = 1, 1200 do
-    local _, got = b:req("GET", snapshot_path(snap))
-    if got.status ~= "creating" then
-      assert(got.status == "available", "the capture of " .. got.id .. ": " .. tostring(got.error))
-      return got
-    end
-    task.sleep(0.05)
-  end
-  error("snapshot " .. snap.id .. " is still creating after a minute")
+  local got = b:settled(b:snapshot(id))
+  assert(got.status == "available", "the capture of " .. got.id .. ": " .. tostring(got.error))
+  return got
 end
 
 local function run(b, id, command)

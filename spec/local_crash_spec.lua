@@ -14,7 +14,6 @@ local T = require "moonbox.testing"
 local json = require "moonbox.json"
 local http = require "moonbox.http"
 local proc = require "moonbox.proc"
-local sys = require "moonbox.sys"
 local task = require "moonbox.task"
 local L = require "spec.support.local_backend"
 local files = require "spec.support.files"
@@ -23,25 +22,13 @@ local wait_until = require("spec.support.poll").wait
 local read_file = files.read
 local MB = 1000 * 1000
 
--- The cgroup directories of sandbox id in every hierarchy (cgroup v1 controllers, or v2).
-local function cgroup_dirs(id)
-  local r = proc.run { "sh", "-c", 'for d in /sys/fs/cgroup/*/moonbox/*/"$1" /sys/fs/cgroup/moonbox/*/"$1"; do ' ..
-    '[ -d "$d" ] && echo "$d"; done; true', "sh", id }
-  local dirs = {}
-  for d in r.stdout:gmatch("[^\n]+") do dirs[#dirs + 1] = d end
-  return dirs
-end
+local cgroup_dirs = L.cgroup_dirs
 
 local function du(path)
   return tonumber(proc.run({ "du", "-sb", path }).stdout:match("^(%d+)")) or 0
 end
 
-local function listdir(path)
-  local ok, names = pcall(sys.listdir, path)
-  if not ok then return {} end
-  table.sort(names)
-  return names
-end
+local listdir = require("spec.support.files").listdir
 
 local ALL = "creating,running,suspending,suspended,resuming,errored,terminated"
 local LIVE = { creating = true, running = true, suspending = true, suspended = true, resuming = true }

@@ -45,22 +45,9 @@ end
 
 local function terminate(id) B:req("POST", "/v1/sandboxes/" .. id .. "/terminate") end
 
-local function capture(id, kind)
-  local s, snap = B:req("POST", "/v1/sandboxes/" .. id .. "/snapshots", { body = { kind = kind or "filesystem" } })
-  assert(s == 202, "capture of " .. id .. ": " .. s .. " " .. json.encode(snap))
-  return snap
-end
-
-local function snapshot_path(snap) return "/v1/sandbox-groups/" .. snap.sandboxGroupId .. "/snapshots/" .. snap.id end
-
-local function settled(snap)
-  for _ = 1, 1200 do
-    local _, s = B:req("GET", snapshot_path(snap))
-    if s.status ~= "creating" then return s end
-    task.sleep(0.05)
-  end
-  error("snapshot " .. snap.id .. " is still creating after a minute")
-end
+local function capture(id, kind) return B:snapshot(id, kind) end
+local snapshot_path = L.snapshot_path
+local function settled(snap) return B:settled(snap) end
 
 local function delete(snap)
   local s = B:req("DELETE", snapshot_path(snap))

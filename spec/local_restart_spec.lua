@@ -40,14 +40,7 @@ local function host_processes()
   return out
 end
 
--- The cgroup directories of sandbox id in every hierarchy (cgroup v1 controllers, or v2).
-local function cgroup_dirs(id)
-  local r = proc.run { "sh", "-c", 'for d in /sys/fs/cgroup/*/moonbox/*/"$1" /sys/fs/cgroup/moonbox/*/"$1"; do ' ..
-    '[ -d "$d" ] && echo "$d"; done; true', "sh", id }
-  local dirs = {}
-  for d in r.stdout:gmatch("[^\n]+") do dirs[#dirs + 1] = d end
-  return dirs
-end
+local cgroup_dirs = L.cgroup_dirs
 
 -- pids in the cgroups of sandbox id (any leaf, any hierarchy).
 local function cgroup_pids(id)

@@ -10,6 +10,15 @@ local M = {}
 --- files.read(path) -> the whole content of path, or nil when it cannot be opened.
 M.read = read_file
 
+--- files.listdir(path) -> the names in directory path, sorted; {} when it cannot be listed
+-- (gone, not a directory).
+function M.listdir(path)
+  local ok, names = pcall(require("moonbox.sys").listdir, path)
+  if not ok then return {} end
+  table.sort(names)
+  return names
+end
+
 --- files.must_read(path) -> the whole content of path; raises naming path when it cannot be
 -- opened (a file the spec itself expects to be there).
 function M.must_read(path)

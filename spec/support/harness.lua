@@ -27,7 +27,6 @@
 local core = require "moonbox.core"
 local task = require "moonbox.task"
 local proc = require "moonbox.proc"
-local sys = require "moonbox.sys"
 local http = require "moonbox.http"
 local json = require "moonbox.json"
 local L = require "spec.support.local_backend"
@@ -726,19 +725,12 @@ end
 
 -- ---- invariants -----------------------------------------------------------------------------
 
-local function listdir(path)
-  local ok, names = pcall(sys.listdir, path)
-  if not ok then return {} end
-  table.sort(names)
-  return names
-end
+local listdir = require("spec.support.files").listdir
 
+-- A file's content, nil when it is gone or unreadable (a process that ended while /proc was read).
 local function slurp(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
+  local ok, s = pcall(require("spec.support.files").read, path)
+  return ok and s or nil
 end
 
 -- The host's view now, read from the state dir, /proc, the cgroup hierarchies and the mount

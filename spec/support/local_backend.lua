@@ -164,6 +164,16 @@ function M.remove_tree(dir)
   proc.run { "rm", "-rf", "--one-file-system", dir }
 end
 
+--- L.cgroup_dirs(id) -> the cgroup directories of sandbox id in every hierarchy (cgroup v1
+-- controllers, or v2), under any backend's tag. [yields]
+function M.cgroup_dirs(id)
+  local r = proc.run { "sh", "-c", 'for d in /sys/fs/cgroup/*/moonbox/*/"$1" /sys/fs/cgroup/moonbox/*/"$1"; do ' ..
+    '[ -d "$d" ] && echo "$d"; done; true', "sh", id }
+  local dirs = {}
+  for d in r.stdout:gmatch("[^\n]+") do dirs[#dirs + 1] = d end
+  return dirs
+end
+
 --- L.remove_trees(dir): L.remove_tree of dir and of every sibling named dir-*. [yields]
 function M.remove_trees(dir)
   M.remove_tree(dir)
@@ -223,6 +233,31 @@ function Backend:wait_status(id, want)
     task.sleep(0.05)
   end
   error("sandbox " .. id .. " did not become " .. want)
+end
+
+--- L.snapshot_path(snap) -> the wire path of a snapshot record ({id, sandboxGroupId}).
+function M.snapshot_path(snap) return "/v1/sandbox-groups/" .. snap.sandboxGroupId .. "/snapshots/" .. snap.id end
+
+--- backend:snapshot(id[, kind]) -> the snapshot record the capture's 202 answered (kind
+-- "filesystem" by default); raises on any other status. [yields]
+function Backend:snapshot(id, kind)
+  local s, snap = self:req("POST", "/v1/sandboxes/" .. id .. "/snapshots", { body = { kind = kind or "filesystem" } })
+  assert(s == 202, "capture of " .. id .. ": " .. s .. " " .. json.encode(snap))
+  return snap
+end
+
+--- backend:settled(snap[, within]) -> the snapshot once it is no longer creating (within
+-- seconds, 60 by default); raises after that. [yields]
+function Backend:settled(snap, within)
+  local task = require "moonbox.task"
+  local core = require "moonbox.core"
+  local deadline = core.now() + (within or 60)
+  repeat
+    local _, got = self:req("GET", M.snapshot_path(snap))
+    if got.status ~= "creating" then return got end
+    task.sleep(0.05)
+  until core.now() > deadline
+  error("snapshot " .. snap.id .. " is still creating after " .. (within or 60) .. " s")
 end
 
 --- backend:exec(id, command) -> {code=, stdout=, stderr=, events=} through a stream token. [yields]
