@@ -219,6 +219,22 @@ print(p:kill("TERM"), p:wait().code)
       assert.are.equal(2, killed) -- the timed-out exec and the killed one
     end))
 
+  it("waits on the simulated clock: one create and one sb:snapshot{} poll as they would for real", run(function()
+    -- The client's waits read task's clock, which the dry run drives (one clock, tests/lint/
+    -- layers.py). When they read core.now (real time) while sleeping on the simulated one, a
+    -- simulated 5 s capture was polled at real-time speed: 1,475 requests for these two calls.
+    -- Now: the create's doubling poll over its 2 s boot, and the snapshot's adaptive poll
+    -- (about log(5 s / 50 ms) / log(1.05) looks).
+    local rep = dry([[
+local render = require "moonbox.render"
+local sb <close> = render.sandboxes.create {}
+sb:snapshot {}
+]])
+    assert.are.equal(1, rep.snapshots)
+    assert.is_true(rep.api_requests < 130, "a dry run of one create and one snapshot made " .. rep.api_requests ..
+      " requests")
+  end))
+
   it("enforces budgets on the simulated backend: the sandbox count before sending, the seconds by terminating",
     run(function()
       local home = temp_home()

@@ -17,6 +17,10 @@ violation as FILE:LINE: what, when
   - a module under lua/moonbox/local/engine/ requires a moonbox.local.* module outside the
     engine: the engine is below the service and knows no records, service or wire.
 
+  - a module under lua/moonbox/render/ but dryrun.lua reads or sleeps on core's clock
+    (core.now, core.sleep, core.timer): the client has one clock, task's (task.now, task.sleep,
+    task.timeout), which a dry run drives; dryrun.lua builds that simulated clock on real time.
+
 A Lua require is any `require "name"`, `require 'name'` or `require("name")` (also inside
 pcall(require, "name")) outside a comment. Only the standard library is used, so the lint
 needs nothing but python3; ctest fails it loudly when python3 is missing (CMakeLists.txt).
@@ -97,9 +101,34 @@ def imports(path, kind):
                     yield n, m.group(1)
 
 
+CORE_CLOCK = re.compile(r"\bcore\s*\.\s*(now|sleep|timer)\b")
+CLOCK_FOLDER, CLOCK_EXEMPT = "lua/moonbox/render", {"dryrun.lua"}
+
+
+def clock_problems(root):
+    """FILE:LINE lines for each use of core's clock in the Render client (see above)."""
+    out = []
+    base = os.path.join(root, CLOCK_FOLDER)
+    for dirpath, _, files in os.walk(base):
+        for name in sorted(files):
+            if not name.endswith(".lua") or name in CLOCK_EXEMPT:
+                continue
+            path = os.path.join(dirpath, name)
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            text = re.sub(r"--\[(=*)\[.*?\]\1\]", lambda m: "\n" * m.group(0).count("\n"), text,
+                          flags=re.S)
+            for n, line in enumerate(text.split("\n"), 1):
+                m = CORE_CLOCK.search(strip_lua_comment(line))
+                if m:
+                    out.append(f"{os.path.relpath(path, root)}:{n}: core.{m.group(1)}: the Render client has "
+                               "one clock, task's (task.now, task.sleep, task.timeout), which a dry run drives")
+    return out
+
+
 def main():
     root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else ".")
-    problems, checked = [], 0
+    problems, checked = clock_problems(root), 0
     for folder, suffixes, kind, bad, why in RULES:
         base = os.path.join(root, folder)
         if os.path.isfile(base):

@@ -167,7 +167,7 @@ end
 -- again after it). Raises the last error when no attempt is left, the next wait would pass the
 -- deadline, or the failure may not be repeated. [yields]
 local function with_retries(op, opts, info, send)
-  local deadline = core.now() + (opts.deadline or 120)
+  local deadline = task.now() + (opts.deadline or 120)
   local attempts = opts.retries or 5
   for attempt = 1, attempts + 1 do
     info.attempts = attempt
@@ -181,7 +181,7 @@ local function with_retries(op, opts, info, send)
       trace.instant("throttled", "api", { op = op, retry_after = err.retry_after, attempt = attempt })
     end
     local wait = backoff(attempt, err.retry_after)
-    if not err.again or attempt > attempts or core.now() + wait > deadline then
+    if not err.again or attempt > attempts or task.now() + wait > deadline then
       err.again = nil
       err.attempts = attempt
       error(err, 0)

@@ -33,7 +33,7 @@ local KEY = "moonbox.budget"
 -- broadcast or the seconds have passed). Real time, except in a dry run, whose simulated clock
 -- moonbox.render.dryrun puts here.
 M.clock = {
-  now = core.now,
+  now = function() return task.now() end,
   wait = function(cond, seconds) pcall(task.timeout, seconds, cond.wait, cond) end,
 }
 

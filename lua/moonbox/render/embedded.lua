@@ -72,11 +72,11 @@ end
 -- Polls a condition with backoff (5 ms doubling to 100 ms) until it holds or `limit` seconds
 -- pass; returns whether it held. Another process's lock or exit has no event we could wait on.
 local function poll(limit, cond)
-  local deadline = core.now() + limit
+  local deadline = task.now() + limit
   local wait = 0.005
   while true do
     if cond() then return true end
-    if core.now() >= deadline then return false end
+    if task.now() >= deadline then return false end
     task.sleep(wait)
     wait = math.min(wait * 2, 0.1)
   end

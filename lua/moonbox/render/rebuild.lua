@@ -76,11 +76,11 @@ local function delete_new_snapshot(st)
     st.snap = snap
     st.summary.snapshot_id = snap.id
   end
-  local deadline = core.now() + CAPTURE_END_WAIT
+  local deadline = task.now() + CAPTURE_END_WAIT
   while true do
     local ok, err = pcall(snap.delete, snap)
     if ok then break end
-    if not (type(err) == "table" and err.code == "snapshot_creating") or core.now() >= deadline then
+    if not (type(err) == "table" and err.code == "snapshot_creating") or task.now() >= deadline then
       st.cleanup_note = "new snapshot " .. snap.id .. " could not be deleted: " .. describe(err)
       error(err, 0)
     end

@@ -176,7 +176,7 @@ end
 local function wait_running(sb, opts)
   opts = opts or {}
   local limit = opts.timeout or 120
-  local deadline = core.now() + limit
+  local deadline = task.now() + limit
   local function check()
     local s = sb.status
     if s == "running" then
@@ -190,7 +190,7 @@ local function wait_running(sb, opts)
       error(api.error { op = "sandboxes.wait_running", code = "sandbox_not_running", sandbox_id = sb.id,
         message = "sandbox " .. sb.id .. " became " .. s .. " instead of running" }, 0)
     end
-    if core.now() >= deadline then
+    if task.now() >= deadline then
       error(api.error { op = "sandboxes.wait_running", code = "timeout", sandbox_id = sb.id,
         message = string.format("sandbox %s still %s after %g s", sb.id, tostring(s), limit) }, 0)
     end
@@ -209,7 +209,7 @@ local function wait_running(sb, opts)
   local poller = task.spawn(function()
     local interval = opts.interval or POLL_FAST
     while true do
-      task.sleep(math.max(0, math.min(interval, deadline - core.now())))
+      task.sleep(math.max(0, math.min(interval, deadline - task.now())))
       poke()
       interval = math.min(interval * 2, POLL_MAX)
       if streaming and not opts.interval and interval < POLL_NET then interval = POLL_NET end

@@ -13,7 +13,6 @@ local api = require "moonbox.render.api"
 local conn = require "moonbox.render.conn"
 local object = require "moonbox.render.object"
 local task = require "moonbox.task"
-local core = require "moonbox.core"
 
 local M = {}
 
@@ -149,7 +148,7 @@ function M.learned_capture_seconds() return learned end
 function snapshot_methods.wait_available(snap, opts)
   opts = opts or {}
   local limit = opts.timeout or 300
-  local start = core.now()
+  local start = task.now()
   local deadline = start + limit
   local requested = rawget(snap, "_requested") -- when this process asked for the capture
   local t0 = requested or start
@@ -167,16 +166,16 @@ function snapshot_methods.wait_available(snap, opts)
         sandbox_id = snap.source_sandbox_id,
         message = "snapshot " .. snap.id .. " failed: " .. tostring(snap.error or "no reason given") }, 2)
     end
-    local now = core.now()
+    local now = task.now()
     if now >= deadline then
       error(api.error { op = "snapshots.wait_available", code = "timeout", snapshot_id = snap.id,
         message = string.format("snapshot %s still %s after %g s", snap.id, tostring(s), limit) }, 2)
     end
     task.sleep(math.max(0, math.min(next_look, deadline) - now))
-    local looked = core.now() - t0
+    local looked = task.now() - t0
     snap:refresh()
     if snap.status == "creating" then still_creating = looked end
-    local elapsed = core.now() - t0
+    local elapsed = task.now() - t0
     next_look = t0 + elapsed + math.min(math.max(elapsed * SLACK, MIN_STEP), MAX_STEP)
   end
 end
@@ -288,7 +287,7 @@ function M.capture(sb, opts)
     error("sb:snapshot: expires_at must be a unix time or an RFC 3339 string", 2)
   end
   local c = sb:connection()
-  local requested = core.now()
+  local requested = task.now()
   local data = api.call(c, "sandbox:snapshot", "POST", "/sandboxes/" .. sb.id .. "/snapshots", {
     query = { ownerId = c.workspace },
     body = { kind = kind, name = opts.name, expiresAt = expires },
