@@ -71,6 +71,10 @@ describe("moonbox run --dry-run", function()
         assert.are.same({ 1, 1 }, { rep.uploads, rep.downloads })
         assert.are.equal(4, rep.peak_live)
         assert.are.equal(0, rep.live_at_end)
+        -- the client's calls under the key `moonbox run --json` uses; the simulated backend's
+        -- requests (data plane included) are at least as many
+        assert.is_true(math.type(rep.api_calls) == "integer" and rep.api_calls > 0, tostring(rep.api_calls))
+        assert.is_true(rep.api_requests >= rep.api_calls, rep.api_requests .. " < " .. rep.api_calls)
         -- the sandbox-seconds at the default durations: the first sandbox lives the whole run,
         -- the three restores at least their restore and one exec each
         assert.is_true(rep.sandbox_seconds >= rep.simulated_s + 3 * (3 + 1), tostring(rep.sandbox_seconds))

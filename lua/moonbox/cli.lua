@@ -83,6 +83,9 @@ function M.print_dry_run(rep, file, want_json, code, err, budget)
       recipe = file, exit_code = code, error = e,
       outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",
       budget = budget:report(),
+      -- the same fact under the same key as `moonbox run --json` (a call's retries are one call);
+      -- api_requests is what the simulated backend received
+      api_calls = (package.loaded["moonbox.render.api"] or {}).calls_made or 0,
     })), "\n")
   else
     io.stdout:write(dryrun.text(rep, file), "\n")
