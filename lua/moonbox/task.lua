@@ -68,6 +68,14 @@ function M.is_cancelled(err) return is_code(err, "cancelled") end
 --- task.is_timeout(err) -> boolean: whether err came from task.timeout expiring.
 function M.is_timeout(err) return is_code(err, "timeout") end
 
+--- task.is_interruption(err) -> boolean: whether err is the calling task's cancellation or the
+-- expiry of an enclosing task.timeout (code "deadline", or "timeout" from op "task.timeout"),
+-- which every layer lets pass untouched. A transfer's own timeout (op "http.request") is not one.
+function M.is_interruption(err)
+  if type(err) ~= "table" then return false end
+  return M.is_cancelled(err) or err.code == "deadline" or (err.code == "timeout" and err.op == "task.timeout")
+end
+
 --- task.spawn(fn, ...) -> Task. Starts fn(...) as a new task; it first runs when the caller
 -- next waits. Raises if fn is not a function. Does not yield. A task that fails and that
 -- nothing joins is reported on stderr with its traceback (and fails `moonbox run`).

@@ -25,6 +25,7 @@
 -- the line is written, so a trace never holds one even if a message quoted it.
 local json = require "moonbox.json"
 local core = require "moonbox.core"
+local events = require "moonbox.render.events"
 
 local M = { on = false }
 
@@ -104,9 +105,8 @@ function M.start(p, opts)
   M.on = true
   write { name = "process_name", ph = "M", tid = 0,
     args = { name = ((opts and opts.name) or "moonbox") .. " (moonbox " .. core.version .. ")" } }
-  local ok, render = pcall(require, "moonbox.render")
-  if ok and render.observe then
-    unobserve = render.observe(function(event, subject, info)
+  do
+    unobserve = events.observe(function(event, subject, info)
       if event == "created" then
         open_sandboxes[subject.id] = true
         write { name = subject.id, cat = "sandbox", ph = "b", id = subject.id, ts = now_us(), tid = tid(),

@@ -21,6 +21,9 @@ violation as FILE:LINE: what, when
     (core.now, core.sleep, core.timer): the client has one clock, task's (task.now, task.sleep,
     task.timeout), which a dry run drives; dryrun.lua builds that simulated clock on real time.
 
+  - the modules under lua/ require one another in a cycle (a require inside a function counts
+    as much as one at the top): each such cycle is listed once, by its modules.
+
 A Lua require is any `require "name"`, `require 'name'` or `require("name")` (also inside
 pcall(require, "name")) outside a comment. Only the standard library is used, so the lint
 needs nothing but python3; ctest fails it loudly when python3 is missing (CMakeLists.txt).
@@ -126,9 +129,67 @@ def clock_problems(root):
     return out
 
 
+def module_files(root):
+    """{module name: path} of every Lua module under lua/ (a/b/init.lua is a.b)."""
+    out = {}
+    base = os.path.join(root, "lua")
+    for dirpath, _, files in os.walk(base):
+        for name in files:
+            if name.endswith(".lua"):
+                path = os.path.join(dirpath, name)
+                mod = os.path.relpath(path, base)[:-4].replace(os.sep, ".")
+                if mod.endswith(".init"):
+                    mod = mod[:-5]
+                out[mod] = path
+    return out
+
+
+def cycle_problems(root):
+    """One line per require cycle among the modules under lua/ (Tarjan's strongly connected
+    components, iteratively; a component of two or more modules is a cycle)."""
+    mods = module_files(root)
+    graph = {m: sorted({name for _, name in imports(p, "require") if name in mods and name != m})
+             for m, p in mods.items()}
+    index, low, on, stack, comps, counter = {}, {}, set(), [], [], [0]
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = counter[0]
+                counter[0] += 1
+                stack.append(v)
+                on.add(v)
+            if i < len(graph[v]):
+                work.append((v, i + 1))
+                w = graph[v][i]
+                if w not in index:
+                    work.append((w, 0))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    comps.append(sorted(comp))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+    return [f"require cycle among {len(c)} modules: {', '.join(c)} (break it: pass the function in, "
+            "or let the lower module register itself)" for c in comps]
+
+
 def main():
     root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else ".")
-    problems, checked = clock_problems(root), 0
+    problems, checked = clock_problems(root) + cycle_problems(root), 0
     for folder, suffixes, kind, bad, why in RULES:
         base = os.path.join(root, folder)
         if os.path.isfile(base):

@@ -143,13 +143,8 @@ local function transport_error(op, r, ctx, repeatable)
     path = ctx.path }
 end
 
---- api.is_interruption(err) -> whether err is the calling task's cancellation or the expiry of
--- an enclosing task.timeout (code "deadline", or "timeout" from op "task.timeout"), which every
--- layer lets pass untouched. A transfer's own timeout (op "http.request") is not one.
-local function is_interruption(e)
-  if type(e) ~= "table" then return false end
-  return task.is_cancelled(e) or e.code == "deadline" or (e.code == "timeout" and e.op == "task.timeout")
-end
+--- api.is_interruption(err): task.is_interruption (a cancellation or an enclosing deadline).
+local is_interruption = task.is_interruption
 M.is_interruption = is_interruption
 
 --- api.error_text(err) -> the text of any error for a message that names its own context: a

@@ -37,6 +37,11 @@ M.clock = {
   wait = function(cond, seconds) pcall(task.timeout, seconds, cond.wait, cond) end,
 }
 
+--- budget.terminate(id): how an exceeded budget ends a sandbox; moonbox.render.sandbox puts its
+-- sandbox.terminate here when it loads (a budget only counts sandboxes that module made, and the
+-- sandbox module requires this one: the reverse require would be a cycle).
+M.terminate = function(id) error("budget: no sandbox module loaded to terminate " .. tostring(id), 0) end
+
 local Budget = {}
 Budget.__index = Budget
 
@@ -215,10 +220,9 @@ function Budget:exceeded(u)
     "(%.1f s over %d sandbox%s); terminated the %d still running: %s", self.max_seconds, u.sandbox_seconds,
     #self.order, #self.order == 1 and "" or "es", #alive, ids_text(alive)),
     budget = "sandbox_seconds", limit = self.max_seconds, count = #self.order, sandbox_ids = alive }
-  local sandbox = require "moonbox.render.sandbox"
   local jobs = {}
   for _, id in ipairs(alive) do
-    jobs[#jobs + 1] = function() return pcall(sandbox.terminate, id) end
+    jobs[#jobs + 1] = function() return pcall(M.terminate, id) end
   end
   if #jobs > 0 then task.all(jobs) end
   if self.owner then task.cancel(self.owner) end

@@ -101,7 +101,7 @@ end
 local function health(url, key)
   local ok, r = pcall(http.request, { url = url .. "/_moonbox/health", timeout = 2, connect_timeout = 2,
     headers = { Authorization = "Bearer " .. key } })
-  if not ok and require("moonbox.render.api").is_interruption(r) then error(r, 0) end
+  if not ok and task.is_interruption(r) then error(r, 0) end
   if not ok then return nil end
   if r.status == 200 then return "ready" end
   if r.status == 503 then return "starting" end

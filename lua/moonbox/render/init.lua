@@ -12,7 +12,7 @@
 --                            from .exec, .files and .snapshots
 --   moonbox.render.snapshots snapshots and groups
 --   moonbox.render.fleet     render.restore
---   moonbox.render.rebuild   render.snapshots.rebuild (loaded on first use)
+--   moonbox.render.rebuild   render.snapshots.rebuild
 --   moonbox.render.events    render.observe
 --   moonbox.render.budget    render.budget: limits on what a run may create and keep
 --   moonbox.render.dryrun    render.dry_run and `moonbox run --dry-run`'s simulated backend
@@ -24,6 +24,7 @@ local sandbox = require "moonbox.render.sandbox"
 local exec = require "moonbox.render.exec"
 local files = require "moonbox.render.files"
 local snapshots = require "moonbox.render.snapshots"
+local rebuild = require "moonbox.render.rebuild"
 local fleet = require "moonbox.render.fleet"
 local budget = require "moonbox.render.budget"
 
@@ -58,6 +59,9 @@ M.sandboxes = {
 
 --- render.snapshots, render.groups (moonbox.render.snapshots).
 M.snapshots = snapshots.snapshots
+--- render.snapshots.rebuild(name, build_fn, opts) -> Snapshot, summary: builds, captures,
+-- verifies and rolls forward the snapshot named `name` (moonbox.render.rebuild). [yields]
+M.snapshots.rebuild = rebuild.rebuild
 M.groups = snapshots.groups
 
 --- render.budget{sandboxes = N, sandbox_seconds = S} -> Budget: limits what the current run may

@@ -481,4 +481,6 @@ function M.terminate(id)
   if not ok then error(err, 0) end
 end
 
+budget.terminate = M.terminate -- (budget.lua: what an exceeded budget ends sandboxes with)
+
 return M

@@ -298,12 +298,8 @@ function M.capture(sb, opts)
   return snap
 end
 
---- render.snapshots.rebuild(name, build_fn, opts) -> Snapshot, summary: builds, captures,
--- verifies and rolls forward the snapshot named `name`; see moonbox.render.rebuild, loaded on
--- first use. [yields]
-function snapshots.rebuild(name, build_fn, opts)
-  return require("moonbox.render.rebuild").rebuild(name, build_fn, opts)
-end
+-- render.snapshots.rebuild is moonbox.render.rebuild's, put here by moonbox.render (rebuild
+-- requires this module: the reverse require would be a cycle).
 
 M.Snapshot = Snapshot
 M.Group = Group

@@ -31,7 +31,7 @@ function M.reserve_for(fs_size)
   return math.max(64 * MiB, math.min(2 * GiB, fs_size // 20))
 end
 
-local HOST_ENV = { PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", LC_ALL = "C" }
+local HOST_ENV = host.ENV
 
 local function find_program(name)
   for dir in HOST_ENV.PATH:gmatch("[^:]+") do

@@ -66,7 +66,7 @@ function Files:spawn(fn, id, op, path, args, opts)
   argv[#argv + 1] = "--op=" .. op
   argv[#argv + 1] = "--path=" .. path
   for _, a in ipairs(args or {}) do argv[#argv + 1] = a end
-  argv.env, argv.env_mode = require("moonbox.local.engine").HOST_ENV, "replace"
+  argv.env, argv.env_mode = host.ENV, "replace"
   argv.stdin, argv.stdout, argv.stderr = opts.stdin or "null", opts.stdout or "pipe", "pipe"
   local ok, p = pcall(proc.spawn, argv)
   if not ok then

@@ -12,6 +12,11 @@ local sys = require "moonbox.sys"
 
 local M = {}
 
+--- host.DEFAULT_PATH: the PATH commands see inside a sandbox unless its create env sets one;
+-- host.ENV: the whole environment of every host-side helper and command the engine runs.
+M.DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+M.ENV = { PATH = M.DEFAULT_PATH, LC_ALL = "C" }
+
 -- Signal numbers on Linux (x86-64 and arm64 agree on these), for exit codes of killed commands.
 M.SIGNALS = {
   HUP = 1, INT = 2, QUIT = 3, ILL = 4, TRAP = 5, ABRT = 6, BUS = 7, FPE = 8, KILL = 9,

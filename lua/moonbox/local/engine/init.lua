@@ -39,10 +39,7 @@ M.Engine = Engine
 
 local fail = host.fail
 
--- The PATH commands see inside a sandbox unless its create env sets one, and the environment of
--- every host-side helper.
-local DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-local HOST_ENV = { PATH = DEFAULT_PATH, LC_ALL = "C" }
+local DEFAULT_PATH, HOST_ENV = host.DEFAULT_PATH, host.ENV -- (host.lua)
 
 -- Sandbox id ranges: slot k maps root inside to host id ID_BASE + k * 65536. Above every id a
 -- distribution gives users and below 2^31 (some programs treat ids as signed).
