@@ -212,6 +212,15 @@ local function may_repeat(err, repeatable)
   return err.retryable == true
 end
 
+--- api.headers(token, extra) -> the headers of every request moonbox sends to a backend:
+-- Authorization (Bearer token: the API key, or a connect token on the data plane), User-Agent,
+-- and extra's. The one place they are built.
+function M.headers(token, extra)
+  local h = { Authorization = "Bearer " .. token, ["User-Agent"] = "moonbox/" .. core.version }
+  for k, v in pairs(extra or {}) do h[k] = v end
+  return h
+end
+
 -- One control-plane call with its retries; `info` receives the last status, attempts and
 -- request id (for the trace span). GET and DELETE are repeatable unless opts.idempotent says
 -- otherwise; a request that is not is never re-sent after its answer was lost. Returns the
@@ -222,8 +231,7 @@ local function call(conn, op, method, path, opts, info)
   local repeatable = opts.idempotent
   if repeatable == nil then repeatable = method == "GET" or method == "DELETE" end
   local url = conn.base .. path .. encode_query(opts.query)
-  local headers = { Authorization = "Bearer " .. conn.api_key, Accept = "application/json",
-    ["User-Agent"] = "moonbox/" .. core.version }
+  local headers = M.headers(conn.api_key, { Accept = "application/json" })
   local body
   if opts.body ~= nil then
     body = json.encode(opts.body)
@@ -341,9 +349,8 @@ function M.data(conn, op, mint, req, opts)
     -- kept off it all the same (no_resend = "reuse": a start whose body went out is never sent
     -- again by libcurl, over HTTP/2 or HTTP/1.1); its lost answer surfaces as unknown_outcome.
     if not opts.repeatable and r_opts.body then r_opts.no_resend = "reuse" end
-    local headers = { ["User-Agent"] = "moonbox/" .. core.version }
-    for k, v in pairs(req.headers or {}) do headers[k] = v end
-    headers.Authorization = "Bearer " .. t.token
+    local headers = M.headers(t.token, req.headers)
+    headers.Authorization = "Bearer " .. t.token -- whatever req.headers said
     r_opts.headers = headers
     local via = conn.transport or http -- a dry run's simulated backend (moonbox.render.dryrun)
     local sent, r = pcall(req.stream and via.stream or via.request, r_opts)

@@ -30,6 +30,7 @@ local http = require "moonbox.http"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local build = require "moonbox.build"
+local api = require "moonbox.render.api"
 
 local M = {}
 
@@ -100,7 +101,7 @@ end
 -- 503 too) or nil (nobody answers there). [yields]
 local function health(url, key)
   local ok, r = pcall(http.request, { url = url .. "/_moonbox/health", timeout = 2, connect_timeout = 2,
-    headers = { Authorization = "Bearer " .. key } })
+    headers = api.headers(key) })
   if not ok and task.is_interruption(r) then error(r, 0) end
   if not ok then return nil end
   if r.status == 200 then return "ready" end

@@ -133,8 +133,8 @@ local function follow_lifecycle(sb, opened, poke)
   local info = {}
   local _span <close> = api.span("sandboxes.wait_running.logs", "GET", path, { sandbox_id = sb.id }, info)
   local ok, resp = pcall(http.stream, { url = c.base .. path,
-    headers = { Authorization = "Bearer " .. c.api_key, Accept = "text/event-stream",
-      ["User-Agent"] = "moonbox/" .. core.version }, connect_timeout = 10, idle_timeout = 120 })
+    headers = api.headers(c.api_key, { Accept = "text/event-stream" }), connect_timeout = 10,
+    idle_timeout = 120 })
   if not ok then
     if task.is_cancelled(resp) then
       _span:close_with(nil) -- the wait ended: the normal end of this request
