@@ -120,6 +120,29 @@ describe("render.restore", function()
   end))
 end)
 
+describe("cleanup failures while unwinding", function()
+  it("join the error beside what an inner guard attached: a fleet's failed terminate keeps both",
+    T.async(function()
+      local ok, err = pcall(function()
+        local fleet <close> = render.restore(snap, { count = 1 }) -- luacheck: ignore 211
+        local g <close> = guard.new("inner scope")
+        g:defer(function() error("inner cleanup broke", 0) end, "inner cleanup")
+        B:faults("POST /v1/sandboxes/*/terminate=500")
+        error({ code = "original" })
+      end)
+      B:faults("")
+      assert.is_false(ok)
+      assert.are.equal("original", err.code)
+      local labels = {}
+      for _, c in ipairs(err.cleanup_errors or {}) do labels[#labels + 1] = c.label end
+      table.sort(labels)
+      assert.are.equal(2, #labels, table.concat(labels, ", "))
+      assert.are.equal("inner cleanup", labels[1])
+      assert.matches("^terminate sbx%-", labels[2])
+      for sb in render.sandboxes.list {} do sb:terminate() end
+    end))
+end)
+
 describe("moonbox.guard", function()
   it("runs deferred cleanups last first, and they may wait", T.async(function()
     local order = {}

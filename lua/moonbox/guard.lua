@@ -61,16 +61,23 @@ local function describe(failures, key)
 end
 M.describe = describe
 
+--- guard.attach(err, failures): appends failures ({label, error, ...} each) to
+-- err.cleanup_errors when err is a table error, keeping what is already there; the one way a
+-- cleanup failure joins the error being unwound (it never replaces it). Does nothing for a
+-- string error or an empty list. Does not yield.
+function M.attach(err, failures)
+  if type(err) ~= "table" or #failures == 0 then return end
+  local list = rawget(err, "cleanup_errors") or {}
+  for _, f in ipairs(failures) do list[#list + 1] = f end
+  rawset(err, "cleanup_errors", list)
+end
+
 Guard.__close = function(self, err)
   local failures = self:run(err)
   if #failures == 0 then return end
   if err ~= nil then
     -- Never replace the error being unwound: attach and report.
-    if type(err) == "table" then
-      local list = rawget(err, "cleanup_errors") or {}
-      for _, f in ipairs(failures) do list[#list + 1] = f end
-      rawset(err, "cleanup_errors", list)
-    end
+    M.attach(err, failures)
     io.stderr:write("moonbox: while unwinding ", tostring(err), ", cleanup of ", self.name,
       " failed: ", describe(failures), "\n")
     return

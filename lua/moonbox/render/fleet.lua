@@ -27,7 +27,7 @@ local function terminate_all(sandboxes, concurrency)
   if #sandboxes == 0 then return failures end
   task.map(sandboxes, function(sb)
     local ok, err = pcall(sb.terminate, sb)
-    if not ok then failures[#failures + 1] = { id = sb.id, error = err } end
+    if not ok then failures[#failures + 1] = { id = sb.id, label = "terminate " .. sb.id, error = err } end
   end, { concurrency = concurrency or 16 })
   return failures
 end
@@ -40,7 +40,7 @@ Fleet.__close = function(fleet, err)
   rawset(fleet, "_terminated", true)
   if #failures == 0 then return end
   if err ~= nil then
-    if type(err) == "table" then rawset(err, "cleanup_errors", failures) end
+    guard.attach(err, failures) -- kept beside what an inner guard attached
     io.stderr:write("moonbox: while unwinding ", tostring(err), ", terminating the fleet failed for ",
       describe_failures(failures), "\n")
     return
@@ -170,7 +170,7 @@ function M.restore(snapshot, opts)
       if o and o.sandbox then made[#made + 1] = o.sandbox end
     end
     local cleanup = terminate_all(made, concurrency)
-    if #cleanup > 0 and type(stop_err) == "table" then rawset(stop_err, "cleanup_errors", cleanup) end
+    guard.attach(stop_err, cleanup)
     error(stop_err, 0)
   end
 

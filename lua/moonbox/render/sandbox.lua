@@ -33,13 +33,14 @@ local core = require "moonbox.core"
 local trace = require "moonbox.trace"
 local ids = require "moonbox.ids"
 local options = require "moonbox.options"
+local guard = require "moonbox.guard"
 
 local M = {}
 
 local Sandbox = { __name = "moonbox.render.Sandbox" }
 
-local function wrap(c, data, guard)
-  return setmetatable({ _data = data, _conn = c, _kept = not guard }, Sandbox)
+local function wrap(c, data, guarded)
+  return setmetatable({ _data = data, _conn = c, _kept = not guarded }, Sandbox)
 end
 
 -- ---- lifecycle methods -------------------------------------------------------------------------
@@ -258,11 +259,7 @@ Sandbox.__close = function(sb, err)
   if ok then return end
   if err ~= nil then
     if not api.is_interruption(terr) then
-      if type(err) == "table" then
-        local list = rawget(err, "cleanup_errors") or {}
-        list[#list + 1] = { id = sb.id, label = "terminate " .. sb.id, error = terr }
-        rawset(err, "cleanup_errors", list)
-      end
+      guard.attach(err, { { id = sb.id, label = "terminate " .. sb.id, error = terr } })
       io.stderr:write("moonbox: while unwinding ", tostring(err), ", terminating ", sb.id, " failed: ",
         tostring(terr), " (`moonbox reap` retries it)\n")
     end
@@ -283,11 +280,7 @@ M.Sandbox = Sandbox
 function M.discard(sb, err)
   local ok, terr = pcall(terminate, sb)
   if ok or api.is_interruption(terr) then return end
-  if type(err) == "table" then
-    local list = rawget(err, "cleanup_errors") or {}
-    list[#list + 1] = { id = sb.id, label = "terminate " .. sb.id, error = terr }
-    rawset(err, "cleanup_errors", list)
-  end
+  guard.attach(err, { { id = sb.id, label = "terminate " .. sb.id, error = terr } })
   io.stderr:write("moonbox: terminating ", sb.id, " after ", tostring(err), " failed: ", tostring(terr),
     " (`moonbox reap` retries it)\n")
 end
