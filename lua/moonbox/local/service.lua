@@ -18,6 +18,7 @@ local sys = require "moonbox.sys"
 local host = require "moonbox.local.engine.host"
 local ids = require "moonbox.ids"
 local json = require "moonbox.json"
+local utf8_cut = require("moonbox.strings").utf8_cut
 local image = require "moonbox.local.image"
 local State = require "moonbox.local.state"
 
@@ -1092,39 +1093,119 @@ end
 --- svc:end_run(rec): the run started by start_run no longer keeps the sandbox awake.
 function Service:end_run(rec) self:activity(rec.id, -1) end
 
+-- Splits s into the longest prefix of whole UTF-8 sequences and the (up to 3) trailing bytes of
+-- a sequence that continues in the next chunk (moonbox.strings.utf8_cut, the one boundary rule).
+local function utf8_split(s)
+  local n = utf8_cut(s)
+  if n == #s then return s, "" end -- the usual case: no copy of a whole chunk
+  return s:sub(1, n), s:sub(n + 1)
+end
+
+--- Output may go on this long after `bash -c` exited, then it ends: a background process
+-- (`sleep 100 &`) may hold the pipes open long after the command itself is done.
+M.RUN_GRACE = 0.1
+
+local Run = {}
+Run.__index = Run
+
+--- svc:run(rec, info, command, sink) -> run: one command's output, collected the same way for
+-- runs/sync and runs/stream. Starts `bash -c command` (svc:start_run: the sandbox kept awake
+-- until run:close()) and reads both pipes, each in a task of its own: every chunk, cut at whole
+-- UTF-8 sequences, goes to sink(stream, data), which may wait (the reader then waits: a slow
+-- consumer holds the command back) and returns the part it keeps (nil: all of it); that part goes
+-- to the sandbox's log, tagged with the exec id. run.cond is broadcast on each change (a stream
+-- ended, the command exited); a consumer may broadcast it too. Raises what start_run raises.
+-- [yields]
+function Service:run(rec, info, command, sink)
+  local handle = self:start_run(rec, command)
+  local run = setmetatable({ svc = self, rec = rec, handle = handle, cond = core.cond(), ended = 0,
+    tasks = {} }, Run)
+  for _, stream in ipairs({ "stdout", "stderr" }) do
+    run.tasks[#run.tasks + 1] = task.spawn(function()
+      local function pass(data)
+        local kept = sink(stream, data)
+        if kept == nil then kept = data end
+        if kept ~= "" then self:emit(rec.id, "log", { stream = stream, data = kept, execId = info.exec }) end
+      end
+      local carry = ""
+      for chunk in function() return handle:read(stream) end do
+        local whole
+        whole, carry = utf8_split(carry .. chunk)
+        if whole ~= "" then pass(whole) end
+      end
+      if carry ~= "" then pass(carry) end
+      run.ended = run.ended + 1
+      run.cond:broadcast()
+    end)
+  end
+  run.tasks[#run.tasks + 1] = task.spawn(function()
+    run.ok, run.code = pcall(handle.wait, handle)
+    run.exited_at = core.now()
+    run.cond:broadcast()
+  end)
+  return run
+end
+
+--- run:output_ended() -> whether no more output comes: both pipes at EOF, or RUN_GRACE
+-- seconds since the command exited. Does not yield.
+function Run:output_ended()
+  return self.ended == 2 or (self.exited_at ~= nil and core.now() >= self.exited_at + M.RUN_GRACE)
+end
+
+--- run:wait_change(): waits for run.cond, or until the output's grace ends once the command
+-- exited. [yields]
+function Run:wait_change()
+  if self.exited_at then
+    local left = self.exited_at + M.RUN_GRACE - core.now()
+    if left > 0 then pcall(task.timeout, left, self.cond.wait, self.cond) end
+  else
+    self.cond:wait()
+  end
+end
+
+--- run:exit_code() -> code: waits for the command's end. Raises internal when the engine could
+-- not wait for it. [yields]
+function Run:exit_code()
+  while not self.exited_at do self.cond:wait() end
+  if not self.ok then fail("internal", "the command failed to run: " .. message_of(self.code)) end
+  return self.code
+end
+
+--- run:close(): stops reading (what the command still prints is read and dropped by the
+-- engine, and it is reaped when it ends: a run that stops early leaves the command running)
+-- and ends the run's hold on the sandbox. Idempotent. Does not yield.
+function Run:close()
+  if self.closed then return end
+  self.closed = true
+  for _, t in ipairs(self.tasks) do task.cancel(t) end
+  self.handle:detach()
+  self.svc:end_run(self.rec)
+end
+
 --- svc:run_sync(rec, info, command) -> {stdout, stderr, exit_code, truncated}. Runs a command
 -- to its end and answers with its output, at most limits.sync_output_max bytes per stream (the
 -- rest is read and dropped, truncated says so): a command printing a gigabyte costs the
--- backend a megabyte. Both streams go to the sandbox's log, tagged with the exec id. [yields]
+-- backend a megabyte. What is kept goes to the sandbox's log, tagged with the exec id. [yields]
 function Service:run_sync(rec, info, command)
-  local handle = self:start_run(rec, command)
   local cap = self.limits.sync_output_max
   local got = { stdout = { n = 0 }, stderr = { n = 0 } }
   local cut = false
-  local readers = {}
-  for _, stream in ipairs({ "stdout", "stderr" }) do
-    readers[#readers + 1] = task.spawn(function()
-      local into = got[stream]
-      for chunk in function() return handle:read(stream) end do
-        if into.n < cap then
-          local part = chunk:sub(1, cap - into.n)
-          into[#into + 1] = part
-          self:emit(rec.id, "log", { stream = stream, data = part, execId = info.exec })
-        end
-        if into.n + #chunk > cap then cut = true end
-        into.n = into.n + #chunk
-      end
-    end)
-  end
-  local ok, code = pcall(handle.wait, handle)
-  if ok then pcall(task.timeout, 0.2, function() for _, t in ipairs(readers) do task.join(t) end end) end
-  for _, t in ipairs(readers) do
-    if task.result(t) == nil then task.cancel(t) end
-    pcall(task.join, t)
-  end
-  handle:detach()
-  self:end_run(rec)
-  if not ok then fail("internal", "the command failed to run: " .. message_of(code)) end
+  local run = self:run(rec, info, command, function(stream, data)
+    local into, part = got[stream], ""
+    if into.n < cap then
+      part = data:sub(1, cap - into.n)
+      into[#into + 1] = part
+    end
+    if into.n + #data > cap then cut = true end
+    into.n = into.n + #data
+    return part
+  end)
+  local ok, code = pcall(function()
+    while not run:output_ended() do run:wait_change() end
+    return run:exit_code()
+  end)
+  run:close()
+  if not ok then error(code, 0) end
   return { stdout = table.concat(got.stdout), stderr = table.concat(got.stderr), exit_code = code,
     truncated = cut }
 end

@@ -1,9 +1,7 @@
 --- moonbox.local.http.runs — execs: minting run tokens, exec records, and the data-plane runs
 -- the tokens open (POST /proxy/:id/runs/stream as SSE, /runs/sync as one JSON answer).
 local task = require "moonbox.task"
-local core = require "moonbox.core"
 local json = require "moonbox.json"
-local utf8_cut = require("moonbox.strings").utf8_cut
 local route = require "moonbox.local.http.route"
 local wire = require "moonbox.local.wire"
 
@@ -67,14 +65,6 @@ function M.status(backend, req)
   return 200, out
 end
 
--- Splits s into the longest prefix of whole UTF-8 sequences and the (up to 3) trailing bytes of
--- a sequence that continues in the next chunk (moonbox.strings.utf8_cut, the one boundary rule).
-local function utf8_split(s)
-  local n = utf8_cut(s)
-  if n == #s then return s, "" end -- the usual case: no copy of a whole chunk
-  return s:sub(1, n), s:sub(n + 1)
-end
-
 --- POST /proxy/:id/runs/stream {command} (bearer: a stream run token) -> 200 text/event-stream,
 -- answered through res (returns nil): output events {stream, data} (UTF-8 never cut inside a
 -- character), keep-alive comments, then exit {exit_code}. The command belongs to the sandbox:
@@ -86,49 +76,27 @@ function M.stream(backend, req, ctx, res)
   local rec, info = backend.svc:check_token(route.bearer(req), req.captures.id, "runs/stream")
   local body = route.body_json(req, false) or {}
   local command = field(body, "command", "string", "run") or ""
-  local handle = backend.svc:start_run(rec, command)
+  -- queue[head .. tail] waits to be sent; qbytes counts its output bytes. The run's readers
+  -- fill it (and wait while it holds QUEUE_MAX), this task empties it onto the wire.
+  local queue, head, tail, qbytes = {}, 1, 0, 0
+  local run
+  local function enqueue(item)
+    tail = tail + 1
+    queue[tail] = item
+    run.cond:broadcast()
+  end
+  run = backend.svc:run(rec, info, command, function(stream, data)
+    while qbytes > QUEUE_MAX do run.cond:wait() end
+    qbytes = qbytes + #data
+    enqueue({ stream = stream, data = data })
+  end)
   local _, cut = backend.faults:decide(req.method, req.path, { cut = true })
   local w = res:stream(200, { ["Content-Type"] = "text/event-stream", ["Cache-Control"] = "no-cache",
     ["render-request-id"] = ctx.rid })
   -- An SSE comment at once: an HTTP/2 proxy in front (nginx) holds a streamed answer's headers
   -- until its first body byte, which for a silent command could be minutes away.
   w:write(": started\n\n")
-  -- queue[head .. tail] waits to be sent; qbytes counts its output bytes
-  local queue, head, tail, qbytes, cond, done_streams = {}, 1, 0, 0, core.cond(), 0
-  local code, exited
-  local function enqueue(item)
-    tail = tail + 1
-    queue[tail] = item
-    cond:broadcast()
-  end
-  local function push(stream, data)
-    backend.svc:emit(rec.id, "log", { stream = stream, data = data, execId = info.exec })
-    qbytes = qbytes + #data
-    enqueue({ stream = stream, data = data })
-  end
-  local helpers = {}
-  for _, s in ipairs({ "stdout", "stderr" }) do
-    helpers[#helpers + 1] = task.spawn(function()
-      local carry = ""
-      while true do
-        while qbytes > QUEUE_MAX do cond:wait() end
-        local chunk = handle:read(s)
-        if not chunk then break end
-        local whole
-        whole, carry = utf8_split(carry .. chunk)
-        if whole ~= "" then push(s, whole) end
-      end
-      if carry ~= "" then push(s, carry) end
-      done_streams = done_streams + 1
-      cond:broadcast()
-    end)
-  end
-  helpers[#helpers + 1] = task.spawn(function()
-    code = handle:wait()
-    exited = true
-    cond:broadcast()
-  end)
-  helpers[#helpers + 1] = task.spawn(function()
+  local keepalive = task.spawn(function()
     while true do
       task.sleep(backend.svc.limits.keepalive)
       enqueue({ keepalive = true })
@@ -143,35 +111,24 @@ function M.stream(backend, req, ctx, res)
         w:comment("keep-alive")
       else
         qbytes = qbytes - #item.data
-        cond:broadcast()
+        run.cond:broadcast()
         w:sse_output(item.stream, item.data) -- w:sse("output", json.encode{stream, data}), in one C pass
       end
     end
   end
-  local wok, werr = pcall(function()
-    -- Output ends at EOF of both pipes, or shortly after bash exits: a background process
-    -- (`sleep 100 &`) may hold the pipes open long after the command itself is done.
-    local grace_until
-    while done_streams < 2 do
+  local wok, code = pcall(function()
+    while not run:output_ended() do
       send_all()
-      if exited and not grace_until then grace_until = core.now() + 0.1 end
-      if grace_until then
-        local left = grace_until - core.now()
-        if left <= 0 then break end
-        pcall(task.timeout, left, cond.wait, cond)
-      elseif head > tail then
-        cond:wait()
-      end
+      if head > tail then run:wait_change() end
     end
     send_all()
-    while not exited do cond:wait() end
+    return run:exit_code()
   end)
-  for _, t in ipairs(helpers) do task.cancel(t) end
-  if not exited or done_streams < 2 then handle:detach() end
-  backend.svc:end_run(rec)
+  task.cancel(keepalive)
+  run:close()
   if not wok then
-    if task.is_cancelled(werr) then error(werr, 0) end
-    return nil -- the client went away; the command goes on under the engine
+    if task.is_cancelled(code) then error(code, 0) end
+    return nil -- the client went away (or the engine lost the command); it goes on under the engine
   end
   if cut then
     ctx.entry.fault = "cut"
