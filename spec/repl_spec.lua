@@ -120,6 +120,8 @@ describe("moonbox repl on a terminal", function()
     local screen = term:wait_for("\nfrom the background\n> partial = 1$")
     assert.matches("\nfrom the background\n> partial = 1$", screen)
     term:key("Enter")
+    -- the next prompt first: keys typed while a chunk runs are echoed by the terminal ahead of it
+    term:wait_for("> partial = 1\n>$")
     term:line("partial")
     term:wait_for("\n> partial\n1\n>$")
     -- io.write too: a complete line at once, the rest when it is flushed
