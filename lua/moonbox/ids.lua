@@ -5,6 +5,8 @@
 -- Ids are a prefix and lowercase base32hex characters (0-9a-v) from the kernel's random source:
 -- sbx- + 25, and tea-/sbg-/snp-/exe-/usr- + 20. Tokens are 32 random bytes
 -- in hex.
+local rfc3339 = require "moonbox.rfc3339"
+
 local M = {}
 
 local ALPHABET = "0123456789abcdefghijklmnopqrstuv"
@@ -47,13 +49,13 @@ end
 --- ids.iso(t) -> Render's timestamp text, RFC 3339 UTC in whole seconds
 -- ("2026-04-01T18:30:00Z"), for unix time t (default now).
 function M.iso(t)
-  return require("moonbox.rfc3339").format(math.floor(t or os.time()))
+  return rfc3339.format(math.floor(t or os.time()))
 end
 
 --- ids.parse_iso(s) -> unix seconds, or nil when s is not an RFC 3339 time (moonbox.rfc3339).
 function M.parse_iso(s)
   if type(s) ~= "string" then return nil end
-  return (require("moonbox.rfc3339").parse(s))
+  return (rfc3339.parse(s))
 end
 
 return M

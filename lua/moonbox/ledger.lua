@@ -23,6 +23,9 @@
 -- PostgreSQL, whose runs may belong to other machines, while its lease has not expired: the
 -- process renews lease_until of every run it owns (ledger.keep_alive) and a run whose lease
 -- ran out is dead wherever it ran.
+-- moonbox.build is the binary's (main.c): plain lua5.4, which can load moonbox.render, has none,
+-- and no `moonbox run` whose creates a ledger would record.
+local has_build, build = pcall(require, "moonbox.build")
 local db_mod = require "moonbox.db"
 local core = require "moonbox.core"
 local task = require "moonbox.task"
@@ -399,7 +402,7 @@ function M.for_create(c)
     end)
     return ctx.ledger, ctx.run_id
   end
-  if require("moonbox.build").ledger then
+  if has_build and build.ledger then
     once(process_opening, function() return process_ledger ~= nil end, function()
       process_ledger = M.open()
     end)

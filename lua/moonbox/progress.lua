@@ -6,6 +6,7 @@
 -- most once a second, only when a count changed, and a last line at the end).
 local core = require "moonbox.core"
 local task = require "moonbox.task"
+local render = require "moonbox.render"
 
 local M = {}
 local Progress = {}
@@ -26,7 +27,6 @@ function M.start(opts)
     counts = { creating = 0, created = 0, running = 0, failed = 0, terminated = 0 }, shown = nil,
     changed = false }, Progress)
   if p.tty == nil then p.tty = core.isatty(2) end
-  local render = require "moonbox.render"
   local c = p.counts
   p.unobserve = render.observe(function(event)
     if event == "creating" then c.creating = c.creating + 1

@@ -18,6 +18,8 @@
 local ledger_mod = require "moonbox.ledger"
 local conn_mod = require "moonbox.render.conn"
 local api = require "moonbox.render.api"
+local embedded = require "moonbox.render.embedded"
+local sandbox = require "moonbox.render.sandbox"
 
 local M = {}
 
@@ -62,7 +64,7 @@ local function look(r)
   if far then return nil, "its embedded backend ran on " .. far .. "; `moonbox ps` there can check it" end
   local opts = { backend = r.backend, workspace = r.workspace }
   if r.local_state then
-    local url, key = require("moonbox.render.embedded").advertised(r.local_state)
+    local url, key = embedded.advertised(r.local_state)
     if not url then
       return nil, "its embedded backend is not running; `moonbox reap` brings it up"
     end
@@ -119,7 +121,7 @@ function M.ps(out)
 end
 
 -- Terminates id on c: "terminated", or "gone" when the backend does not know it. [yields]
-local function terminate(c, id) return require("moonbox.render.sandbox").terminate_request(c, id) end
+local function terminate(c, id) return sandbox.terminate_request(c, id) end
 
 local function new_result()
   return { terminated = 0, gone = 0, never_made = 0, failed = 0, would = 0, runs = 0, failed_runs = 0 }

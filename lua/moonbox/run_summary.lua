@@ -13,6 +13,8 @@
 -- process was forced out); `moonbox reap` terminates them. Messages pass through the trace's
 -- secret filter, so no API key or env value appears.
 local json = require "moonbox.json"
+local render = require "moonbox.render"
+local trace = require "moonbox.trace"
 
 local M = {}
 local Summary = {}
@@ -22,7 +24,7 @@ Summary.__index = Summary
 function M.start()
   local s = setmetatable({ created = {}, order = {}, terminated = {}, kept = {}, failed_creates = 0 },
     Summary)
-  s.unobserve = require("moonbox.render").observe(function(event, subject)
+  s.unobserve = render.observe(function(event, subject)
     if event == "created" then
       if not s.created[subject.id] then s.order[#s.order + 1] = subject.id end
       s.created[subject.id] = true
@@ -84,8 +86,7 @@ function Summary:finish(info)
   local by_plan = json.object {}
   for plan, secs in pairs(usage and usage.by_plan or {}) do by_plan[plan] = ms(secs) end
   local api = package.loaded["moonbox.render.api"]
-  local render = package.loaded["moonbox.render"]
-  local conn = render and render.current_connection()
+  local conn = render.current_connection()
   local line = json.encode {
     recipe = info.recipe,
     outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",
@@ -99,7 +100,7 @@ function Summary:finish(info)
     sandbox_seconds = usage and { total = ms(usage.sandbox_seconds), by_plan = by_plan } or nil,
     budget = b and b:report() or nil,
   }
-  return require("moonbox.trace").redact(line)
+  return trace.redact(line)
 end
 
 return M

@@ -17,6 +17,9 @@ local pretty = require "moonbox.pretty"
 local complete = require "moonbox.repl.complete"
 local trace = require "moonbox.trace"
 local sys = require "moonbox.sys"
+local render = require "moonbox.render"
+local schedule = require "moonbox.schedule"
+local ledger = require "moonbox.ledger"
 
 local M = {}
 
@@ -52,7 +55,7 @@ Session.__index = Session
 -- in the history.
 function Session.secrets()
   local out = {}
-  local c = require("moonbox.render").current_connection()
+  local c = render.current_connection()
   for _, k in ipairs { os.getenv("RENDER_API_KEY"), c and c.api_key } do
     if type(k) == "string" and #k >= 8 then out[#out + 1] = k end
   end
@@ -164,7 +167,7 @@ end
 
 -- ---- sandboxes ------------------------------------------------------------------------------
 
-function Session:observe_render(render)
+function Session:observe_render()
   self.unobserve = render.observe(function(event, subject)
     if event == "created" then
       self.sandboxes[subject.id] = { sb = subject, order = self.nchunks }
@@ -244,7 +247,6 @@ function commands.sandboxes(self)
 end
 
 function commands.backend(self)
-  local render = require "moonbox.render"
   local ok, c = pcall(render.connection)
   if not ok then return self:err("no backend: " .. describe_error(c)) end
   self:out(string.format("%s (%s%s), workspace %s", c.base, c.kind,
@@ -382,10 +384,9 @@ function Session:banner()
 end
 
 function Session:preload()
-  local render = require "moonbox.render"
   _G.render = render
   _G.task = setmetatable({ spawn = function(fn, ...) return self:spawn(fn, ...) end }, { __index = task })
-  _G.schedule = require "moonbox.schedule"
+  _G.schedule = schedule
   _G.pretty = pretty
   _G.print = function(...)
     local n = select("#", ...)
@@ -503,8 +504,7 @@ function Session:loop()
 end
 
 function Session:run()
-  local render = require "moonbox.render"
-  self:observe_render(render)
+  self:observe_render()
   -- A terminal session connects now, for its banner; a piped one at its first API call (a
   -- script that never calls the API starts no embedded backend).
   local connected, cerr = pcall(function()
@@ -554,6 +554,8 @@ function M.main(args, cli)
   local backend = opts.backend
   local bad = cli.bad_backend("repl", backend)
   if bad then return bad end
+  -- lazy: moonbox.lineedit loads libedit, which only a session needs (`moonbox help repl` loads
+  -- this module too)
   local le = require "moonbox.lineedit"
   local tty = core.isatty(0)
   local history
@@ -580,7 +582,7 @@ function M.main(args, cli)
   _G.print = real_print
   core.shutdown()
   core.report_unobserved()
-  require("moonbox.ledger").close_process(not ok and "failed" or code == 0 and "ok"
+  ledger.close_process(not ok and "failed" or code == 0 and "ok"
     or (code == 130 or code == 143) and "interrupted" or "failed")
   if not ok then
     cli.eprintf("moonbox repl: %s\n", cli.format_error(code))
