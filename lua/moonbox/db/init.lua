@@ -18,6 +18,7 @@
 -- describe() (the path, or the URL with its password redacted). On SQLite no call yields; on
 -- PostgreSQL every call may yield its task (and raises code "db_unavailable" while the server
 -- is away).
+local path_mod = require "moonbox.path"
 local schema = require "moonbox.db.schema"
 
 local M = {}
@@ -31,7 +32,7 @@ end
 
 --- db.redact(s) -> s with a URL's password replaced by *** (safe in errors and logs).
 function M.redact(s)
-  return require("moonbox.db.postgres").redact(s)
+  return require("moonbox.db.postgres").redact(s) -- lazy: moonbox.db.postgres loads libpq (moonbox.pg)
 end
 
 --- db.set_target(s): the database this process uses from now on: a postgres:// URL or a
@@ -71,11 +72,11 @@ function Sqlite.wait_available() end
 
 local function open_sqlite(path)
   if not path then
-    local dir = require("moonbox.path").state_home()
+    local dir = path_mod.state_home()
     os.execute("mkdir -p -m 0700 '" .. dir:gsub("'", "'\\''") .. "'")
     path = dir .. "/moonbox.db"
   end
-  local h = require("moonbox.store").open(path)
+  local h = require("moonbox.store").open(path) -- lazy: SQLite, which a PostgreSQL database never needs
   h:migrate(schema.sqlite)
   return setmetatable({ h = h, path = path, kind = "sqlite", shared = false }, Sqlite)
 end
@@ -89,6 +90,7 @@ function M.open(where)
   else
     kind = M.is_url(where) and "postgres" or "sqlite"
   end
+  -- lazy: moonbox.db.postgres loads libpq (moonbox.pg), which a SQLite database never needs
   if kind == "postgres" then return require("moonbox.db.postgres").open(where) end
   return open_sqlite(where)
 end

@@ -8,6 +8,7 @@
 -- body): a body is kept as its (redacted) JSON text when it is at most BODY_MAX bytes, and
 -- decoded again only when the journal is read. Keeping the decoded table instead cost up to ten
 -- times the text (a 16 KB array of small numbers is a 128 KB table) outside the byte count.
+local core = require "moonbox.core"
 local json = require "moonbox.json"
 
 local M = {}
@@ -59,7 +60,6 @@ function Journal:record(req, body)
   if req.headers["authorization"] then
     headers.authorization = (req.headers["authorization"]:match("^(%S+)") or "") .. " " .. REDACTED
   end
-  local core = require "moonbox.core"
   local entry = { seq = self.seq, at = os.date("!%Y-%m-%dT%H:%M:%SZ"), t = core.time(), method = req.method,
     path = req.path, query = req.query, headers = headers }
   if req.body_file then

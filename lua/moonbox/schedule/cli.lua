@@ -8,6 +8,16 @@
 local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
 local clock_mod = require "moonbox.schedule.clock"
+local build = require "moonbox.build"
+local db_mod = require "moonbox.db"
+local ledger_mod = require "moonbox.ledger"
+local render = require "moonbox.render"
+local daemon_mod = require "moonbox.schedule.daemon"
+local ops_mod = require "moonbox.schedule.ops"
+local store_mod = require "moonbox.schedule.store"
+local sys = require "moonbox.sys"
+local task = require "moonbox.task"
+local trace = require "moonbox.trace"
 
 local M = {}
 
@@ -64,7 +74,7 @@ Operating it (docs/schedule.md, "Operating a daemon"):
 
 -- Every line passes moonbox.trace.redact: a run's error may quote the API key or an env value.
 local function line_out(s)
-  io.stdout:write(require("moonbox.trace").redact(s), "\n")
+  io.stdout:write(trace.redact(s), "\n")
   io.stdout:flush()
 end
 
@@ -79,7 +89,7 @@ local function state_text(st, shared)
   if (st.failures or 0) > 0 then parts[#parts + 1] = st.failures .. " consecutive failure(s)" end
   if shared then
     parts[#parts + 1] = "shared database"
-  elseif st.owner_pid and require("moonbox.ledger").alive(st.owner_pid, st.owner_pid_start) then
+  elseif st.owner_pid and ledger_mod.alive(st.owner_pid, st.owner_pid_start) then
     parts[#parts + 1] = "daemon pid " .. st.owner_pid
   else
     parts[#parts + 1] = "no daemon"
@@ -95,7 +105,7 @@ local function list(store, clock)
     local nxt
     if st and st.paused == 1 then
       nxt = "- (paused)"
-    elseif st and st.next_fire and st.owner_pid and require("moonbox.ledger").alive(st.owner_pid,
+    elseif st and st.next_fire and st.owner_pid and ledger_mod.alive(st.owner_pid,
       st.owner_pid_start) then
       nxt = clock_mod.format(st.next_fire)
     else
@@ -113,9 +123,9 @@ end
 local function open_ledger(wait)
   local delay, told = 0.2, false
   while true do
-    local ok, L = pcall(require("moonbox.ledger").open)
+    local ok, L = pcall(ledger_mod.open)
     if ok then return L end
-    local down = require("moonbox.schedule.daemon").db_down(L)
+    local down = daemon_mod.db_down(L)
     if not down then error(L, 0) end
     if not wait then
       error(core.Error.new { op = "moonbox schedule", code = L.code, message = L.message, where = false,
@@ -126,7 +136,7 @@ local function open_ledger(wait)
         tostring(L.message)))
       told = true
     end
-    require("moonbox.task").sleep(delay)
+    task.sleep(delay)
     delay = math.min(5, delay * 2)
   end
 end
@@ -148,11 +158,10 @@ local function stop_fleet(store, all, command, timeout, cli)
     -- SQLite: the daemon is on this machine and reads no lease: SIGTERM tells it to look now
     for _, o in ipairs(owners) do
       local pid = tonumber(o:match("/(%d+)/[^/]*$"))
-      local ok, err = pcall(require("moonbox.sys").kill, pid, 15)
+      local ok, err = pcall(sys.kill, pid, 15)
       if not ok then line_out(string.format("%s: could not signal pid %d: %s", o, pid, tostring(err))) end
     end
   end
-  local task = require "moonbox.task"
   local told_ack, told_end = {}, {}
   local deadline = core.time() + timeout
   local acked, gone = 0, 0
@@ -197,8 +206,7 @@ function M.ops_options(opts, modes)
       table.concat(modes, " ")
   end
   if opts.listen then
-    local ops = require "moonbox.schedule.ops"
-    local host, port = ops.parse_listen(opts.listen)
+    local host, port = ops_mod.parse_listen(opts.listen)
     if not host then return nil, "--listen: " .. port end
     o.host, o.port = host, port
   end
@@ -218,12 +226,12 @@ function M.ops_options(opts, modes)
   end
   if opts["trace-dir"] then
     local dir = opts["trace-dir"]
-    if dir:sub(1, 1) ~= "/" then dir = require("moonbox.sys").getcwd() .. "/" .. dir end
+    if dir:sub(1, 1) ~= "/" then dir = sys.getcwd() .. "/" .. dir end
     o.trace_dir = dir
   end
   local tok_file = opts["control-token-file"]
   if tok_file then
-    local tok, err = require("moonbox.schedule.ops").read_token(tok_file)
+    local tok, err = ops_mod.read_token(tok_file)
     if not tok then return nil, "--control-token-file: " .. err end
     o.control_token = tok
   elseif opts.listen and (os.getenv("MOONBOX_CONTROL_TOKEN") or "") ~= "" then
@@ -304,12 +312,10 @@ function M.main(args, cli)
   cli.set_arg(file, {})
   -- Never in a log line, the history, an alert or the page: the API key, and every env value a
   -- run gives moonbox.render (kept for the life of the process, trace or not).
-  require("moonbox.trace").secret(os.getenv("RENDER_API_KEY"), true)
-  require("moonbox.trace").keep_secrets()
+  trace.secret(os.getenv("RENDER_API_KEY"), true)
+  trace.keep_secrets()
   schedule._set_running(true)
-  local build = require "moonbox.build"
   build.ledger = true
-  local db_mod = require "moonbox.db"
   if opts.state then db_mod.set_target(opts.state) end
   local tok, terr = pcall(db_mod.target)
   if not tok then return cli.usage_error("schedule: --state: %s", tostring(terr)) end
@@ -317,9 +323,8 @@ function M.main(args, cli)
   local status = cli.EXIT_OK
   local code, err = cli.run_root_opts({ quiet_signals = true }, function()
     ledger = open_ledger(#modes == 0)
-    store = require("moonbox.schedule.store").open(ledger)
-    local render = require "moonbox.render"
-    require("moonbox.ledger").set_process(ledger) -- creates outside any run go to this process's own run
+    store = store_mod.open(ledger)
+    ledger_mod.set_process(ledger) -- creates outside any run go to this process's own run
     if opts.backend then render.connect { backend = opts.backend } end
     local ok, e = xpcall(chunk, core.msgh)
     if not ok then error(e, 0) end
@@ -358,9 +363,9 @@ function M.main(args, cli)
         line_out(string.format("%s: resumed (failure count cleared)", name))
       end
     else
-      local d = require("moonbox.schedule.daemon").new { recipe = file, schedules = all, clock = clock,
+      local d = daemon_mod.new { recipe = file, schedules = all, clock = clock,
         store = store, out = line_out, drain = opts.drain, format_error = cli.format_error,
-        errout = function(text) io.stderr:write(require("moonbox.trace").redact(text)) end }
+        errout = function(text) io.stderr:write(trace.redact(text)) end }
       if opts.trigger then
         local run = d:trigger(s)
         if run.outcome ~= "ok" then status = cli.EXIT_FAIL end
@@ -369,13 +374,13 @@ function M.main(args, cli)
         if ops_opts.any then
           ops_opts.recipe, ops_opts.schedules, ops_opts.clock, ops_opts.store = file, all, clock, store
           ops_opts.log = function(text) line_out(clock_mod.format(clock:now()) .. " " .. text) end
-          local aok, aerr = pcall(require("moonbox.schedule.ops").attach, d, ops_opts)
+          local aok, aerr = pcall(ops_mod.attach, d, ops_opts)
           if not aok then
             error(string.format("moonbox schedule: --listen %s: %s", tostring(opts.listen),
               type(aerr) == "table" and tostring(aerr.message or aerr) or tostring(aerr)), 0)
           end
           ops = aerr
-          if ops.srv and not require("moonbox.schedule.ops").is_loopback(ops.srv.host) then
+          if ops.srv and not ops_mod.is_loopback(ops.srv.host) then
             io.stderr:write(string.format("moonbox schedule: warning: the status page and /metrics listen " ..
               "on %s, not a loopback address: whoever can reach it reads run errors and history%s\n",
               ops.srv.url, ops_opts.control_token and " and may try control tokens" or ""))
@@ -394,7 +399,6 @@ function M.main(args, cli)
     if ledger.run_id then ledger:end_run("ok") end
     pcall(render.close)
   end)
-  local ledger_mod = require "moonbox.ledger"
   if ledger and ledger_mod.process() == ledger then ledger_mod.set_process(nil) end
   if ledger then ledger:close() end
   if err ~= nil then

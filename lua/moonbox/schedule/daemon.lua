@@ -34,6 +34,7 @@ local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
 local clock_mod = require "moonbox.schedule.clock"
 local ledger_mod = require "moonbox.ledger"
+local reap = require "moonbox.reap"
 local trace = require "moonbox.trace"
 
 local M = {}
@@ -648,7 +649,7 @@ function Daemon:recover()
       if lr and (not lr.alive or (self.store.shared and lr.owner == r.owner)) then
         lr.alive = false
         local result = { terminated = 0, unattributed = 0, would = 0 }
-        local ok, err = pcall(require("moonbox.reap").reap_run, ledger, lr, {}, function(line)
+        local ok, err = pcall(reap.reap_run, ledger, lr, {}, function(line)
           self:log("%s: run %d: reap: %s", r.schedule, r.id, line) -- line names the ledger run
         end, result)
         if not ok then

@@ -2,6 +2,8 @@
 -- of scheduled runs from the state dir's moonbox.db, newest first.
 local json = require "moonbox.json"
 local clock_mod = require "moonbox.schedule.clock"
+local db_mod = require "moonbox.db"
+local store_mod = require "moonbox.schedule.store"
 
 local M = {}
 
@@ -39,7 +41,6 @@ function M.main(args, cli)
     return cli.usage_error("runs: --limit must be an integer >= 0, got '%s'", tostring(opts.limit))
   end
   if limit == 0 then limit = -1 end
-  local db_mod = require "moonbox.db"
   if opts.state then db_mod.set_target(opts.state) end
   local tok, terr = pcall(db_mod.target)
   if not tok then return cli.usage_error("runs: --state: %s", tostring(terr)) end
@@ -51,7 +52,7 @@ end
 --- runs.print(name, limit, as_json): prints the history (see the command). [yields] on
 -- PostgreSQL.
 function M.print(name, limit, as_json)
-  local store = require("moonbox.schedule.store").open()
+  local store = store_mod.open()
   local ok, err = pcall(M.print_rows, store, name, limit, as_json)
   store.ledger:close()
   if not ok then error(err, 0) end

@@ -23,6 +23,7 @@
 -- yields on SQLite; on PostgreSQL every call may (and raises code "db_unavailable" while the
 -- server is away).
 local ledger_mod = require "moonbox.ledger"
+local task = require "moonbox.task"
 
 local M = {}
 local Store = {}
@@ -398,7 +399,7 @@ function Store:ping(timeout_ms)
   if self.shared then
     -- PostgreSQL: the daemon's own connection (it reconnects by itself), bounded by the timeout
     -- so a server that accepts and never answers makes the probe fail instead of hang.
-    local ok, err = pcall(require("moonbox.task").timeout, (timeout_ms or 250) / 1000, function()
+    local ok, err = pcall(task.timeout, (timeout_ms or 250) / 1000, function()
       return self.db:value("SELECT count(*) FROM schedules")
     end)
     if ok then return true end
@@ -413,6 +414,7 @@ function Store:ping(timeout_ms)
   if not f then return nil, "the database file " .. path .. " is missing" end
   f:close()
   local ok, err = pcall(function()
+    -- lazy: moonbox.store loads SQLite, which a store on PostgreSQL never needs
     local db <close> = require("moonbox.store").open(path, { busy_timeout = timeout_ms or 250,
       statement_cache = 0 })
     db:value("SELECT count(*) FROM schedules")

@@ -14,6 +14,7 @@
 -- Idempotent at start: a disk already mounted (the backend before was SIGKILLed; mounts
 -- outlive it) is used as it is; an image not mounted is mounted again; its spool is emptied.
 -- Callers: moonbox.local.engine (prepare, start, teardown, recover, close, check).
+local proc = require "moonbox.proc"
 local sys = require "moonbox.sys"
 local host = require "moonbox.local.engine.host"
 
@@ -53,7 +54,7 @@ M.mounted_type = mounted_type
 
 local function run(what, argv)
   argv.env, argv.env_mode = HOST_ENV, "replace"
-  local r = require("moonbox.proc").run(argv)
+  local r = proc.run(argv)
   if r.code ~= 0 then
     error(what .. " failed (exit " .. tostring(r.code) .. "): " .. host.trim(r.stderr), 0)
   end

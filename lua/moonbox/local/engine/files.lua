@@ -229,6 +229,7 @@ function Files:tar_in(id, path, archive_file, opts)
   opts = opts or {}
   local rec = self:temp("upload-records")
   local ok, err = pcall(function()
+    -- lazy: moonbox.archive loads libarchive, which only a tarball upload or download needs
     require("moonbox.archive").to_records(archive_file, rec,
       { max_bytes = opts.max_bytes, max_entries = opts.max_entries })
     self:unpack_records(id, path, rec)
@@ -244,7 +245,7 @@ function Files:tar_out(id, path)
   local rec, out = self:temp("download-records"), self:temp("download") .. ".tar.gz"
   local ok, err = pcall(function()
     self:pack_records(id, path, rec)
-    require("moonbox.archive").from_records(rec, out)
+    require("moonbox.archive").from_records(rec, out) -- lazy: libarchive, as in tar_in
   end)
   os.remove(rec)
   if not ok then

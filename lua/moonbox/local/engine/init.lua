@@ -31,6 +31,8 @@ local cgroup = require "moonbox.local.engine.cgroup"
 local Files = require "moonbox.local.engine.files"
 local Disk = require "moonbox.local.engine.disk"
 local sys = require "moonbox.sys"
+-- moonbox.build is the binary's (main.c): without it (plain lua5.4) no helper is found.
+local has_build, build = pcall(require, "moonbox.build")
 
 local M = {}
 local Engine = {}
@@ -245,8 +247,7 @@ M.check_id = check_id
 -- moonbox-sandbox: next to the moonbox binary (build tree), or in ../libexec/moonbox (install
 -- tree). Returns its path, or nil and the places looked at.
 local function find_helper()
-  local ok, build = pcall(require, "moonbox.build")
-  local exe = ok and type(build) == "table" and build.exe
+  local exe = has_build and type(build) == "table" and build.exe
   if not exe then return nil, "(no moonbox binary: the engine runs inside `moonbox`)" end
   local dir = exe:match("^(.*)/[^/]*$") or "."
   local places = { dir .. "/moonbox-sandbox", dir .. "/../libexec/moonbox/moonbox-sandbox" }

@@ -13,6 +13,9 @@ local trace = require "moonbox.trace"
 local ledger_mod = require "moonbox.ledger"
 local clock_mod = require "moonbox.schedule.clock"
 local page = require "moonbox.schedule.ops.page"
+local alerts = require "moonbox.schedule.ops.alerts"
+local metrics = require "moonbox.schedule.ops.metrics"
+local traces = require "moonbox.schedule.ops.traces"
 
 local M = {}
 local Ops = {}
@@ -85,13 +88,13 @@ function M.attach(d, o)
   trace.secret(os.getenv("RENDER_API_KEY"), true) -- before any connection registers it
   local self = setmetatable({ d = d, recipe = o.recipe, schedules = o.schedules, clock = o.clock,
     store = o.store, log = o.log, token = o.control_token, loop_running = false }, Ops)
-  self.metrics = require("moonbox.schedule.ops.metrics").new { schedules = o.schedules, store = o.store,
+  self.metrics = metrics.new { schedules = o.schedules, store = o.store,
     daemon = d }
-  self.alerts = require("moonbox.schedule.ops.alerts").new { daemon = d, clock = o.clock,
+  self.alerts = alerts.new { daemon = d, clock = o.clock,
     webhooks = o.webhooks, schedules = o.schedules, metrics = self.metrics, log = o.log,
     timeout = o.webhook_timeout, queue = o.webhook_queue, recipe = o.recipe, host = o.hostname }
   if o.trace_dir then
-    self.traces = require("moonbox.schedule.ops.traces").new { dir = o.trace_dir, daemon = d, log = o.log }
+    self.traces = traces.new { dir = o.trace_dir, daemon = d, log = o.log }
   end
   d:subscribe(function(event, e)
     if event == "loop" then self.loop_running = e.running end

@@ -9,6 +9,7 @@
 -- seen are served and moonbox_schedule_store_up says 0. Process-wide numbers (API calls,
 -- 429s, live sandboxes) come from moonbox.render. Nothing here yields.
 local api = require "moonbox.render.api"
+local render_events = require "moonbox.render.events"
 
 local M = {}
 local Metrics = {}
@@ -51,7 +52,6 @@ function M.new(o)
   if o.daemon then
     o.daemon:subscribe(function(event, e) m:on_event(event, e) end)
   end
-  local render_events = require "moonbox.render.events"
   m.unobserve = render_events.observe(function(event)
     if event == "created" then
       m.live = m.live + 1

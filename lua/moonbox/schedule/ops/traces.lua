@@ -5,6 +5,7 @@
 -- overlapping) join that file; the trace stops when the last run in it ends. Each run's file is
 -- remembered in DIR/index.tsv ("run id<TAB>file name", appended), so the status page finds it
 -- after a restart. Nothing here yields.
+local sys = require "moonbox.sys"
 local trace = require "moonbox.trace"
 
 local M = {}
@@ -13,7 +14,7 @@ Traces.__index = Traces
 
 --- traces.new{dir, daemon, log} -> Traces (DIR is created 0700 when missing).
 function M.new(o)
-  require("moonbox.sys").mkdir_p(o.dir, tonumber("700", 8))
+  sys.mkdir_p(o.dir, tonumber("700", 8))
   local t = setmetatable({ dir = o.dir, log = o.log or function() end, by_run = {}, members = 0 }, Traces)
   local f = io.open(o.dir .. "/index.tsv", "r")
   if f then
