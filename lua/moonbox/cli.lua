@@ -5,6 +5,24 @@
 -- task was cancelled and its guards unwound).
 local core = require "moonbox.core"
 local build = require "moonbox.build"
+local budget_mod = require "moonbox.render.budget"
+local duration = require "moonbox.duration"
+local json = require "moonbox.json"
+local path = require "moonbox.path"
+local sys = require "moonbox.sys"
+local task = require "moonbox.task"
+local trace = require "moonbox.trace"
+
+-- What only some commands use, loaded when one of them runs: lazy.reap is the module
+-- moonbox.reap, lazy["local.service"] moonbox.local.service.
+local lazy = setmetatable({}, { __index = function(t, name)
+  -- lazy: at the top these would load for every command, `moonbox --version` and an empty
+  -- `moonbox run` included: the Render client, the local backend, the ledger with libcurl,
+  -- libmicrohttpd and SQLite, about 40 ms and 10 MB more at each start.
+  local m = require("moonbox." .. name)
+  t[name] = m
+  return m
+end })
 
 local M = {}
 
@@ -55,10 +73,10 @@ end
 function M.finish_run()
   local render = package.loaded["moonbox.render"]
   if not render then return end
-  local L = require("moonbox.ledger").process()
+  local L = lazy.ledger.process()
   local c = render.current_connection()
   if L and L.run_id and c then
-    local ok, err = pcall(require("moonbox.reap").settle_unknown, L, L.run_id, c, function(line)
+    local ok, err = pcall(lazy.reap.settle_unknown, L, L.run_id, c, function(line)
       io.stderr:write("moonbox: ", line, "\n")
     end)
     if not ok then io.stderr:write("moonbox: settling lost creates failed: ", M.format_error(err), "\n") end
@@ -71,15 +89,14 @@ end
 -- prints on stdout once the recipe ended: the report as text (moonbox.render.dryrun.text), or
 -- as one JSON line with --json (the outcome, exit status, error and budget added).
 function M.print_dry_run(rep, file, want_json, code, err, budget)
-  local dryrun = require "moonbox.render.dryrun"
+  local dryrun = lazy["render.dryrun"]
   if want_json then
-    local json = require "moonbox.json"
     local e = json.null
     if err ~= nil then
       e = type(err) == "table" and { message = err.message or tostring(err), code = err.code, op = err.op,
         budget = err.budget } or { message = tostring(err) }
     end
-    io.stdout:write(require("moonbox.trace").redact(dryrun.json(rep, {
+    io.stdout:write(trace.redact(dryrun.json(rep, {
       recipe = file, exit_code = code, error = e,
       outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",
       budget = budget:report(),
@@ -200,7 +217,7 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
             return usage_error("run: --max-sandboxes wants a whole number >= 0, got '%s'", v)
           end
         else
-          limits.sandbox_seconds = require("moonbox.duration").parse(v) or tonumber(v)
+          limits.sandbox_seconds = duration.parse(v) or tonumber(v)
           if not limits.sandbox_seconds or limits.sandbox_seconds < 0 then
             return usage_error("run: --max-sandbox-seconds wants seconds or a duration like 2h, got '%s'", v)
           end
@@ -233,7 +250,6 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
     set_arg(file, rest)
     -- moonbox.render records this run's creates (moonbox ps / reap); a dry run creates nothing.
     build.ledger = not dry_run
-    local trace = require "moonbox.trace"
     if trace_file then
       local ok, terr = pcall(trace.start, trace_file, { name = "moonbox run " .. file })
       if not ok then
@@ -241,27 +257,26 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
         return EXIT_FAIL
       end
     end
-    local summary = want_json and not dry_run and require("moonbox.run_summary").start() or nil
+    local summary = want_json and not dry_run and lazy.run_summary.start() or nil
     local dry_report
     local t_start = core.now()
-    local budget_mod = require "moonbox.render.budget"
     local budget = budget_mod.new(limits)
     local code, err = run_root(function(...)
       -- Errors made where no recipe frame is on the stack (a tail call of the chunk) name the
       -- recipe file rather than moonbox's own.
       local data = core.data(core.current())
       data.site, data.site_recipe = file, true
-      if dry_run then require("moonbox.render.dryrun").start() end
+      if dry_run then lazy["render.dryrun"].start() end
       budget_mod.attach(core.current(), budget)
       local progress
       if not dry_run and (want_progress or core.isatty(2)) then
-        progress = require("moonbox.progress").start { tty = core.isatty(2) }
+        progress = lazy.progress.start { tty = core.isatty(2) }
       end
-      if backend then require("moonbox.render").connect { backend = backend } end
+      if backend then lazy.render.connect { backend = backend } end
       local r = table.pack(xpcall(chunk, core.msgh, ...))
       if progress then progress:stop() end
       M.finish_run()
-      if dry_run then dry_report = require("moonbox.render.dryrun").stop() end
+      if dry_run then dry_report = lazy["render.dryrun"].stop() end
       return budget_mod.settle(budget, r)
     end, table.unpack(rest))
     if err ~= nil then
@@ -298,6 +313,7 @@ check runs at exit: a run that leaves any Lua registry reference held fails with
       if code == true or code == nil then code = 0 elseif code == false then code = 1 end
       error(setmetatable({ code = code }, exit_mt), 0)
     end
+    -- lazy: busted (Debian's lua-busted) is for `moonbox test` alone
     local ok, err = pcall(require("busted.runner"), { standalone = false })
     os.exit = real_exit -- luacheck: ignore 122
     if ok then return EXIT_OK end
@@ -342,7 +358,7 @@ local function parse_flags(args, spec)
 end
 M.parse_flags = parse_flags
 
-M.state_home = require("moonbox.path").state_home
+M.state_home = path.state_home
 
 --- cli.parse_size(text) -> bytes, or nil: "512", "64K", "512M", "40G", "1T" (powers of 1024; a
 -- trailing "iB" or "B" allowed).
@@ -358,7 +374,7 @@ end
 --- A path given on the command line, made absolute against the working directory (nil stays nil).
 local function absolute(p)
   if p == nil or p:sub(1, 1) == "/" then return p end
-  return require("moonbox.path").clean(require("moonbox.sys").getcwd() .. "/" .. p)
+  return path.clean(sys.getcwd() .. "/" .. p)
 end
 
 command("local", "serve Render's sandbox API on this machine",
@@ -426,7 +442,7 @@ serves that dir (docs/local.md: "Snapshots").]],
       local status
       local code, err = M.run_root_opts({ quiet_signals = true }, function()
         local state_dir = absolute(opts.state) or (M.state_home() .. "/local")
-        status = require("moonbox.local.check").run(state_dir, function(line)
+        status = lazy["local.check"].run(state_dir, function(line)
           io.stdout:write(line, "\n")
           io.stdout:flush()
         end)
@@ -441,7 +457,7 @@ serves that dir (docs/local.md: "Snapshots").]],
     for _, d in ipairs(opts.disk or {}) do
       local plan, size = d:match("^([^=]+)=(.*)$")
       local bytes = size and M.parse_size(size)
-      local service = require "moonbox.local.service"
+      local service = lazy["local.service"]
       if not (plan and service.PLANS[plan] and bytes and bytes > 0) then
         return usage_error(
           "local: --disk wants PLAN=SIZE (PLAN one of %s; SIZE such as 512M or 40G), got '%s'",
@@ -473,7 +489,7 @@ serves that dir (docs/local.md: "Snapshots").]],
       return usage_error("local: --host must be a loopback address; moonbox local never listens elsewhere")
     end
     if opts["public-url"] then
-      local ok_url, why = require("moonbox.local.http.public").valid_url(opts["public-url"])
+      local ok_url, why = lazy["local.http.public"].valid_url(opts["public-url"])
       if not ok_url then return usage_error("local: --public-url %s: %s", opts["public-url"], why) end
     end
     if opts.dns and not opts.dns:match("^%d+%.%d+%.%d+%.%d+$") then
@@ -496,7 +512,7 @@ serves that dir (docs/local.md: "Snapshots").]],
     end
     local env_key = os.getenv("MOONBOX_LOCAL_API_KEY")
     if env_key then
-      require("moonbox.sys").setenv("MOONBOX_LOCAL_API_KEY", nil)
+      sys.setenv("MOONBOX_LOCAL_API_KEY", nil)
       api_key = api_key or env_key:match("^%s*(%S+)")
     end
     if api_key == "" then return usage_error("local: --api-key wants a key, got an empty one") end
@@ -514,7 +530,7 @@ serves that dir (docs/local.md: "Snapshots").]],
     collectgarbage("incremental", 150, 100)
     local code, err = M.run_root_opts({ quiet_signals = true }, function()
       local state_dir = absolute(opts.state) or (M.state_home() .. "/local")
-      local backend = require("moonbox.local").start {
+      local backend = lazy["local"].start {
         host = opts.host, port = port, state_dir = state_dir,
         image = absolute(opts.image), host_root = opts["host-root"], faults = faults,
         on_image_build = not opts.quiet and function(line) io.stderr:write("  ", line, "\n") end or nil,
@@ -559,7 +575,7 @@ $MOONBOX_IMAGES, else $XDG_CACHE_HOME/moonbox/images (~/.cache/moonbox/images).
   list           the built images.
   rm NAME        removes an image; snapshots made on it can no longer be restored.]],
   function(args)
-    local image = require "moonbox.local.image"
+    local image = lazy["local.image"]
     local sub, name = args[1], args[2]
     if sub == "list" then
       for _, im in ipairs(image.list()) do print(im.name, im.path, (im.info:gsub("\n", " "))) end
@@ -597,16 +613,15 @@ local embedded_locks -- luacheck: ignore 231 (assigned only so that the locks li
 -- the end of another process's lock has no event to wait on, and 0.2 s is what a run whose last
 -- user was SIGKILLed waits at most for its backend to go.
 function M.embedded_watch(dir, stop)
-  local sys = require "moonbox.sys"
-  local embedded = require "moonbox.render.embedded"
-  local ledger = require "moonbox.ledger"
+  local embedded = lazy["render.embedded"]
+  local ledger = lazy.ledger
   local pid_file = dir .. "/" .. embedded.PID_FILE
   local tmp = pid_file .. ".tmp"
   local f = assert(io.open(tmp, "w"))
   f:write(ledger.self_pid(), " ", ledger.self_start(), "\n")
   f:close()
   assert(os.rename(tmp, pid_file))
-  require("moonbox.task").spawn(function()
+  task.spawn(function()
     while true do
       core.sleep(0.2)
       local start = sys.try_lock(dir .. "/" .. embedded.START_LOCK, "exclusive")
@@ -626,8 +641,8 @@ end
 --- cli.embedded_gone(dir): removes dir/embedded.pid if it names this process (the backend has
 -- closed).
 function M.embedded_gone(dir)
-  local embedded = require "moonbox.render.embedded"
-  local ledger = require "moonbox.ledger"
+  local embedded = lazy["render.embedded"]
+  local ledger = lazy.ledger
   local pid = embedded.backend_pid(dir)
   if pid == ledger.self_pid() then os.remove(dir .. "/" .. embedded.PID_FILE) end
 end
@@ -636,8 +651,8 @@ end
 -- error's exit status.
 local function state_flag(name, opts)
   if not opts.state then return nil end
-  require("moonbox.db").set_target(opts.state)
-  local ok, err = pcall(require("moonbox.db").target)
+  lazy.db.set_target(opts.state)
+  local ok, err = pcall(lazy.db.target)
   if not ok then return usage_error("%s: --state: %s", name, tostring(err)) end
 end
 
@@ -657,7 +672,7 @@ expired. See docs/reference/ledger.md.]],
     if #rest > 0 then return usage_error("ps: unexpected argument '%s'", rest[1]) end
     local bad = state_flag("ps", opts)
     if bad then return bad end
-    local code, err = run_root(function() require("moonbox.reap").ps(print) end)
+    local code, err = run_root(function() lazy.reap.ps(print) end)
     if err ~= nil then eprintf("moonbox ps: %s\n", M.format_error(err)) end
     return code
   end)
@@ -691,7 +706,7 @@ backend's state dir for a local one.]],
     if opts.forget and not forget then
       return usage_error("reap: --forget needs a run id, got '%s'", opts.forget)
     end
-    local reap = require "moonbox.reap"
+    local reap = lazy.reap
     local left = false
     local code, err = run_root(function()
       if forget then
@@ -718,8 +733,8 @@ backend's state dir for a local one.]],
 -- `mod.main(args, cli)` runs it. The module loads only when the command (or its help) is used.
 local function external(name, summary, modname)
   commands[name] = setmetatable({ summary = summary, fn = function(args)
-    return require(modname).main(args, M)
-  end }, { __index = function(_, k) return require(modname).command[k] end })
+    return require(modname).main(args, M) -- lazy: the command's own module, loaded when it is used
+  end }, { __index = function(_, k) return require(modname).command[k] end }) -- lazy: its help, as well
   order[#order + 1] = name
 end
 
@@ -730,10 +745,10 @@ external("repl", "an interactive Lua session on the live event loop", "moonbox.r
 command("version", "print the version", "moonbox version",
   "Prints moonbox's version, and the versions of Lua and of the libraries it runs on.",
   function()
-    local http = require "moonbox.http"
+    local http = lazy.http
     print(string.format("moonbox %s (%s; libcurl %s; libev %s; libmicrohttpd %s)",
       build.version, _VERSION, http.curl_version(), core.libev_version(),
-      require("moonbox.httpd").mhd_version()))
+      lazy.httpd.mhd_version()))
     return EXIT_OK
   end)
 
