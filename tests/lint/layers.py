@@ -24,11 +24,22 @@ violation as FILE:LINE: what, when
   - the modules under lua/ require one another in a cycle (a require inside a function counts
     as much as one at the top): each such cycle is listed once, by its modules.
 
+  - a module under lua/ uses require inside a function body or another block (if, for, while,
+    repeat, do) without a `-- lazy:` comment saying why, on that line or on the comment lines
+    right above it: requires go at the top of the module, where what it depends on and the
+    order things load in can be seen. The exceptions are a C library loaded only when needed
+    (libcurl, libmicrohttpd, SQLite, libpq, libedit, libarchive: each a separate .so,
+    CMakeLists.txt moonbox_lazy_module), a module that loads one, and a dynamic require(name).
+    The modules of PENDING are not checked yet.
+
 A Lua require is any `require "name"`, `require 'name'` or `require("name")` (also inside
-pcall(require, "name")) outside a comment. Only the standard library is used, so the lint
+pcall(require, "name")) outside a comment; for the top-level rule, any use of the name require
+(the file is read token by token: strings, comments and long brackets are skipped).
+tests/lint/test_layers.py (ctest: lint_layers_refuses) checks that the lint refuses what it should. Only the standard library is used, so the lint
 needs nothing but python3; ctest fails it loudly when python3 is missing (CMakeLists.txt).
 """
 
+import fnmatch
 import os
 import re
 import sys
@@ -129,6 +140,110 @@ def clock_problems(root):
     return out
 
 
+# A Lua token: a long bracket (comment or string), a comment, a quoted string, a name,
+# `..`, `...` or `::` (after which a keyword is a keyword), or any other character (numbers, operators,
+# punctuation: nothing the block structure depends on).
+LUA_TOKEN = re.compile(r"""--\[(=*)\[.*?\]\1\]|\[(=*)\[.*?\]\2\]|--[^\n]*|"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'"""
+                       r"""|[A-Za-z_]\w*|\.\.\.?|::|\n|\S""", re.S)
+BLOCK_OPEN = {"function", "if", "while", "for", "repeat", "do"}
+LAZY = "-- lazy:"
+
+# Modules other branches of issue 24 are editing while their requires move: moved at the merge
+# of issue 24's branches (then this list is emptied).
+PENDING = {
+    "lua/moonbox/render/*.lua",
+    "lua/moonbox/local/service.lua",
+    "lua/moonbox/local/init.lua",
+    "lua/moonbox/local/http/*.lua",
+    "lua/moonbox/options.lua",
+    "lua/moonbox/task.lua",
+    "lua/moonbox/http*.lua",
+    "lua/moonbox/schedule/init.lua",
+}
+
+
+def nested_requires(path):
+    """Line numbers of each use of `require` inside a block (a function body, if, for, while,
+    repeat or do) of the Lua file at path, but those marked lazy: a comment starting `-- lazy:`
+    on the require's line, or on one of the comment lines right above it. Any use of the name
+    counts: require "x", require("x").f, require(name), pcall(require, "x"); a field named
+    require (t.require, t:require) does not. Raises ValueError when the blocks do not balance
+    (the file is not Lua this reading can follow)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    lazy_lines, comment_lines, code_lines, found = set(), set(), set(), []
+    depth, pending_do, line, prev = 0, 0, 1, None
+    for m in LUA_TOKEN.finditer(text):
+        tok = m.group(0)
+        if tok == "\n":
+            line += 1
+            continue
+        if tok.startswith("--"):
+            comment_lines.add(line)
+            if tok.startswith(LAZY):
+                lazy_lines.add(line)
+            line += tok.count("\n")
+            continue
+        code_lines.add(line)
+        if tok[0] in "\"'" or (tok[0] == "[" and len(tok) > 1):
+            line += tok.count("\n")
+            prev = "string"
+            continue
+        if prev not in (".", ":"):
+            if tok in ("while", "for"):
+                depth, pending_do = depth + 1, pending_do + 1
+            elif tok == "do" and pending_do:
+                pending_do -= 1
+            elif tok in BLOCK_OPEN:
+                depth += 1
+            elif tok in ("end", "until"):
+                depth -= 1
+                if depth < 0:
+                    raise ValueError(f"line {line}: `{tok}` closes no block (the lint misread the file)")
+            elif tok == "require" and depth > 0:
+                found.append(line)
+        prev = tok
+    if depth != 0:
+        raise ValueError(f"{depth} block(s) still open at the end (the lint misread the file)")
+
+    def lazy(n):
+        if n in lazy_lines:
+            return True
+        n -= 1
+        while n in comment_lines and n not in code_lines:
+            if n in lazy_lines:
+                return True
+            n -= 1
+        return False
+    return sorted({n for n in found if not lazy(n)})
+
+
+def top_problems(root):
+    """FILE:LINE lines for each require of a module under lua/ that is not at its top level and
+    not marked `-- lazy:` (PENDING aside)."""
+    out = []
+    base = os.path.join(root, "lua")
+    for dirpath, _, files in os.walk(base):
+        for name in sorted(files):
+            if not name.endswith(".lua"):
+                continue
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            if any(fnmatch.fnmatchcase(rel, pat) for pat in PENDING):
+                continue
+            try:
+                lines = nested_requires(path)
+            except ValueError as e:
+                out.append(f"{rel}: cannot follow its blocks: {e}")
+                continue
+            for n in lines:
+                out.append(f"{rel}:{n}: require inside a function or block: move it to the top of the "
+                           "module (local x = require \"moonbox.x\"), or, for a C library loaded only "
+                           "when needed or a dynamic require(name), say why on that line or the line "
+                           "above with a `-- lazy: reason` comment")
+    return out
+
+
 def module_files(root):
     """{module name: path} of every Lua module under lua/ (a/b/init.lua is a.b)."""
     out = {}
@@ -189,7 +304,7 @@ def cycle_problems(root):
 
 def main():
     root = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else ".")
-    problems, checked = clock_problems(root) + cycle_problems(root), 0
+    problems, checked = clock_problems(root) + cycle_problems(root) + top_problems(root), 0
     for folder, suffixes, kind, bad, why in RULES:
         base = os.path.join(root, folder)
         if os.path.isfile(base):
