@@ -5,20 +5,17 @@
 -- task was cancelled and its guards unwound).
 local core = require "moonbox.core"
 local build = require "moonbox.build"
-local budget_mod = require "moonbox.render.budget"
 local duration = require "moonbox.duration"
-local json = require "moonbox.json"
 local path = require "moonbox.path"
 local sys = require "moonbox.sys"
-local task = require "moonbox.task"
-local trace = require "moonbox.trace"
 
--- What only some commands use, loaded when one of them runs: lazy.reap is the module
--- moonbox.reap, lazy["local.service"] moonbox.local.service.
+-- What a command uses, loaded when that command runs: lazy.reap is the module moonbox.reap,
+-- lazy["local.service"] moonbox.local.service.
 local lazy = setmetatable({}, { __index = function(t, name)
   -- lazy: at the top these would load for every command, `moonbox --version` and an empty
   -- `moonbox run` included: the Render client, the local backend, the ledger with libcurl,
-  -- libmicrohttpd and SQLite, about 40 ms and 10 MB more at each start.
+  -- libmicrohttpd and SQLite (about 40 ms and 10 MB more at each start), and what only
+  -- `moonbox run` needs (the budget, the trace, JSON) for every other command.
   local m = require("moonbox." .. name)
   t[name] = m
   return m
@@ -91,12 +88,13 @@ end
 function M.print_dry_run(rep, file, want_json, code, err, budget)
   local dryrun = lazy["render.dryrun"]
   if want_json then
+    local json = lazy.json
     local e = json.null
     if err ~= nil then
       e = type(err) == "table" and { message = err.message or tostring(err), code = err.code, op = err.op,
         budget = err.budget } or { message = tostring(err) }
     end
-    io.stdout:write(trace.redact(dryrun.json(rep, {
+    io.stdout:write(lazy.trace.redact(dryrun.json(rep, {
       recipe = file, exit_code = code, error = e,
       outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",
       budget = budget:report(),
@@ -250,6 +248,7 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
     set_arg(file, rest)
     -- moonbox.render records this run's creates (moonbox ps / reap); a dry run creates nothing.
     build.ledger = not dry_run
+    local trace = lazy.trace
     if trace_file then
       local ok, terr = pcall(trace.start, trace_file, { name = "moonbox run " .. file })
       if not ok then
@@ -260,6 +259,7 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
     local summary = want_json and not dry_run and lazy.run_summary.start() or nil
     local dry_report
     local t_start = core.now()
+    local budget_mod = lazy["render.budget"]
     local budget = budget_mod.new(limits)
     local code, err = run_root(function(...)
       -- Errors made where no recipe frame is on the stack (a tail call of the chunk) name the
@@ -621,7 +621,7 @@ function M.embedded_watch(dir, stop)
   f:write(ledger.self_pid(), " ", ledger.self_start(), "\n")
   f:close()
   assert(os.rename(tmp, pid_file))
-  task.spawn(function()
+  lazy.task.spawn(function()
     while true do
       core.sleep(0.2)
       local start = sys.try_lock(dir .. "/" .. embedded.START_LOCK, "exclusive")
