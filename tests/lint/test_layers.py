@@ -15,6 +15,7 @@ import tempfile
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.dont_write_bytecode = True  # no __pycache__ of layers.py left in the source tree
 sys.path.insert(0, HERE)
 import layers  # noqa: E402  (the lint under test, next to this file)
 
