@@ -426,6 +426,9 @@ function M.shielded(fn, ...)
 end
 
 local PAGE_OPTIONS = { page_size = true, limit = true }
+--- api.PAGE_OPTIONS: the options every list call takes (page_size, limit), for a call that
+-- checks its options before it reaches api.pages.
+M.PAGE_OPTIONS = PAGE_OPTIONS
 
 --- api.pages(conn, op, path, query, opts, fname, extra) -> iterator over the items of a list
 -- endpoint, every page, fetched as the iterator reaches them. opts (a recipe's): page_size
