@@ -77,8 +77,9 @@ M.backoff = backoff
 --- api.status_error(op, r, ctx, text) -> the typed error of an HTTP answer r that is not 2xx
 -- (text: its body, when r.body does not hold it). ctx: sandbox_id, snapshot_id, group_id, exec_id, path
 -- are copied into the error. Codes: the one Render sent, else unauthorized (401), not_found
--- (404), rate_limited (429), server_error (5xx), http_NNN; a 403 whose body is not JSON is
--- edge_blocked (Render's firewall, not a credentials problem).
+-- (404), conflict (409), rate_limited (429), server_error (5xx), http_NNN; a 403 whose body is
+-- not JSON is edge_blocked (Render's firewall, not a credentials problem). Each is a row of
+-- docs/reference/render.md's "Error codes", which spec/render_errors_spec.lua provokes.
 local function status_error(op, r, ctx, text)
   text = text or r.body or ""
   local ctype = r.headers["content-type"] or ""
