@@ -30,7 +30,8 @@ describe("render.groups", function()
     local d = render.groups.default()
     assert.matches("^sbg%-", d.id)
     assert.is_true(d.is_default)
-    assert.matches("snake_case: `is_default`, not `isDefault`", raised(function() local v = d.isDefault; return v end))
+    assert.matches("moonbox.render.Group: fields are read in snake_case: `is_default`, not `isDefault`",
+      raised(function() local v = d.isDefault; return v end), 1, true)
     local g = render.groups.create { name = "second", concurrency_limit = 5, region = "oregon" }
     assert.matches("^sbg%-", g.id)
     assert.are.same({ "second", 5, false }, { g.name, g.concurrency_limit, g.is_default })

@@ -45,7 +45,8 @@ local function shown(k, v)
 end
 
 -- The API value behind the snake_case (or integer) key k of the API table data; raises (at the
--- recipe's line: level 3 from here is the code that indexed) for a camelCase string key.
+-- recipe's line: level 3 from here is the code that indexed, as long as the __index function
+-- calling this does not tail-call it) for a camelCase string key.
 local function field(data, k, what)
   if type(k) ~= "string" then return shown(k, data[k]) end
   if k:find("%u") then
@@ -57,7 +58,10 @@ local function field(data, k, what)
   return shown(k, v)
 end
 
-View.__index = function(view, k) return field(rawget(view, "_data"), k, "moonbox.render") end
+View.__index = function(view, k)
+  local v = field(rawget(view, "_data"), k, "moonbox.render") -- not a tail call: field's level 3
+  return v
+end
 View.__len = function(view) return #rawget(view, "_data") end
 View.__newindex = function(_, k)
   error("moonbox.render: an API object's fields are read-only (set " .. tostring(k) .. " elsewhere)", 2)
@@ -85,7 +89,8 @@ function M.index(methods)
     local m = methods[k]
     if m then return m end
     local mt = getmetatable(obj)
-    return field(rawget(obj, "_data"), k, type(mt) == "table" and rawget(mt, "__name") or "moonbox.render")
+    local v = field(rawget(obj, "_data"), k, type(mt) == "table" and rawget(mt, "__name") or "moonbox.render")
+    return v -- not a tail call: field's error level 3 is the line that read the field
   end
 end
 
