@@ -122,9 +122,9 @@ print("not reached")
     assert.matches(":5: render.budget: this run's budget of 2 sandbox%-seconds is spent %([%d.]+ s over 2 " ..
       "sandboxes%); terminated the 2 still running: sbx%-%w+, sbx%-%w+ %[code budget_exceeded%]", r.stderr)
     assert.are.equal("sandbox_seconds", summary.budget.exceeded)
-    assert.is_true(summary.sandbox_seconds.total >= 2, json.encode(summary.sandbox_seconds))
-    assert.is_number(summary.sandbox_seconds.by_plan["1c-2g"])
-    assert.is_number(summary.sandbox_seconds.by_plan["2c-4g"])
+    assert.is_true(summary.sandbox_seconds >= 2, json.encode(summary))
+    assert.is_number(summary.sandbox_seconds_by_plan["1c-2g"])
+    assert.is_number(summary.sandbox_seconds_by_plan["2c-4g"])
     assert.are.same({}, runs.live(B))
   end))
 
@@ -136,10 +136,56 @@ do local a <close> = render.sandboxes.create { plan = "4c-8g" } end
     assert.are.equal(0, r.code, r.stderr)
     assert.are.same({ "4c-8g" }, (function()
       local plans = {}
-      for p in pairs(summary.sandbox_seconds.by_plan) do plans[#plans + 1] = p end
+      for p in pairs(summary.sandbox_seconds_by_plan) do plans[#plans + 1] = p end
       return plans
     end)())
     assert.are.same({ sandboxes = json.null, sandbox_seconds = json.null, exceeded = json.null },
       summary.budget)
   end))
+end)
+
+describe("moonbox run --json and --dry-run --json", function()
+  -- The JSON type of v, as the summaries' readers see it ("array" and "object" apart).
+  local function kind(v)
+    if type(v) ~= "table" then return v == json.null and "null" or type(v) end
+    return json.is_array(v) and "array" or "object"
+  end
+  -- Every key path of a (objects walked, arrays and by-plan maps as leaves) → its kind.
+  local function shape(a, prefix, out)
+    out = out or {}
+    for k, v in pairs(a) do
+      local path = (prefix or "") .. k
+      if kind(v) == "object" and not k:find("_by_plan$") then shape(v, path .. ".", out)
+      else out[path] = kind(v) end
+    end
+    return out
+  end
+
+  it("name the same facts the same way: every key of the run's summary, same shape, in the dry run's",
+    T.async(function()
+      local recipe = [[
+local render = require "moonbox.render"
+local sb <close> = render.sandboxes.create { network = "deny-all" }
+sb:exec("echo hi"):check()
+sb:snapshot { name = "same-keys" }
+]]
+      local r, real = run(recipe)
+      assert.are.equal(0, r.code, r.stderr)
+      local d, dry = run(recipe, "--dry-run")
+      assert.are.equal(0, d.code, d.stderr)
+      assert.are.same({ false, true }, { real.dry_run, dry.dry_run })
+      local want, got = shape(real), shape(dry)
+      local differ = {}
+      for path, k in pairs(want) do
+        if got[path] ~= k then differ[#differ + 1] = path .. ": " .. k .. " vs " .. tostring(got[path]) end
+      end
+      table.sort(differ)
+      assert.are.same({}, differ)
+      assert.are.equal(1, #real.sandboxes.created)
+      assert.are.equal(1, #dry.sandboxes.created)
+      assert.are.same(real.sandboxes.created, real.sandboxes.terminated)
+      assert.are.same(dry.sandboxes.created, dry.sandboxes.terminated)
+      assert.is_number(real.sandbox_seconds_by_plan["1c-2g"])
+      assert.is_number(dry.sandbox_seconds_by_plan["1c-2g"])
+    end))
 end)

@@ -22,20 +22,22 @@ end
 describe("render.groups", function()
   it("has no default group before the first sandbox, then one; create adds a non-default group", T.async(
     function()
-    assert.are.same({}, render.groups.list())
+    assert.is_nil(render.groups.list()())
     assert.is_nil(render.groups.default())
     do
       local _sb <close> = render.sandboxes.create {}
     end
     local d = render.groups.default()
     assert.matches("^sbg%-", d.id)
-    assert.is_true(d.is_default and d.isDefault)
+    assert.is_true(d.is_default)
+    assert.matches("moonbox.render.Group: fields are read in snake_case: `is_default`, not `isDefault`",
+      raised(function() local v = d.isDefault; return v end), 1, true)
     local g = render.groups.create { name = "second", concurrency_limit = 5, region = "oregon" }
     assert.matches("^sbg%-", g.id)
-    assert.are.same({ "second", 5, false }, { g.name, g.concurrency_limit, g.isDefault })
+    assert.are.same({ "second", 5, false }, { g.name, g.concurrency_limit, g.is_default })
     assert.matches("^Group sbg%-%S+ %(second, oregon%)$", tostring(g))
     local ids = {}
-    for _, one in ipairs(render.groups.list()) do ids[one.id] = true end
+    for one in render.groups.list() do ids[one.id] = true end
     assert.is_true(ids[d.id] and ids[g.id])
     assert.are.equal(d.id, render.groups.default().id)
   end))
@@ -55,7 +57,7 @@ describe("render.groups.delete and list page sizes", function()
     local h = render.groups.create { name = "by-id" }
     g:delete()
     render.groups.delete(h.id)
-    for _, one in ipairs(render.groups.list()) do
+    for one in render.groups.list() do
       assert.are_not.equal(g.id, one.id)
       assert.are_not.equal(h.id, one.id)
     end
@@ -93,7 +95,9 @@ describe("render.groups.delete and list page sizes", function()
     for sb in render.sandboxes.list { limit = 3 } do got[#got + 1] = sb.id end
     assert.are.equal(3, #got)
     assert.are.same({ "3" }, list_queries(since, "/v1/sandboxes"))
-    assert.are.equal(1, #render.groups.list { page_size = 1, limit = 1 })
+    local n_groups = 0
+    for _ in render.groups.list { page_size = 1, limit = 1 } do n_groups = n_groups + 1 end
+    assert.are.equal(1, n_groups)
     local err = raised(render.sandboxes.list, { limt = 3 })
     assert.matches("render.sandboxes.list: unknown option 'limt'", tostring(err), 1, true)
     err = raised(render.snapshots.list, { page_size = 101 })
@@ -111,7 +115,7 @@ describe("sb:snapshot", function()
       .. "/snapshots"))
     assert.matches("^snp%-", snap.id)
     assert.are.same({ "available", "filesystem", "restore-me", sb.id, sb.sandbox_group_id },
-      { snap.status, snap.kind, snap.name, snap.source_sandbox_id, snap.sandboxGroupId })
+      { snap.status, snap.kind, snap.name, snap.source_sandbox_id, snap.sandbox_group_id })
     assert.is_string(snap.captured_at)
     assert.are.equal(("Snapshot %s (restore-me, available, filesystem)"):format(snap.id), tostring(snap))
     local copy <close> = render.sandboxes.create { snapshot = snap }
@@ -185,12 +189,18 @@ describe("render.snapshots", function()
   it("deletes idempotently; get then raises snapshot_not_found with the snapshot id", T.async(function()
     local sb <close> = render.sandboxes.create {}
     local snap = sb:snapshot {}
-    assert.are.equal(snap.id, render.snapshots.get(snap.sandbox_group_id, snap.id).id)
-    assert.are.equal(snap.id, render.snapshots.get(snap).id)
+    assert.are.equal(snap.id, render.snapshots.get(snap.id).id)
+    assert.are.equal(snap.id, render.snapshots.get(snap.id, { group = snap.sandbox_group_id }).id)
+    assert.matches("render.snapshots.get(snapshot_id, {group = group_id})",
+      raised(render.snapshots.get, snap.sandbox_group_id, snap.id), 1, true)
+    assert.matches("render.snapshots.get(snap.id, {group = snap.sandbox_group_id})",
+      raised(render.snapshots.get, snap), 1, true)
+    assert.matches("render.snapshots.get: unknown option 'gruop'", raised(render.snapshots.get, snap.id, { gruop = "x" }),
+      1, true)
     render.snapshots.delete(snap)
     render.snapshots.delete(snap)
     render.snapshots.delete(snap.id)
-    local err = raised(render.snapshots.get, snap)
+    local err = raised(render.snapshots.get, snap.id)
     assert.are.same({ "snapshot_not_found", 404, snap.id }, { err.code, err.status, err.snapshot_id })
     err = raised(snap.refresh, snap)
     assert.are.equal("snapshot_not_found", err.code)
@@ -233,7 +243,7 @@ describe("render.snapshots", function()
 
   it("raises snapshot_not_available restoring a snapshot of another group", T.async(function()
     local other
-    for _, g in ipairs(render.groups.list()) do if not g.is_default then other = g end end
+    for g in render.groups.list() do if not g.is_default then other = g end end
     other = other or render.groups.create { name = "elsewhere" }
     local sb <close> = render.sandboxes.create { sandbox_group_id = other.id }
     local snap = sb:snapshot { name = "in-other" }

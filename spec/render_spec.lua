@@ -73,6 +73,28 @@ describe("render.sandboxes", function()
     assert.are.equal("terminated", render.sandboxes.get(id).status)
   end))
 
+  it("reads the API's fields in snake_case only: a camelCase read raises at its line, naming the spelling",
+    T.async(function()
+      local object = require "moonbox.render.object"
+      local sb <close> = render.sandboxes.create { network = "deny-all", timeout_seconds = 600 }
+      assert.are.same({ 600, "deny-all" }, { sb.timeout_seconds, sb.network_policy.default })
+      assert.matches("^sbg%-", sb.sandbox_group_id)
+      local names = {}
+      for k, v in pairs(sb.network_policy) do names[#names + 1] = k .. "=" .. tostring(v) end
+      assert.are.same({ "default=deny-all" }, names)
+      local line = debug.getinfo(1, "l").currentline + 1
+      local ok, err = pcall(function() local v = sb.sandboxGroupId; return v end)
+      assert.is_false(ok)
+      assert.matches("render_spec.lua:" .. line .. ": moonbox.render.Sandbox: fields are read in snake_case: " ..
+        "`sandbox_group_id`, not `sandboxGroupId`", err, 1, true)
+      ok, err = pcall(function() local v = sb.network_policy.allowedDomains; return v end)
+      assert.is_false(ok)
+      assert.matches("`allowed_domains`, not `allowedDomains`", err, 1, true)
+      -- the API object itself keeps the wire's spelling
+      assert.are.equal(sb.sandbox_group_id, object.fields(sb).sandboxGroupId)
+      assert.are.equal("deny-all", object.fields(sb).networkPolicy.default)
+    end))
+
   it("lists every sandbox through the pages", T.async(function()
     local a <close> = render.sandboxes.create { name = "listed-a" }
     local b <close> = render.sandboxes.create { name = "listed-b" }

@@ -82,26 +82,14 @@ function M.finish_run()
   if not ok then io.stderr:write("moonbox: leaving the backend failed: ", M.format_error(err), "\n") end
 end
 
---- cli.print_dry_run(report, file, want_json, code, err, budget): what `moonbox run --dry-run`
+--- cli.print_dry_run(report, file, want_json, summary_fields): what `moonbox run --dry-run`
 -- prints on stdout once the recipe ended: the report as text (moonbox.render.dryrun.text), or
--- as one JSON line with --json (the outcome, exit status, error and budget added).
-function M.print_dry_run(rep, file, want_json, code, err, budget)
+-- as one JSON line with --json: the dry run's own keys, and the facts `moonbox run --json` has
+-- under its keys (summary_fields: run_summary's s:fields, which win over the report's).
+function M.print_dry_run(rep, file, want_json, summary_fields)
   local dryrun = lazy["render.dryrun"]
   if want_json then
-    local json = lazy.json
-    local e = json.null
-    if err ~= nil then
-      e = type(err) == "table" and { message = err.message or tostring(err), code = err.code, op = err.op,
-        budget = err.budget } or { message = tostring(err) }
-    end
-    io.stdout:write(lazy.trace.redact(dryrun.json(rep, {
-      recipe = file, exit_code = code, error = e,
-      outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",
-      budget = budget:report(),
-      -- the same fact under the same key as `moonbox run --json` (a call's retries are one call);
-      -- api_requests is what the simulated backend received
-      api_calls = (package.loaded["moonbox.render.api"] or {}).calls_made or 0,
-    })), "\n")
+    io.stdout:write(lazy.trace.redact(dryrun.json(rep, summary_fields)), "\n")
   else
     io.stdout:write(dryrun.text(rep, file), "\n")
   end
@@ -256,7 +244,7 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
         return EXIT_FAIL
       end
     end
-    local summary = want_json and not dry_run and lazy.run_summary.start() or nil
+    local summary = want_json and lazy.run_summary.start() or nil
     local dry_report
     local t_start = core.now()
     local budget_mod = lazy["render.budget"]
@@ -288,10 +276,12 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
     if ledger then ledger.close_process(outcome) end
     budget:close()
     if trace_file then trace.stop() end
-    if dry_report then M.print_dry_run(dry_report, file, want_json, code, err, budget) end
-    if summary then
-      io.stdout:write(summary:finish { recipe = file, exit_code = code, error = err,
-        duration_s = core.now() - t_start, budget = budget }, "\n")
+    local run_info = { recipe = file, exit_code = code, error = err, duration_s = core.now() - t_start,
+      budget = budget, dry_run = dry_report ~= nil }
+    if dry_report then
+      M.print_dry_run(dry_report, file, want_json, summary and summary:fields(run_info))
+    elseif summary then
+      io.stdout:write(summary:finish(run_info), "\n")
       io.stdout:flush()
     end
     return code

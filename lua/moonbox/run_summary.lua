@@ -1,10 +1,11 @@
 --- moonbox.run_summary — what `moonbox run --json` prints: one JSON object on the last line of
--- stdout.
+-- stdout. `moonbox run --dry-run --json` carries the same facts under the same keys (cli.lua
+-- hands this summary's fields to the dry run's report), plus the dry run's own.
 --
 --   {"recipe":"r.lua","outcome":"ok"|"failed"|"interrupted","exit_code":0,"duration_s":1.23,
---    "backend":"http://127.0.0.1:8120/v1","api_calls":12,
+--    "dry_run":false,"backend":"http://127.0.0.1:8120/v1","api_calls":12,
 --    "sandboxes":{"created":[ids],"terminated":[ids],"kept":[ids],"leaked":[ids],"failed_creates":n},
---    "sandbox_seconds":{"total":s,"by_plan":{"1c-2g":s,...}},
+--    "sandbox_seconds":s,"sandbox_seconds_by_plan":{"1c-2g":s,...},
 --    "budget":{"sandboxes":n|null,"sandbox_seconds":s|null,"exceeded":"sandboxes"|"sandbox_seconds"|null},
 --    "errors":[{"message":..., "code":..., "op":..., "sandbox_id":..., "request_id":...}]}
 --
@@ -54,10 +55,11 @@ end
 
 local function ms(x) return math.floor(x * 1000 + 0.5) / 1000 end
 
---- s:finish{recipe, exit_code, error, duration_s, budget} -> the JSON line (without newline).
--- budget: the run's Budget (moonbox.render.budget), whose usage gives the sandbox-seconds.
+--- s:fields{recipe, exit_code, error, duration_s, budget} -> the summary as a table (the keys
+-- above; JSON arrays and objects marked for moonbox.json). budget: the run's Budget
+-- (moonbox.render.budget), whose usage gives the sandbox-seconds (simulated ones in a dry run).
 -- Stops observing the run's events. Raises nothing; does not yield.
-function Summary:finish(info)
+function Summary:fields(info)
   if self.unobserve then self.unobserve() end
   self.unobserve = nil
   local created, terminated, kept, leaked = {}, {}, {}, {}
@@ -87,20 +89,27 @@ function Summary:finish(info)
   for plan, secs in pairs(usage and usage.by_plan or {}) do by_plan[plan] = ms(secs) end
   local api = package.loaded["moonbox.render.api"]
   local conn = render.current_connection()
-  local line = json.encode {
+  return {
     recipe = info.recipe,
     outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed",
     exit_code = code,
     duration_s = math.floor(info.duration_s * 1000 + 0.5) / 1000,
+    dry_run = info.dry_run == true,
     backend = conn and conn.base or nil,
     api_calls = api and api.calls_made or 0,
     sandboxes = { created = json.array(created), terminated = json.array(terminated),
       kept = json.array(kept), leaked = json.array(leaked), failed_creates = self.failed_creates },
     errors = json.array(errors),
-    sandbox_seconds = usage and { total = ms(usage.sandbox_seconds), by_plan = by_plan } or nil,
+    sandbox_seconds = usage and ms(usage.sandbox_seconds) or 0,
+    sandbox_seconds_by_plan = by_plan,
     budget = b and b:report() or nil,
   }
-  return trace.redact(line)
+end
+
+--- s:finish{recipe, exit_code, error, duration_s, budget} -> the JSON line of s:fields (without
+-- newline), secrets redacted. Raises nothing; does not yield.
+function Summary:finish(info)
+  return trace.redact(json.encode(self:fields(info)))
 end
 
 return M

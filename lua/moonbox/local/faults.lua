@@ -9,9 +9,11 @@
 -- SPEC is a JSON array of rules, or the compact form `RULE;RULE;...` with
 --   RULE  = MATCH "=" FAULT ["@" RATE] ["#" COUNT]
 --   MATCH = "*" | METHOD " " PATH     (METHOD may be "*"; in PATH a "*" matches one segment)
---   FAULT = STATUS[":" RETRY_AFTER] | "drop" | "cut" | "edge" | "capture" | "latency:" MS
+--   FAULT = STATUS[":" RETRY_AFTER] | "drop" | "cut" | "edge" | "garbage" | "capture" | "latency:" MS
 --         | "stall:" POINT
 -- ("edge": a 403 HTML page without Render's headers, as Render's firewall answers;
+-- "garbage": a 200 whose body is neither JSON nor the gzip its Content-Encoding claims, as a
+-- broken proxy answers — the request is not carried out;
 -- "capture": on POST .../snapshots, the capture then fails, as a full disk would make it;
 -- "stall:POINT": the next operation to reach POINT (M.STALL_POINTS) stops there for good, so a
 -- crash spec can SIGKILL the server at that point; its MATCH is "*", its `fired` count says it
@@ -24,7 +26,7 @@ local M = {}
 M.__index = M
 
 local KINDS = { status = true, drop = true, cut = true, latency = true, edge = true,
-  capture = true, stall = true }
+  garbage = true, capture = true, stall = true }
 
 -- Where an operation can be stalled (moonbox.local.service calls inj:stall(point) there):
 --   terminate  a sandbox's terminate, once its first write (what is in progress) is durable
@@ -51,7 +53,7 @@ local function normalize(rule, i)
   end
   local kind = rule.fault
   if not KINDS[kind] then
-    error(where .. ": 'fault' must be status, drop, cut, edge, capture, stall or latency, got " ..
+    error(where .. ": 'fault' must be status, drop, cut, edge, garbage, capture, stall or latency, got " ..
       tostring(kind), 0)
   end
   -- JSON numbers arrive as floats; the integral ones are integers here.
@@ -103,7 +105,8 @@ local function parse_compact(spec)
       local st, ra = fault:match("^(%d%d%d):?(%d*)$")
       if st then
         rule.fault, rule.status, rule.retry_after = "status", math.tointeger(tonumber(st)), tonumber(ra)
-      elseif fault == "drop" or fault == "cut" or fault == "edge" or fault == "capture" then
+      elseif fault == "drop" or fault == "cut" or fault == "edge" or fault == "garbage"
+          or fault == "capture" then
         rule.fault = fault
       elseif fault:match("^stall:") then
         rule.fault, rule.point = "stall", fault:match("^stall:(.*)$")
@@ -173,7 +176,7 @@ end
 -- matching latency rule that fires, and returns the first other matching rule (of the kinds
 -- in the set `kinds`, default status/drop) that fires.
 function M:decide(method, path, kinds)
-  kinds = kinds or { status = true, drop = true, edge = true }
+  kinds = kinds or { status = true, drop = true, edge = true, garbage = true }
   local latency, chosen = 0, nil
   for _, rule in ipairs(self.rules) do
     if matches(rule, method, path) then

@@ -77,8 +77,9 @@ M.backoff = backoff
 --- api.status_error(op, r, ctx, text) -> the typed error of an HTTP answer r that is not 2xx
 -- (text: its body, when r.body does not hold it). ctx: sandbox_id, snapshot_id, group_id, exec_id, path
 -- are copied into the error. Codes: the one Render sent, else unauthorized (401), not_found
--- (404), rate_limited (429), server_error (5xx), http_NNN; a 403 whose body is not JSON is
--- edge_blocked (Render's firewall, not a credentials problem).
+-- (404), conflict (409), rate_limited (429), server_error (5xx), http_NNN; a 403 whose body is
+-- not JSON is edge_blocked (Render's firewall, not a credentials problem). Each is a row of
+-- docs/reference/render.md's "Error codes", which spec/render_errors_spec.lua provokes.
 local function status_error(op, r, ctx, text)
   text = text or r.body or ""
   local ctype = r.headers["content-type"] or ""
@@ -426,6 +427,9 @@ function M.shielded(fn, ...)
 end
 
 local PAGE_OPTIONS = { page_size = true, limit = true }
+--- api.PAGE_OPTIONS: the options every list call takes (page_size, limit), for a call that
+-- checks its options before it reaches api.pages.
+M.PAGE_OPTIONS = PAGE_OPTIONS
 
 --- api.pages(conn, op, path, query, opts, fname, extra) -> iterator over the items of a list
 -- endpoint, every page, fetched as the iterator reaches them. opts (a recipe's): page_size

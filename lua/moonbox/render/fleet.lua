@@ -125,11 +125,13 @@ function M.restore(snapshot, opts)
   local limit = math.min(concurrency, count)
   local gid = opts.sandbox_group_id or (type(snapshot) == "table" and snapshot.sandbox_group_id)
   if gid and limit > 1 then
-    local okg, list = pcall(snapshots.groups.list)
-    for _, g in ipairs(okg and list or {}) do
-      local cap = g.id == gid and tonumber(g.concurrency_limit)
-      if cap and cap >= 1 and cap < limit then limit = math.floor(cap) end
-    end
+    local okg, gerr = pcall(function() -- a failed look leaves the window as it is
+      for g in snapshots.groups.list() do
+        local cap = g.id == gid and tonumber(g.concurrency_limit)
+        if cap and cap >= 1 and cap < limit then limit = math.floor(cap) end
+      end
+    end)
+    if not okg and task.is_interruption(gerr) then error(gerr, 0) end
   end
   local win <close> = task.window(limit, "render.restore")
   local outcomes = {}

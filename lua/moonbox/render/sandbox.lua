@@ -326,7 +326,7 @@ local function create_body(c, opts)
   if snap ~= nil then
     if type(snap) == "table" then
       body.snapshotId = snap.id
-      body.sandboxGroupId = body.sandboxGroupId or snap.sandbox_group_id or snap.sandboxGroupId
+      body.sandboxGroupId = body.sandboxGroupId or snap.sandbox_group_id
       body.plan = body.plan or snap.plan
     elseif ids.valid("snp", snap) then
       body.snapshotId = snap

@@ -13,6 +13,7 @@ local api = require "moonbox.render.api"
 local conn = require "moonbox.render.conn"
 local object = require "moonbox.render.object"
 local task = require "moonbox.task"
+local options = require "moonbox.options"
 
 local M = {}
 
@@ -45,24 +46,25 @@ end
 
 local groups = {}
 
---- render.groups.list(opts) -> array of Group objects (fields in either spelling: g.id, g.name,
--- g.region, g.is_default / g.isDefault, g.concurrency_limit, ...), all pages. Empty before the
--- workspace's first sandbox. opts: page_size, limit (as render.sandboxes.list). Raises
--- structured errors (op "groups.list"). [yields]
+--- render.groups.list(opts) -> iterator over every Group (fields in snake_case: g.id, g.name,
+-- g.region, g.is_default, g.concurrency_limit, ...), all pages, fetched as the loop reaches them
+-- (the same shape as render.sandboxes.list and render.snapshots.list). Yields nothing before the
+-- workspace's first sandbox. opts: page_size, limit (as render.sandboxes.list); any other key
+-- raises. Raises structured errors (op "groups.list"). [yields]
 function groups.list(opts)
   local c = conn.default()
-  local out = {}
-  for item in api.pages(c, "groups.list", "/sandbox-groups", { ownerId = c:owner() }, opts,
-    "render.groups.list") do
-    out[#out + 1] = wrap_group(item.sandboxGroup)
+  local items = api.pages(c, "groups.list", "/sandbox-groups", { ownerId = c:owner() }, opts,
+    "render.groups.list")
+  return function()
+    local item = items()
+    return item and wrap_group(item.sandboxGroup)
   end
-  return out
 end
 
 --- render.groups.default() -> the workspace's default Group, or nil when it has none yet (the
 -- first sandbox creates it; this function never does). [yields]
 function groups.default()
-  for _, g in ipairs(groups.list()) do
+  for g in groups.list() do
     if g.is_default then return g end
   end
   return nil
@@ -189,42 +191,53 @@ function snapshot_methods.delete(snap)
     { query = { ownerId = c.workspace }, snapshot_id = snap.id })
 end
 
---- render.snapshots.get(group_id, snapshot_id) -> Snapshot; or get(snap) with a Snapshot (or a
--- table with id and sandbox_group_id), or get(snapshot_id) in the default group. Raises
--- "snapshot_not_found" (deleted, expired, or in another group), "invalid_snapshot_id". [yields]
-function snapshots.get(a, b)
-  local gid, sid
-  if b ~= nil then
-    gid, sid = group_id(a), b
-  elseif type(a) == "table" then
-    gid, sid = a.sandbox_group_id or a.sandboxGroupId or group_id(nil), a.id
-  else
-    gid, sid = group_id(nil), a
+local GET_OPTIONS = { group = true }
+
+--- render.snapshots.get(snapshot_id[, {group = Group or id}]) -> Snapshot: the snapshot with
+-- that id in the group (default: the workspace's default group). The one shape: a
+-- get(group_id, snapshot_id) or a get(snap) raises, naming it (a Snapshot in hand is re-read
+-- with snap:refresh()). Raises "snapshot_not_found" (deleted, expired, or in another group),
+-- "invalid_snapshot_id", "not_found" (unknown group); an unknown option raises. [yields]
+function snapshots.get(sid, opts)
+  if type(sid) == "table" then
+    error("render.snapshots.get: takes a snapshot id: render.snapshots.get(snap.id, {group = " ..
+      "snap.sandbox_group_id}), or snap:refresh() to re-read a Snapshot", 2)
   end
-  if type(sid) ~= "string" then error("render.snapshots.get: a snapshot id is required", 2) end
+  if type(sid) ~= "string" then
+    error("render.snapshots.get: a snapshot id (a string) is required: " ..
+      "render.snapshots.get(id[, {group = g}]), got " .. type(sid), 2)
+  end
+  if type(opts) == "string" then
+    error("render.snapshots.get: takes the snapshot id first and the group as an option: " ..
+      "render.snapshots.get(snapshot_id, {group = group_id}), not get(group_id, snapshot_id)", 2)
+  end
+  opts = options.check(opts or {}, GET_OPTIONS, "render.snapshots.get")
+  local gid = group_id(opts.group)
   local c = conn.default()
   if not gid then
     error(api.error { op = "snapshots.get", code = "snapshot_not_found", snapshot_id = sid,
       message = "the workspace has no sandbox group yet, so no snapshot " .. sid }, 2)
   end
   local data = api.call(c, "snapshots.get", "GET", snapshot_path(gid, sid),
-    { query = { ownerId = c.workspace }, snapshot_id = sid })
+    { query = { ownerId = c.workspace }, snapshot_id = sid, group_id = gid })
   return wrap_snapshot(c, data)
 end
+
+local LIST_OPTIONS = { group = true, status = true }
 
 --- render.snapshots.list{group = Group or id (default: the default group), status = a status
 -- or a list, page_size, limit (as render.sandboxes.list)} -> iterator over every Snapshot, all
 -- pages, newest first (expired and deleted ones are omitted by Render). Yields nothing when the
 -- workspace has no group yet. Raises "invalid_status", "not_found" (unknown group). [yields]
 function snapshots.list(opts)
-  opts = opts or {}
+  opts = options.check(opts or {}, options.union(LIST_OPTIONS, api.PAGE_OPTIONS), "render.snapshots.list")
   local c = conn.default()
   local gid = group_id(opts.group)
   if gid == nil then return function() return nil end end
   local status = opts.status
   if type(status) == "string" then status = { status } end
   local items = api.pages(c, "snapshots.list", "/sandbox-groups/" .. gid .. "/snapshots",
-    { ownerId = c:owner(), status = status }, opts, "render.snapshots.list", { group = true, status = true })
+    { ownerId = c:owner(), status = status }, opts, "render.snapshots.list", LIST_OPTIONS)
   return function()
     local item = items()
     return item and wrap_snapshot(c, item.snapshot)

@@ -29,6 +29,20 @@ local function add_keys(out, t, want_fn, depth)
   end
 end
 
+-- The fields an API object (Sandbox, Snapshot, Group: its _data) is read by: the API's keys in
+-- snake_case, as moonbox.render.object reads them (a camelCase read raises).
+local function field_names(data)
+  local out = {}
+  for k, val in pairs(data) do
+    if type(k) == "string" then
+      local snake = k:gsub("(%l)(%u)", function(a, b) return a .. "_" .. b:lower() end)
+        :gsub("%u", string.lower)
+      out[snake] = val
+    end
+  end
+  return out
+end
+
 --- The names that can follow `v.` (method = false) or `v:` (method = true).
 local function members(v, method)
   local out = {}
@@ -37,7 +51,7 @@ local function members(v, method)
   if render and mt ~= nil and mt == render.Sandbox then
     add_keys(out, render.Sandbox.methods, true, 0)
     if not method then
-      add_keys(out, rawget(v, "_data"), false, 0)
+      add_keys(out, field_names(rawget(v, "_data")), false, 0)
     end
     return out
   end
@@ -48,7 +62,9 @@ local function members(v, method)
   if type(v) == "table" then
     add_keys(out, v, method, 0)
     -- Objects that keep their API fields in _data (Snapshot, Group) read them through __index.
-    if not method and type(rawget(v, "_data")) == "table" then add_keys(out, rawget(v, "_data"), false, 0) end
+    if not method and type(rawget(v, "_data")) == "table" then
+      add_keys(out, field_names(rawget(v, "_data")), false, 0)
+    end
   elseif type(mt) == "table" and type(rawget(mt, "__index")) == "table" then
     add_keys(out, rawget(mt, "__index"), method, 0)
   end

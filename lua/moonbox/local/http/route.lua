@@ -240,6 +240,11 @@ function M.wrap(backend, fn, o)
       return res:send(403, "<!DOCTYPE html><html><head><title>Attention Required! | Cloudflare</title>" ..
         "</head><body>Sorry, you have been blocked</body></html>", { ["Content-Type"] = "text/html" })
     end
+    if fault and fault.fault == "garbage" then
+      entry.status, entry.fault = 200, "garbage"
+      return res:send(200, "this is neither JSON nor gzip", { ["Content-Type"] = "text/plain",
+        ["Content-Encoding"] = "gzip" })
+    end
     local ctx = { rid = rid, entry = entry, fault = fault, ratelimit = rl }
     local ok, status, body, headers = xpcall(fn, core.msgh, backend, req, ctx, res)
     if not ok then
