@@ -10,7 +10,8 @@ local sys = require "moonbox.sys"
 local task = require "moonbox.task"
 local ids = require "moonbox.ids"
 local render = require "moonbox.render"
-local dryrun = require "moonbox.render.dryrun"
+local dryrun = require "moonbox.dryrun"
+local dryrun_hooks = require "moonbox.render.dryrun"
 local L = require "spec.support.local_backend"
 local files = require "spec.support.files"
 
@@ -75,10 +76,14 @@ describe("moonbox run --dry-run", function()
         -- requests (data plane included) are at least as many
         assert.is_true(math.type(rep.api_calls) == "integer" and rep.api_calls > 0, tostring(rep.api_calls))
         assert.is_true(rep.api_requests >= rep.api_calls, rep.api_requests .. " < " .. rep.api_calls)
-        -- the sandbox-seconds at the default durations: the first sandbox lives the whole run,
-        -- the three restores at least their restore and one exec each
-        assert.is_true(rep.sandbox_seconds >= rep.simulated_s + 3 * (3 + 1), tostring(rep.sandbox_seconds))
-        assert.is_true(rep.simulated_s >= 2 + 3 * 1 + 5 + 3 + 1, tostring(rep.simulated_s))
+        -- the sandbox-seconds at the default durations (moonbox local's): the first sandbox
+        -- lives the whole run, the three restores at least their restore and one exec each
+        local d = rep.durations
+        assert.are.same(dryrun_hooks.DURATIONS, d)
+        assert.is_true(rep.sandbox_seconds >= rep.simulated_s + 3 * (d.restore + d.exec) - 1e-6,
+          tostring(rep.sandbox_seconds))
+        assert.is_true(rep.simulated_s >= d.create + 3 * d.exec + d.snapshot + d.restore + d.exec - 1e-6,
+          tostring(rep.simulated_s))
         local whats = {}
         for _, s in ipairs(rep.steps) do whats[#whats + 1] = s.what end
         assert.are.same({ "create", "exec", "upload", "exec", "download", "exec", "snapshot", "restore",
@@ -171,18 +176,26 @@ print(sb:run_sync("make test").code)
 local plain = sb:exec({ "ls", "-l", "/" })
 print(plain.code, plain.stdout == "", plain.stderr == "")
 print(sb:download("/out/report.txt"))
-print(#sb:download("never/written"))
+-- what nothing wrote and no hook gives is not there, as on moonbox local
+print(select(2, pcall(sb.download, sb, "never/written")).code)
 sb:upload("d/a.txt", "aa")
 sb:upload("d/b.txt", "bbb")
 local names = {}
 for _, e in ipairs(sb:ls("d")) do names[#names + 1] = e.name .. "=" .. e.size end
 for _, e in ipairs(sb:ls(".")) do names[#names + 1] = e.name .. ":" .. e.type end
 print(table.concat(names, " "))
-sb:get_dir("/nothing/here", LOCAL .. "/empty")
+print(select(2, pcall(sb.get_dir, sb, "/nothing/here", LOCAL .. "/empty")).code)
+sb:get_dir("d", LOCAL .. "/d")
 ]])
       assert.is_nil(err)
-      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\nreport of /out/report.txt\n0\na.txt=2 b.txt=3 d:directory\n", out)
-      assert.are.same({}, sys.listdir(dir .. "/empty"), "a directory nothing was put at comes back empty")
+      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\nreport of /out/report.txt\nfile_not_found\n" ..
+        "a.txt=2 b.txt=3 d:directory\nfile_not_found\n", out)
+      assert.are.same({ "a.txt", "b.txt" }, (function()
+        local names = sys.listdir(dir .. "/d")
+        table.sort(names)
+        return names
+      end)(), "a directory comes back as it was uploaded")
+      assert.are.equal("bbb", files.read(dir .. "/d/b.txt"))
       assert.are.equal(4, rep.execs)
       local by_cmd = {}
       for _, s in ipairs(rep.steps) do if s.what == "exec" then by_cmd[s.command] = s end end
