@@ -236,21 +236,43 @@ print(p:kill("TERM"), p:wait().code)
       assert.are.equal(2, killed) -- the timed-out exec and the killed one
     end))
 
-  it("waits on the simulated clock: one create and one sb:snapshot{} poll as they would for real", run(function()
-    -- The client's waits read task's clock, which the dry run drives (one clock, tests/lint/
-    -- layers.py). When they read core.now (real time) while sleeping on the simulated one, a
-    -- simulated 5 s capture was polled at real-time speed: 1,475 requests for these two calls.
-    -- Now: the create's doubling poll over its 2 s boot, and the snapshot's adaptive poll
-    -- (about log(5 s / 50 ms) / log(1.05) looks).
-    local rep = dry([[
+  it("makes at most twice the requests of the same recipe against moonbox local (create + sb:snapshot{})",
+    run(function()
+      -- The dry run's durations default to what moonbox local takes (render.dry_run's DURATIONS),
+      -- so the client's waits poll a simulated boot and capture as often as they poll real ones:
+      -- wait_running's doubling poll from 10 ms, the capture's adaptive poll whose first look is
+      -- at 50 ms. At Render-like durations (a 5 s capture) the adaptive poll alone made ~94 looks
+      -- against moonbox local's 1 or 2. Both summaries count under the same key, api_calls.
+      local home = temp_home()
+      local B = L.start()
+      local ok, err = pcall(function()
+        write(home .. "/r.lua", [[
 local render = require "moonbox.render"
 local sb <close> = render.sandboxes.create {}
 sb:snapshot {}
 ]])
-    assert.are.equal(1, rep.snapshots)
-    assert.is_true(rep.api_requests < 130, "a dry run of one create and one snapshot made " .. rep.api_requests ..
-      " requests")
-  end))
+        local argv = { L.BIN, "run", "--json", "--backend", B.url, home .. "/r.lua" }
+        argv.env = { HOME = home, XDG_STATE_HOME = home .. "/state", PATH = os.getenv("PATH"),
+          RENDER_API_KEY = B.key, RENDER_WORKSPACE_ID = B.workspace }
+        argv.env_mode = "replace"
+        local real = proc.run(argv)
+        assert.are.equal(0, real.code, real.stderr)
+        local real_rep = json.decode(real.stdout:match("([^\n]+)\n?$"))
+        local d = moonbox(home, { "run", "--dry-run", "--json", home .. "/r.lua" })
+        assert.are.equal(0, d.code, d.stderr)
+        local dry_rep = json.decode(d.stdout:match("([^\n]+)\n?$"))
+        assert.is_true(math.type(real_rep.api_calls) == "integer" and real_rep.api_calls >= 4,
+          tostring(real_rep.api_calls))
+        assert.is_true(math.type(dry_rep.api_calls) == "integer" and dry_rep.api_calls >= 4,
+          tostring(dry_rep.api_calls))
+        assert.is_true(dry_rep.api_calls <= 2 * real_rep.api_calls, string.format("the dry run made %d " ..
+          "API calls, moonbox local %d", dry_rep.api_calls, real_rep.api_calls))
+        assert.are.equal(1, dry_rep.snapshots)
+      end)
+      B:destroy()
+      proc.run { "rm", "-rf", home }
+      if not ok then error(err, 0) end
+    end))
 
   it("enforces budgets on the simulated backend: the sandbox count before sending, the seconds by terminating",
     run(function()

@@ -11,12 +11,14 @@
 local M = {}
 
 --- dryrun.DURATIONS: the simulated seconds each operation takes unless render.dry_run.durations
--- says otherwise — what moonbox local takes on this kind of machine (docs/reference/render.md,
--- "Dry runs"), so that the client's waits poll as often as they do against moonbox local:
+-- says otherwise — what moonbox local takes (measured on a 2-core machine: a create runs in 8-17
+-- ms, a restore in 16-29 ms, an exec round trip 11-14 ms, a capture is seen available 19-51 ms
+-- after it was asked, an upload 3-4 ms), so that the client's waits poll as often as they do
+-- against moonbox local (spec/render_dryrun_spec.lua pins at most twice its requests):
 -- create (a fresh sandbox until it runs), restore (a sandbox from a snapshot until it runs),
 -- exec (a command no hook times, unless it is a plain `sleep N`), snapshot (a capture until
 -- available), transfer (one upload or download).
-M.DURATIONS = { create = 0.03, restore = 0.03, exec = 0.005, snapshot = 0.03, transfer = 0.002 }
+M.DURATIONS = { create = 0.02, restore = 0.02, exec = 0.01, snapshot = 0.03, transfer = 0.004 }
 
 --- dryrun.MAX_SIMULATED: the simulated seconds a dry run may last unless the recipe says
 -- otherwise (render.dry_run.limit): one day. A recipe that polls for an output no hook gives

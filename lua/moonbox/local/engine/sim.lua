@@ -4,8 +4,9 @@
 -- A sandbox is a record with a file tree in memory (Fs below, rooted at "/", with the home
 -- directory /root). Uploads write into the tree, downloads and listings read it, a capture copies
 -- it into a layer kept by the layer's path, and a restore boots a copy of exactly the tree its
--- snapshot captured. Boots and captures take simulated seconds (opts.duration(kind): "create",
--- "restore", "snapshot"), slept with task.sleep, which the dry run drives on its simulated clock.
+-- snapshot captured. Boots, captures and transfers take simulated seconds (opts.duration(kind):
+-- "create", "restore", "snapshot", "transfer"), slept with task.sleep, which the dry run drives
+-- on its simulated clock.
 --
 -- Commands arrive as the structured command the client built (eng:exec's opts.intent, carried by
 -- the in-memory transport beside the wire body; moonbox.render.exec documents its fields), never
@@ -375,7 +376,8 @@ local function engine_error(op, code, id, message)
 end
 
 --- sim.new(opts) -> Engine. opts: now (epoch seconds, the clock files are stamped with),
--- duration(kind) -> seconds ("create", "restore", "snapshot"), answer(text, sandbox_id, intent)
+-- duration(kind) -> seconds ("create", "restore", "snapshot", "exec", "transfer"),
+-- answer(text, sandbox_id, intent)
 -- -> {code, stdout, stderr, seconds} | nil, download(path, sandbox_id) -> string | nil,
 -- observe(what, fields) -> the step's fields (the report may complete them), temp_dir (a private
 -- host directory for the archives of directory transfers). Does not yield.
@@ -582,8 +584,9 @@ local function byte_stream(data)
 end
 
 --- files:read(id, path) -> p, size: the file's bytes as a stream (p:read("stdout") until nil,
--- p:wait()). Raises not_found, is_directory. Does not yield.
+-- p:wait()), after the simulated transfer seconds. Raises not_found, is_directory. [yields]
 function Files:read(id, path)
+  task.sleep(self.engine.duration("transfer"))
   local fs = sandbox_fs(self, "read", id)
   local data, errno = fs:read(path)
   if not data and errno == "ENOENT" then data = self.engine.download(path, id) end
@@ -605,9 +608,10 @@ end
 -- Paths the client keeps its own files at (an exec's env file): not the recipe's uploads.
 local function private(path) return path:sub(1, 14) == "/dev/.moonbox/" end
 
---- files:write(id, path, body) writes the upload's bytes as the file at path (parents made).
--- Raises is_directory, not_directory. Does not yield.
+--- files:write(id, path, body) writes the upload's bytes as the file at path (parents made),
+-- after the simulated transfer seconds. Raises is_directory, not_directory. [yields]
 function Files:write(id, path, body)
+  task.sleep(self.engine.duration("transfer"))
   local fs = sandbox_fs(self, "write", id)
   local data = body_bytes(body)
   local ok, errno = fs:write(path, data)
@@ -680,6 +684,7 @@ end
 -- "..", symlinks that stay inside, no devices) into a private temporary file, which is then
 -- read into the tree. Raises the archive's errors. [yields]
 function Files:tar_in(id, path, archive_file, opts)
+  task.sleep(self.engine.duration("transfer"))
   local fs = sandbox_fs(self, "tar_in", id)
   local rec = temp(self, "in")
   local ok, err = pcall(function()
@@ -704,6 +709,7 @@ end
 -- host file the caller serves and removes (records written here, packed by
 -- moonbox.archive.from_records). Raises not_found. [yields]
 function Files:tar_out(id, path)
+  task.sleep(self.engine.duration("transfer"))
   local fs = sandbox_fs(self, "tar_out", id)
   local rec, out = temp(self, "out"), temp(self, "out") .. ".tar.gz"
   local ok, err = pcall(function()
