@@ -52,8 +52,8 @@ local Clock = {}
 Clock.__index = Clock
 
 local function new_clock()
-  return setmetatable({ t = 0, base = core.now(), wall = core.time(), timers = {}, wake = core.cond() },
-    Clock)
+  return setmetatable({ t = 0, base = core.now(), wall = core.time(), timers = {}, wake = core.cond(),
+    busy = 0 }, Clock)
 end
 
 -- Adds a wake-up at simulated time `at` that broadcasts cond. Only waits make wake-ups: the
@@ -136,11 +136,26 @@ end
 function Clock:now() return self.base + self.t end
 function Clock:time() return self.wall + self.t end
 
--- The driver: whenever no other task is ready, the clock jumps to the next wake-up.
+--- clock:hold(fn, ...) -> fn's results: runs fn while the clock stands still — real work a task
+-- waits for (a worker thread's archive job, a process) during which no task is ready, and the
+-- clock would otherwise jump to the next simulated wake-up. Raises what fn raises. [yields] as fn.
+function Clock:hold(fn, ...)
+  self.busy = self.busy + 1
+  local r = table.pack(pcall(fn, ...))
+  self.busy = self.busy - 1
+  self.wake:broadcast()
+  if not r[1] then error(r[2], 0) end
+  return table.unpack(r, 2, r.n)
+end
+
+-- The driver: whenever no other task is ready and no real work holds the clock, it jumps to the
+-- next wake-up.
 function Clock:drive()
   while true do
     task.yield()
-    if core.stats().queued == 0 then
+    if core.stats().queued == 0 and self.busy > 0 then
+      self.wake:wait()
+    elseif core.stats().queued == 0 then
       local tm = table.remove(self.timers, 1)
       while tm and tm.dead do tm = table.remove(self.timers, 1) end
       if tm then
@@ -261,6 +276,10 @@ end
 
 local saved -- what start() replaced, put back by stop()
 
+-- The functions whose real work holds the simulated clock still during a dry run (clock:hold).
+local HELD = { { "moonbox.archive", "pack" }, { "moonbox.archive", "unpack" }, { "moonbox.archive", "list" },
+  { "moonbox.archive", "to_records" }, { "moonbox.archive", "from_records" }, { "moonbox.proc", "run" } }
+
 --- dryrun.start() -> Sim: makes this process's render calls go to a new moonbox local with a
 -- simulated engine, on a simulated clock (render.connect and the default connection both give
 -- a dry-run connection), and task.sleep, task.now, task.timeout and the budgets' clock follow
@@ -292,6 +311,16 @@ function M.start()
   end
   budget.clock = { now = function() return clock:now() end,
     wait = function(cond, seconds) clock:wait_for(cond, seconds) end }
+  -- Real work that tasks wait for holds the clock still: the archive jobs (worker threads: the
+  -- client's sb:put_dir and sb:get_dir, the engine's directory transfers) and proc.run.
+  saved.real = {}
+  for _, name in ipairs(HELD) do
+    local mod, fname = name[1], name[2]
+    local m = require(mod)
+    local real = m[fname]
+    saved.real[#saved.real + 1] = { m, fname, real }
+    m[fname] = function(...) return clock:hold(real, ...) end
+  end
   hooks.set_active(true)
   s.driver = task.spawn(function() clock:drive() end)
   core.observe(s.driver)
@@ -308,7 +337,7 @@ function M.start()
   local workspace, user = ids.new("tea"), ids.new("usr")
   local engine = sim_engine.new { now = sclock.time, duration = hooks.duration, answer = hooks.exec_answer,
     download = hooks.download_answer, observe = function(what, f) return s:observed(what, f) end,
-    temp_dir = tmp .. "/transfers" }
+    temp_dir = tmp .. "/transfers", hold = function(fn, ...) return clock:hold(fn, ...) end }
   local srv = memory.new(sclock)
   local backend = { journal = Journal.new(), faults = Faults.new(nil, nil), workspace = workspace,
     state_dir = tmp .. "/state", url = BASE, public_url = BASE, srv = srv, st = st, engine = engine,
@@ -338,6 +367,15 @@ end
 --- dryrun.current() -> the active Sim, or nil.
 function M.current() return sim end
 
+--- dryrun.hold(fn, ...) -> fn's results: runs fn with the simulated clock held still (see
+-- clock:hold): for real work a recipe or a spec waits for during a dry run (a process, a file
+-- job), which would otherwise let simulated time jump ahead. Outside a dry run, calls fn.
+-- Raises what fn raises. [yields] as fn.
+function M.hold(fn, ...)
+  if not sim then return fn(...) end
+  return sim.clock:hold(fn, ...)
+end
+
 --- dryrun.stop() -> report: ends the dry run (the service and its records are closed, the
 -- temporary directory removed, the driver stopped; task.sleep, task.now, task.timeout and the
 -- budgets' clock are real again; render connects for real again; the hooks and durations are
@@ -354,6 +392,10 @@ function M.stop()
   if s.backend.engine.temp_made then pcall(sys.remove_tree, s.temp_dir) end
   task.cancel(s.driver)
   task.sleep, task.now, task.timeout = saved.sleep, saved.now, saved.timeout
+  for i = #saved.real, 1, -1 do
+    local r = saved.real[i]
+    r[1][r[2]] = r[3]
+  end
   budget.clock = saved.clock
   conn.simulate(nil)
   hooks.set_active(false)

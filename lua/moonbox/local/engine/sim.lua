@@ -380,12 +380,14 @@ end
 -- answer(text, sandbox_id, intent)
 -- -> {code, stdout, stderr, seconds} | nil, download(path, sandbox_id) -> string | nil,
 -- observe(what, fields) -> the step's fields (the report may complete them), temp_dir (a private
--- host directory for the archives of directory transfers). Does not yield.
+-- host directory for the archives of directory transfers), hold(fn, ...) (runs real work — the
+-- archive jobs — with the simulated clock held still; default: calls fn). Does not yield.
 function M.new(opts)
   local self = setmetatable({
     now = opts.now or core.time, duration = opts.duration or function() return 0 end,
     answer = opts.answer or function() return nil end, download = opts.download or function() return nil end,
     observe = opts.observe or function(_, f) return f end, temp_dir = opts.temp_dir,
+    hold = opts.hold or function(fn, ...) return fn(...) end,
     sandboxes = {}, layers = {},
   }, Engine)
   self.files = setmetatable({ engine = self }, Files)
@@ -694,7 +696,8 @@ function Files:tar_in(id, path, archive_file, opts)
       f:close()
       archive_file = rec .. ".tar"
     end
-    archive.to_records(archive_file, rec, { max_bytes = opts and opts.max_bytes })
+    self.engine.hold(function(...) return archive.to_records(...) end, archive_file, rec,
+      { max_bytes = opts and opts.max_bytes })
     local made, errno = fs:mkdir_p(path)
     if not made then files_error("tar_in", id, path, errno) end
     local bytes = load_records(fs, path, read_all(rec))
@@ -742,7 +745,7 @@ function Files:tar_out(id, path)
     local f = assert(io.open(rec, "wb"))
     f:write(table.concat(parts))
     f:close()
-    archive.from_records(rec, out)
+    self.engine.hold(function(...) return archive.from_records(...) end, rec, out)
     self.engine.observe("download", { sandbox = id, path = path, bytes = bytes })
   end)
   os.remove(rec)
