@@ -56,10 +56,10 @@ local function new_clock()
     busy = 0 }, Clock)
 end
 
--- Adds a wake-up at simulated time `at` that broadcasts cond. Only waits make wake-ups: the
--- clock never moves to a moment nobody waits for.
-function Clock:at(at, cond)
-  local tm = { at = at, cond = cond }
+-- Adds a wake-up at simulated time `at` that broadcasts cond, for the task owner (default: the
+-- calling one). Only waits make wake-ups: the clock never moves to a moment nobody waits for.
+function Clock:at(at, cond, owner)
+  local tm = { at = at, cond = cond, owner = owner or core.current() }
   local list, i = self.timers, #self.timers
   while i >= 1 and list[i].at > at do i = i - 1 end
   table.insert(list, i + 1, tm)
@@ -78,10 +78,11 @@ function Clock:check_limit()
   end
 end
 
---- clock:wait_for(cond, seconds): waits until cond is broadcast or `seconds` of simulated time
--- have passed, whichever comes first. Raises simulated_time_limit past the limit. [yields]
-function Clock:wait_for(cond, seconds)
-  local tm = self:at(self.t + math.max(seconds, 0), cond)
+--- clock:wait_for(cond, seconds[, owner]): waits until cond is broadcast or `seconds` of
+-- simulated time have passed, whichever comes first (owner: the task the wait is for, default
+-- the calling one). Raises simulated_time_limit past the limit. [yields]
+function Clock:wait_for(cond, seconds, owner)
+  local tm = self:at(self.t + math.max(seconds, 0), cond, owner)
   local ok, err = pcall(cond.wait, cond)
   tm.dead = true
   if not ok then error(err, 0) end
@@ -112,7 +113,7 @@ end
 function Clock:timeout(seconds, fn, ...)
   local me, cond, st = core.current(), core.cond(), {}
   local watcher = task.spawn(function()
-    self:wait_for(cond, seconds)
+    self:wait_for(cond, seconds, me)
     if not st.done then
       st.fired = true
       core.cancel(me)
@@ -148,12 +149,24 @@ function Clock:hold(fn, ...)
   return table.unpack(r, 2, r.n)
 end
 
--- The driver: whenever no other task is ready and no real work holds the clock, it jumps to the
--- next wake-up.
+-- Whether a wake-up is for something that is waited for: not one of the backend's own deadline
+-- timers (clock.background(task), set by dryrun.start: idle and lifetime watchers, snapshot
+-- expiries, the token sweep), which wait on the clock all the time.
+function Clock:foreground_pending()
+  for _, tm in ipairs(self.timers) do
+    if not tm.dead and not (self.background and self.background(tm.owner)) then return true end
+  end
+  return false
+end
+
+-- The driver: whenever no other task is ready, no real work holds the clock and something other
+-- than the backend's own deadlines waits on it, it jumps to the next wake-up (a deadline due
+-- before it fires on the way). Between the tasks that use a dry run (a spec's tests) it stands
+-- still.
 function Clock:drive()
   while true do
     task.yield()
-    if core.stats().queued == 0 and self.busy > 0 then
+    if core.stats().queued == 0 and (self.busy > 0 or not self:foreground_pending()) then
       self.wake:wait()
     elseif core.stats().queued == 0 then
       local tm = table.remove(self.timers, 1)
@@ -354,6 +367,14 @@ function M.start()
     end,
   }
   local_http.install(backend)
+  local svc = backend.svc
+  clock.background = function(t)
+    if t == nil then return false end
+    if svc.tasks.tokens == t then return true end
+    for _, timer in pairs(svc.snap_timers) do if timer == t then return true end end
+    for _, runtime in pairs(svc.runtime) do if runtime.watch == t then return true end end
+    return false
+  end
   backend.svc:start()
   backend.ready = true
   s.backend = backend
