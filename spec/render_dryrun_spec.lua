@@ -274,6 +274,66 @@ sb:snapshot {}
       if not ok then error(err, 0) end
     end))
 
+  it("refuses what the old simulation let through exactly as moonbox local does (same status, same code)",
+    run(function()
+      -- The six ways the dry run's own re-implementation of Render's wire disagreed with moonbox
+      -- local; it is moonbox local's service and routes now, so each request gets moonbox local's
+      -- answer. Asked of a real moonbox local first, then of a dry run, and compared.
+      local D = require "spec.support.dryrun_backend"
+      local function probe(B)
+        local sb = B:create()
+        local function settled(snap)
+          for _ = 1, 600 do
+            local _, got = B:req("GET", L.snapshot_path(snap))
+            if got.status ~= "creating" then return got end
+            task.sleep(0.05)
+          end
+          error("snapshot " .. snap.id .. " still creating")
+        end
+        local rt = settled(B:snapshot(sb.id, "runtime"))
+        local s, named = B:req("POST", "/v1/sandboxes/" .. sb.id .. "/snapshots",
+          { body = { kind = "filesystem", name = "six" } })
+        assert(s == 202, s)
+        settled(named)
+        local other = "tea-aaaaaaaaaaaaaaaaaaaa"
+        local asked = {
+          { "snapshotId and snapshotName together", "POST", "/v1/sandboxes",
+            { body = { ownerId = B.workspace, snapshotId = rt.id, snapshotName = "six" } } },
+          { "a runtime snapshot restored onto another plan", "POST", "/v1/sandboxes",
+            { body = { ownerId = B.workspace, snapshotId = rt.id, plan = "2c-4g" } } },
+          { "a create without ownerId", "POST", "/v1/sandboxes", { body = { plan = "1c-2g" } } },
+          { "a create for another workspace", "POST", "/v1/sandboxes", { body = { ownerId = other } } },
+          { "groups of another workspace", "GET", "/v1/sandbox-groups", { query = { ownerId = other } } },
+          { "snapshots without ownerId", "GET", "/v1/sandbox-groups/" .. rt.sandboxGroupId .. "/snapshots", {} },
+          { "a plain-number cursor", "GET", "/v1/sandboxes", { query = { ownerId = B.workspace, cursor = "1" } } },
+          { "limit 0", "GET", "/v1/sandboxes", { query = { ownerId = B.workspace, limit = "0" } } },
+          { "limit 101", "GET", "/v1/sandboxes", { query = { ownerId = B.workspace, limit = "101" } } },
+          { "an unclean path", "POST", "/v1/sandboxes/" .. sb.id .. "/files/upload/token",
+            { query = { path = "/app/../etc/passwd" } } },
+        }
+        local out = {}
+        for _, a in ipairs(asked) do
+          local status, body = B:req(a[2], a[3], a[4])
+          out[#out + 1] = { a[1], status, type(body) == "table" and body.code or nil }
+        end
+        B:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate")
+        return out
+      end
+      local real_b = L.start()
+      local ok, real = pcall(probe, real_b)
+      real_b:destroy()
+      assert(ok, real)
+      local dry_b = D.start()
+      local dok, dry = pcall(probe, dry_b)
+      dry_b:destroy()
+      assert(dok, dry)
+      for _, r in ipairs(real) do assert.is_true(r[2] >= 400, r[1] .. " was answered " .. r[2]) end
+      assert.are.same(real, dry)
+      assert.are.same({ 409, "snapshot_plan_mismatch" }, { dry[2][2], dry[2][3] })
+      assert.are.same({ 400, "invalid_cursor" }, { dry[7][2], dry[7][3] })
+      assert.are.same({ 400, "invalid_limit" }, { dry[9][2], dry[9][3] })
+    end))
+
   it("enforces budgets on the simulated backend: the sandbox count before sending, the seconds by terminating",
     run(function()
       local home = temp_home()
