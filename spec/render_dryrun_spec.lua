@@ -324,14 +324,14 @@ sb:snapshot {}
       real_b:destroy()
       assert(ok, real)
       local dry_b = D.start()
-      local dok, dry = pcall(probe, dry_b)
+      local dok, simulated = pcall(probe, dry_b)
       dry_b:destroy()
-      assert(dok, dry)
+      assert(dok, simulated)
       for _, r in ipairs(real) do assert.is_true(r[2] >= 400, r[1] .. " was answered " .. r[2]) end
-      assert.are.same(real, dry)
-      assert.are.same({ 409, "snapshot_plan_mismatch" }, { dry[2][2], dry[2][3] })
-      assert.are.same({ 400, "invalid_cursor" }, { dry[7][2], dry[7][3] })
-      assert.are.same({ 400, "invalid_limit" }, { dry[9][2], dry[9][3] })
+      assert.are.same(real, simulated)
+      assert.are.same({ 409, "snapshot_plan_mismatch" }, { simulated[2][2], simulated[2][3] })
+      assert.are.same({ 400, "invalid_cursor" }, { simulated[7][2], simulated[7][3] })
+      assert.are.same({ 400, "invalid_limit" }, { simulated[9][2], simulated[9][3] })
     end))
 
   it("enforces budgets on the simulated backend: the sandbox count before sending, the seconds by terminating",
