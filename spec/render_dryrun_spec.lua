@@ -175,6 +175,10 @@ print(m.code, m.stderr == "make all failed in " .. sb.id)
 print(sb:run_sync("make test").code)
 local plain = sb:exec({ "ls", "-l", "/" })
 print(plain.code, plain.stdout == "", plain.stderr == "")
+-- env travels as a file the command's wrapper sources and removes; the simulated engine,
+-- told so by the structured command, removes it too
+sb:exec("true", { env = { SECRET = "s3" } })
+print(#sb:ls("/dev/.moonbox"))
 print(sb:download("/out/report.txt"))
 -- what nothing wrote and no hook gives is not there, as on moonbox local
 print(select(2, pcall(sb.download, sb, "never/written")).code)
@@ -188,7 +192,7 @@ print(select(2, pcall(sb.get_dir, sb, "/nothing/here", LOCAL .. "/empty")).code)
 sb:get_dir("d", LOCAL .. "/d")
 ]])
       assert.is_nil(err)
-      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\nreport of /out/report.txt\nfile_not_found\n" ..
+      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\n0\nreport of /out/report.txt\nfile_not_found\n" ..
         "a.txt=2 b.txt=3 d:directory\nfile_not_found\n", out)
       assert.are.same({ "a.txt", "b.txt" }, (function()
         local names = sys.listdir(dir .. "/d")
@@ -196,7 +200,7 @@ sb:get_dir("d", LOCAL .. "/d")
         return names
       end)(), "a directory comes back as it was uploaded")
       assert.are.equal("bbb", files.read(dir .. "/d/b.txt"))
-      assert.are.equal(4, rep.execs)
+      assert.are.equal(5, rep.execs)
       local by_cmd = {}
       for _, s in ipairs(rep.steps) do if s.what == "exec" then by_cmd[s.command] = s end end
       assert.are.equal(30, by_cmd["make all"].seconds)
@@ -221,6 +225,10 @@ print(ok, e.code, math.floor(task.now() - t0))
 local p = sb:spawn("sleep 100")
 task.sleep(1)
 print(p:kill("TERM"), p:wait().code)
+-- the backend's records read the same clock: a create an hour and more later says so
+local later <close> = render.sandboxes.create {}
+local rfc = require "moonbox.rfc3339"
+print(math.floor(rfc.parse(later.created_at) - rfc.parse(sb.created_at)))
 ]])
       assert.is_nil(err)
       local lines = {}
@@ -229,6 +237,8 @@ print(p:kill("TERM"), p:wait().code)
       assert.is_true(elapsed >= 4200 and elapsed < 4210, out)
       assert.are.equal("false\ttimeout\t" .. (elapsed + 5), lines[2])
       assert.are.equal("signalled\t143", lines[3])
+      local apart = tonumber(lines[4])
+      assert.is_true(apart >= 4205 and apart <= 4207, out)
       assert.is_true(rep.sandbox_seconds >= 4206 and rep.sandbox_seconds < 4216, tostring(rep.sandbox_seconds))
       assert.is_true(rep.simulated_s >= 4206, tostring(rep.simulated_s))
       local killed = 0

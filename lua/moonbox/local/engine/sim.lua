@@ -381,13 +381,16 @@ end
 -- -> {code, stdout, stderr, seconds} | nil, download(path, sandbox_id) -> string | nil,
 -- observe(what, fields) -> the step's fields (the report may complete them), temp_dir (a private
 -- host directory for the archives of directory transfers), hold(fn, ...) (runs real work — the
--- archive jobs — with the simulated clock held still; default: calls fn). Does not yield.
+-- archive jobs — with the simulated clock held still; default: calls fn), builtin(fs, argv) ->
+-- handled, exit_code, stdout, stderr (commands carried out on the sandbox's tree, asked before
+-- answer: moonbox.local.engine.coreutils.run; argv is the command's argv, or its words when its
+-- text is a plain command, sim.words). Does not yield.
 function M.new(opts)
   local self = setmetatable({
     now = opts.now or core.time, duration = opts.duration or function() return 0 end,
     answer = opts.answer or function() return nil end, download = opts.download or function() return nil end,
     observe = opts.observe or function(_, f) return f end, temp_dir = opts.temp_dir,
-    hold = opts.hold or function(fn, ...) return fn(...) end,
+    hold = opts.hold or function(fn, ...) return fn(...) end, builtin = opts.builtin,
     sandboxes = {}, layers = {},
   }, Engine)
   self.files = setmetatable({ engine = self }, Files)
@@ -467,7 +470,15 @@ function Engine:exec(id, command, opts)
     sb.marked[ex.id] = nil
     return new_handle(sb, nil, { code = 143, stdout = "", stderr = "", seconds = 0 })
   end
-  local r = self.answer(text, id, intent)
+  local r
+  local argv = self.builtin and (ex and ex.argv or M.words(text))
+  if argv then
+    local handled, code, stdout, stderr = self.builtin(sb.fs, argv)
+    if handled then
+      r = { code = code or 0, stdout = stdout or "", stderr = stderr or "", seconds = self.duration("exec") }
+    end
+  end
+  if r == nil then r = self.answer(text, id, intent) end
   if r == nil then
     r = { code = 0, stdout = "", stderr = "", seconds = sleep_seconds(ex, text) or self.duration("exec") }
   end
