@@ -201,6 +201,7 @@ function Sim:step(what, fields)
   return fields
 end
 
+-- Counts the sandbox-seconds up to now and changes the live count (of plan) by delta.
 function Sim:live_changed(delta, plan)
   local now = self.clock.t
   -- sandbox-seconds accrue between changes of the live count

@@ -88,6 +88,7 @@ function Fs:parent(path)
   return dir, names[#names]
 end
 
+-- The size stat reports: a file's bytes, a symlink's target length, 4096 for a directory.
 local function node_size(node)
   if node.type == "file" then return #node.data end
   if node.type == "symlink" then return #node.target end
@@ -95,7 +96,8 @@ local function node_size(node)
 end
 
 --- fs:lstat(path) -> nil | {type = "file"|"directory"|"symlink", size, mtime, target, mode}: what
--- is at path, a final symlink not followed. Does not yield.
+-- is at path, a final symlink not followed (nor one on the way: the tree resolves names only
+-- through directories; a sharp edge of the simulation). Does not yield.
 function Fs:lstat(path)
   local names = split(path)
   local node = names and self:walk(names)
@@ -225,6 +227,7 @@ function Fs:mkdir_p(path)
   return true
 end
 
+-- A deep copy of a node and everything under it.
 local function copy_node(node)
   local out = {}
   for k, v in pairs(node) do out[k] = v end
@@ -443,8 +446,8 @@ function Engine:thaw(id) self:live("thaw", id).frozen = nil end
 --- eng:exec(id, command, opts) -> handle (read/wait/kill/detach). opts.intent: the client's
 -- structured command (see the file's header); command, the wire's text, is only reported when
 -- there is none. A kill intent answers "signalled", "marked" or "gone" on stdout at once; an exec
--- marked killed before it started exits 143 without running. [yields] (no: it starts the
--- simulated command in a task and returns).
+-- marked killed before it started exits 143 without running. Raises not_found / not_running.
+-- Yields only in a hook that does: the simulated command runs in a task of its own.
 function Engine:exec(id, command, opts)
   local sb = self:live("exec", id)
   local intent = opts and opts.intent or nil
@@ -529,16 +532,19 @@ local ERRNO = {
   EACCES = { "permission_denied", "permission denied" },
 }
 
+-- Raises the real engine's error for errno (code and message as moonbox.local.engine.files's).
 local function files_error(op, id, path, errno)
   local e = ERRNO[errno] or { "io_error", errno }
   error(core.Error.new { op = "local.engine." .. op, code = e[1], sandbox_id = id, path = path,
     message = "sandbox " .. id .. ": " .. e[2] .. " (" .. path .. ")" }, 0)
 end
 
+-- The tree of a running sandbox; raises not_found / not_running.
 local function sandbox_fs(self, op, id)
   return self.engine:live(op, id).fs
 end
 
+-- A listing entry as the real engine's files:stat/list give it.
 local function entry(name, st)
   return { name = name, type = st.type, size = st.size, modifiedAt = st.mtime, mtime = st.mtime,
     target = st.target, mode = st.mode }
@@ -685,6 +691,7 @@ local function load_records(fs, base, data)
   return bytes
 end
 
+-- The bytes of a host file.
 local function read_all(path)
   local f = assert(io.open(path, "rb"))
   local data = f:read("a")

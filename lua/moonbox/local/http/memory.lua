@@ -74,6 +74,7 @@ function Server:set_key(key)
   return self
 end
 
+-- (see srv:set_key)
 function Server:token_put(token, id, scope, ttl)
   self.tokens[token] = { id = id, scope = scope, expires = self.clock.now() + ttl }
   return self
@@ -86,10 +87,12 @@ function Server:close() self.closed = true end
 
 -- ---- requests and answers -----------------------------------------------------------------
 
+-- s with its %XX escapes decoded.
 local function unescape(s)
   return (s:gsub("%%(%x%x)", function(h) return string.char(tonumber(h, 16)) end))
 end
 
+-- The query string's {name, value} pairs in order, decoded ("+" is a space).
 local function parse_query(q)
   local list = {}
   for pair in (q or ""):gmatch("[^&]+") do
@@ -116,6 +119,7 @@ end
 
 function Request:header(name) return self.headers[name:lower()] end
 
+-- The bytes of a client's body_file; raises as moonbox.http does for one it cannot read.
 local function read_file(path)
   local f = io.open(path, "rb")
   if not f then
@@ -131,10 +135,13 @@ end
 local Response = {}
 Response.__index = Response
 
+-- A Response nobody has answered yet.
 local function new_response()
   return setmetatable({ cond = core.cond(), chunks = {}, events = {}, head = 1 }, Response)
 end
 
+-- Sets the answer's status and headers (names lower-cased; default_type when the body has one
+-- and no Content-Type was given); raises when an answer was sent already.
 local function set_head(self, status, headers, default_type, has_body)
   if self.status then error("res: an answer was sent already", 3) end
   self.status = status
@@ -183,11 +190,13 @@ function Response:sent() return self.status ~= nil or self.dropped == true end
 local Writer = {}
 Writer.__index = Writer
 
+-- Raises what a writer gets once its client has gone (code client_gone, as httpd's).
 local function client_gone(w)
   error(core.Error.new { op = "w:write", code = "client_gone", message = "the client went away" }, 0)
   return w
 end
 
+-- Queues a body chunk (a string) or an event (a table) for the reader and wakes it.
 local function push(w, item)
   local r = w.res
   if r.closed_by_client then client_gone(w) end
@@ -203,12 +212,16 @@ function Response:stream(status, headers)
   return setmetatable({ res = self }, Writer)
 end
 
+--- w:write(chunk), w:sse(event, data), w:sse_output(stream, data), w:comment(text),
+-- w:pending() -> 0: as httpd's writers (an event is handed to the reader as it is, never
+-- serialised; a comment is dropped). Raise client_gone once the reader closed. Do not yield.
 function Writer:write(chunk) push(self, chunk) end
 function Writer:sse(event, data) push(self, { event = event, data = data }) end
 function Writer:sse_output(stream, data) push(self, { event = "output", stream = stream, data = data }) end
 function Writer:comment() if self.res.closed_by_client then client_gone(self) end end
 function Writer.pending() return 0 end
 
+--- w:close(): ends the stream after what is queued. Idempotent. Does not yield.
 function Writer:close()
   if self.closed then return end
   self.closed = true
@@ -218,6 +231,7 @@ end
 
 -- ---- dispatch ------------------------------------------------------------------------------
 
+-- Answers {"message": message} with status, as the server's own refusals are.
 local function refuse(res, status, message)
   res:send(status, json.encode({ message = message }), { ["Content-Type"] = "application/json" })
 end
