@@ -10,7 +10,8 @@ local sys = require "moonbox.sys"
 local task = require "moonbox.task"
 local ids = require "moonbox.ids"
 local render = require "moonbox.render"
-local dryrun = require "moonbox.render.dryrun"
+local dryrun = require "moonbox.dryrun"
+local dryrun_hooks = require "moonbox.render.dryrun"
 local L = require "spec.support.local_backend"
 local files = require "spec.support.files"
 
@@ -75,10 +76,14 @@ describe("moonbox run --dry-run", function()
         -- requests (data plane included) are at least as many
         assert.is_true(math.type(rep.api_calls) == "integer" and rep.api_calls > 0, tostring(rep.api_calls))
         assert.is_true(rep.api_requests >= rep.api_calls, rep.api_requests .. " < " .. rep.api_calls)
-        -- the sandbox-seconds at the default durations: the first sandbox lives the whole run,
-        -- the three restores at least their restore and one exec each
-        assert.is_true(rep.sandbox_seconds >= rep.simulated_s + 3 * (3 + 1), tostring(rep.sandbox_seconds))
-        assert.is_true(rep.simulated_s >= 2 + 3 * 1 + 5 + 3 + 1, tostring(rep.simulated_s))
+        -- the sandbox-seconds at the default durations (moonbox local's): the first sandbox
+        -- lives the whole run, the three restores at least their restore and one exec each
+        local d = rep.durations
+        assert.are.same(dryrun_hooks.DURATIONS, d)
+        assert.is_true(rep.sandbox_seconds >= rep.simulated_s + 3 * (d.restore + d.exec) - 1e-6,
+          tostring(rep.sandbox_seconds))
+        assert.is_true(rep.simulated_s >= d.create + 3 * d.exec + d.snapshot + d.restore + d.exec - 1e-6,
+          tostring(rep.simulated_s))
         local whats = {}
         for _, s in ipairs(rep.steps) do whats[#whats + 1] = s.what end
         assert.are.same({ "create", "exec", "upload", "exec", "download", "exec", "snapshot", "restore",
@@ -170,20 +175,32 @@ print(m.code, m.stderr == "make all failed in " .. sb.id)
 print(sb:run_sync("make test").code)
 local plain = sb:exec({ "ls", "-l", "/" })
 print(plain.code, plain.stdout == "", plain.stderr == "")
+-- env travels as a file the command's wrapper sources and removes; the simulated engine,
+-- told so by the structured command, removes it too
+sb:exec("true", { env = { SECRET = "s3" } })
+print(#sb:ls("/dev/.moonbox"))
 print(sb:download("/out/report.txt"))
-print(#sb:download("never/written"))
+-- what nothing wrote and no hook gives is not there, as on moonbox local
+print(select(2, pcall(sb.download, sb, "never/written")).code)
 sb:upload("d/a.txt", "aa")
 sb:upload("d/b.txt", "bbb")
 local names = {}
 for _, e in ipairs(sb:ls("d")) do names[#names + 1] = e.name .. "=" .. e.size end
 for _, e in ipairs(sb:ls(".")) do names[#names + 1] = e.name .. ":" .. e.type end
 print(table.concat(names, " "))
-sb:get_dir("/nothing/here", LOCAL .. "/empty")
+print(select(2, pcall(sb.get_dir, sb, "/nothing/here", LOCAL .. "/empty")).code)
+sb:get_dir("d", LOCAL .. "/d")
 ]])
       assert.is_nil(err)
-      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\nreport of /out/report.txt\n0\na.txt=2 b.txt=3 d:directory\n", out)
-      assert.are.same({}, sys.listdir(dir .. "/empty"), "a directory nothing was put at comes back empty")
-      assert.are.equal(4, rep.execs)
+      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\n0\nreport of /out/report.txt\nfile_not_found\n" ..
+        "a.txt=2 b.txt=3 d:directory\nfile_not_found\n", out)
+      assert.are.same({ "a.txt", "b.txt" }, (function()
+        local names = sys.listdir(dir .. "/d")
+        table.sort(names)
+        return names
+      end)(), "a directory comes back as it was uploaded")
+      assert.are.equal("bbb", files.read(dir .. "/d/b.txt"))
+      assert.are.equal(5, rep.execs)
       local by_cmd = {}
       for _, s in ipairs(rep.steps) do if s.what == "exec" then by_cmd[s.command] = s end end
       assert.are.equal(30, by_cmd["make all"].seconds)
@@ -208,6 +225,10 @@ print(ok, e.code, math.floor(task.now() - t0))
 local p = sb:spawn("sleep 100")
 task.sleep(1)
 print(p:kill("TERM"), p:wait().code)
+-- the backend's records read the same clock: a create an hour and more later says so
+local later <close> = render.sandboxes.create {}
+local rfc = require "moonbox.rfc3339"
+print(math.floor(rfc.parse(later.created_at) - rfc.parse(sb.created_at)))
 ]])
       assert.is_nil(err)
       local lines = {}
@@ -216,6 +237,8 @@ print(p:kill("TERM"), p:wait().code)
       assert.is_true(elapsed >= 4200 and elapsed < 4210, out)
       assert.are.equal("false\ttimeout\t" .. (elapsed + 5), lines[2])
       assert.are.equal("signalled\t143", lines[3])
+      local apart = tonumber(lines[4])
+      assert.is_true(apart >= 4205 and apart <= 4207, out)
       assert.is_true(rep.sandbox_seconds >= 4206 and rep.sandbox_seconds < 4216, tostring(rep.sandbox_seconds))
       assert.is_true(rep.simulated_s >= 4206, tostring(rep.simulated_s))
       local killed = 0
@@ -223,21 +246,103 @@ print(p:kill("TERM"), p:wait().code)
       assert.are.equal(2, killed) -- the timed-out exec and the killed one
     end))
 
-  it("waits on the simulated clock: one create and one sb:snapshot{} poll as they would for real", run(function()
-    -- The client's waits read task's clock, which the dry run drives (one clock, tests/lint/
-    -- layers.py). When they read core.now (real time) while sleeping on the simulated one, a
-    -- simulated 5 s capture was polled at real-time speed: 1,475 requests for these two calls.
-    -- Now: the create's doubling poll over its 2 s boot, and the snapshot's adaptive poll
-    -- (about log(5 s / 50 ms) / log(1.05) looks).
-    local rep = dry([[
+  it("makes at most twice the requests of the same recipe against moonbox local (create + sb:snapshot{})",
+    run(function()
+      -- The dry run's durations default to what moonbox local takes (render.dry_run's DURATIONS),
+      -- so the client's waits poll a simulated boot and capture as often as they poll real ones:
+      -- wait_running's doubling poll from 10 ms, the capture's adaptive poll whose first look is
+      -- at 50 ms. At Render-like durations (a 5 s capture) the adaptive poll alone made ~94 looks
+      -- against moonbox local's 1 or 2. Both summaries count under the same key, api_calls.
+      local home = temp_home()
+      local B = L.start()
+      local ok, err = pcall(function()
+        write(home .. "/r.lua", [[
 local render = require "moonbox.render"
 local sb <close> = render.sandboxes.create {}
 sb:snapshot {}
 ]])
-    assert.are.equal(1, rep.snapshots)
-    assert.is_true(rep.api_requests < 130, "a dry run of one create and one snapshot made " .. rep.api_requests ..
-      " requests")
-  end))
+        local argv = { L.BIN, "run", "--json", "--backend", B.url, home .. "/r.lua" }
+        argv.env = { HOME = home, XDG_STATE_HOME = home .. "/state", PATH = os.getenv("PATH"),
+          RENDER_API_KEY = B.key, RENDER_WORKSPACE_ID = B.workspace }
+        argv.env_mode = "replace"
+        local real = proc.run(argv)
+        assert.are.equal(0, real.code, real.stderr)
+        local real_rep = json.decode(real.stdout:match("([^\n]+)\n?$"))
+        local d = moonbox(home, { "run", "--dry-run", "--json", home .. "/r.lua" })
+        assert.are.equal(0, d.code, d.stderr)
+        local dry_rep = json.decode(d.stdout:match("([^\n]+)\n?$"))
+        assert.is_true(math.type(real_rep.api_calls) == "integer" and real_rep.api_calls >= 4,
+          tostring(real_rep.api_calls))
+        assert.is_true(math.type(dry_rep.api_calls) == "integer" and dry_rep.api_calls >= 4,
+          tostring(dry_rep.api_calls))
+        assert.is_true(dry_rep.api_calls <= 2 * real_rep.api_calls, string.format("the dry run made %d " ..
+          "API calls, moonbox local %d", dry_rep.api_calls, real_rep.api_calls))
+        assert.are.equal(1, dry_rep.snapshots)
+      end)
+      B:destroy()
+      proc.run { "rm", "-rf", home }
+      if not ok then error(err, 0) end
+    end))
+
+  it("refuses what the old simulation let through exactly as moonbox local does (same status, same code)",
+    run(function()
+      -- The six ways the dry run's own re-implementation of Render's wire disagreed with moonbox
+      -- local; it is moonbox local's service and routes now, so each request gets moonbox local's
+      -- answer. Asked of a real moonbox local first, then of a dry run, and compared.
+      local D = require "spec.support.dryrun_backend"
+      local function probe(B)
+        local sb = B:create()
+        local function settled(snap)
+          for _ = 1, 600 do
+            local _, got = B:req("GET", L.snapshot_path(snap))
+            if got.status ~= "creating" then return got end
+            task.sleep(0.05)
+          end
+          error("snapshot " .. snap.id .. " still creating")
+        end
+        local rt = settled(B:snapshot(sb.id, "runtime"))
+        local s, named = B:req("POST", "/v1/sandboxes/" .. sb.id .. "/snapshots",
+          { body = { kind = "filesystem", name = "six" } })
+        assert(s == 202, s)
+        settled(named)
+        local other = "tea-aaaaaaaaaaaaaaaaaaaa"
+        local asked = {
+          { "snapshotId and snapshotName together", "POST", "/v1/sandboxes",
+            { body = { ownerId = B.workspace, snapshotId = rt.id, snapshotName = "six" } } },
+          { "a runtime snapshot restored onto another plan", "POST", "/v1/sandboxes",
+            { body = { ownerId = B.workspace, snapshotId = rt.id, plan = "2c-4g" } } },
+          { "a create without ownerId", "POST", "/v1/sandboxes", { body = { plan = "1c-2g" } } },
+          { "a create for another workspace", "POST", "/v1/sandboxes", { body = { ownerId = other } } },
+          { "groups of another workspace", "GET", "/v1/sandbox-groups", { query = { ownerId = other } } },
+          { "snapshots without ownerId", "GET", "/v1/sandbox-groups/" .. rt.sandboxGroupId .. "/snapshots", {} },
+          { "a plain-number cursor", "GET", "/v1/sandboxes", { query = { ownerId = B.workspace, cursor = "1" } } },
+          { "limit 0", "GET", "/v1/sandboxes", { query = { ownerId = B.workspace, limit = "0" } } },
+          { "limit 101", "GET", "/v1/sandboxes", { query = { ownerId = B.workspace, limit = "101" } } },
+          { "an unclean path", "POST", "/v1/sandboxes/" .. sb.id .. "/files/upload/token",
+            { query = { path = "/app/../etc/passwd" } } },
+        }
+        local out = {}
+        for _, a in ipairs(asked) do
+          local status, body = B:req(a[2], a[3], a[4])
+          out[#out + 1] = { a[1], status, type(body) == "table" and body.code or nil }
+        end
+        B:req("POST", "/v1/sandboxes/" .. sb.id .. "/terminate")
+        return out
+      end
+      local real_b = L.start()
+      local ok, real = pcall(probe, real_b)
+      real_b:destroy()
+      assert(ok, real)
+      local dry_b = D.start()
+      local dok, simulated = pcall(probe, dry_b)
+      dry_b:destroy()
+      assert(dok, simulated)
+      for _, r in ipairs(real) do assert.is_true(r[2] >= 400, r[1] .. " was answered " .. r[2]) end
+      assert.are.same(real, simulated)
+      assert.are.same({ 409, "snapshot_plan_mismatch" }, { simulated[2][2], simulated[2][3] })
+      assert.are.same({ 400, "invalid_cursor" }, { simulated[7][2], simulated[7][3] })
+      assert.are.same({ 400, "invalid_limit" }, { simulated[9][2], simulated[9][3] })
+    end))
 
   it("enforces budgets on the simulated backend: the sandbox count before sending, the seconds by terminating",
     run(function()

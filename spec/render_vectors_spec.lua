@@ -1,13 +1,19 @@
 -- The request vectors listed in docs/wire.md for requests moonbox.render itself sends: paths,
 -- query keys, exact JSON bodies and headers, as the backend's request journal recorded them.
+-- Each runs against `moonbox local` and against a dry run (moonbox.dryrun: the same service and
+-- routes on the simulated engine, over the in-memory transport, whose journal records the same
+-- requests).
 local T = require "moonbox.testing"
 local json = require "moonbox.json"
 local render = require "moonbox.render"
 local L = require "spec.support.local_backend"
+local D = require "spec.support.dryrun_backend"
 
+for _, backend in ipairs({ { "moonbox local", L }, { "a dry run", D } }) do
 local B
 
-L.fixture(setup, teardown, function(b) B = b end)
+describe("against " .. backend[1] .. ":", function()
+backend[2].fixture(setup, teardown, function(b) B = b end)
 
 -- Runs fn and returns the journal entries of the requests it caused.
 local function journaled(fn)
@@ -94,3 +100,5 @@ describe("requests moonbox.render sends (the SDKs' vectors)", function()
     assert.are.equal(json.encode(mint.body), proxy.body_json) -- the full command is sent again
   end))
 end)
+end)
+end

@@ -83,11 +83,11 @@ function M.finish_run()
 end
 
 --- cli.print_dry_run(report, file, want_json, summary_fields): what `moonbox run --dry-run`
--- prints on stdout once the recipe ended: the report as text (moonbox.render.dryrun.text), or
+-- prints on stdout once the recipe ended: the report as text (moonbox.dryrun.text), or
 -- as one JSON line with --json: the dry run's own keys, and the facts `moonbox run --json` has
 -- under its keys (summary_fields: run_summary's s:fields, which win over the report's).
 function M.print_dry_run(rep, file, want_json, summary_fields)
-  local dryrun = lazy["render.dryrun"]
+  local dryrun = lazy.dryrun
   if want_json then
     io.stdout:write(lazy.trace.redact(dryrun.json(rep, summary_fields)), "\n")
   else
@@ -168,8 +168,9 @@ when stderr is not a terminal; on a terminal it is always shown.
 sandboxes have existed S seconds in total, those still running are terminated and the run
 fails with budget_exceeded. A recipe's render.budget{...} can lower them, never raise them.
 
---dry-run runs the recipe against a backend simulated in memory, on a simulated clock: no
-process, no network, no sandbox. Execs exit 0 with empty output unless the recipe's
+--dry-run runs the recipe against moonbox local's own service with a simulated engine, over an
+in-memory transport, on a simulated clock: no process, no network, no sandbox, and every call
+refused as moonbox local refuses it. Execs exit 0 with empty output unless the recipe's
 render.dry_run hooks say otherwise. Then it prints what the run would do: each step in
 simulated time, creates by plan, snapshots, restores, execs, peak live sandboxes and
 sandbox-seconds (with --json: one JSON object instead). Budgets apply. See
@@ -254,7 +255,7 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
       -- recipe file rather than moonbox's own.
       local data = core.data(core.current())
       data.site, data.site_recipe = file, true
-      if dry_run then lazy["render.dryrun"].start() end
+      if dry_run then lazy.dryrun.start() end
       budget_mod.attach(core.current(), budget)
       local progress
       if not dry_run and (want_progress or core.isatty(2)) then
@@ -264,7 +265,7 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
       local r = table.pack(xpcall(chunk, core.msgh, ...))
       if progress then progress:stop() end
       M.finish_run()
-      if dry_run then dry_report = lazy["render.dryrun"].stop() end
+      if dry_run then dry_report = lazy.dryrun.stop() end
       return budget_mod.settle(budget, r)
     end, table.unpack(rest))
     if err ~= nil then

@@ -108,7 +108,10 @@ function M.check_allowed(domains)
   return true
 end
 
-local function now() return core.time() end
+--- svc:now() -> the wall-clock time (epoch seconds) the service's records and deadlines read:
+-- its clock's (opts.clock of service.new; core.time by default, a dry run's simulated one).
+-- Does not yield.
+function Service:now() return self.clock.time() end
 
 local function message_of(err)
   if type(err) == "table" and err.message then return tostring(err.message) end
@@ -125,12 +128,19 @@ end
 
 -- ---- construction --------------------------------------------------------------------------
 
+--- service.REAL_CLOCK: core's clocks, what a service reads unless it is handed another: now()
+-- (monotonic seconds: run grace, rate windows) and time() (epoch seconds: records, deadlines).
+M.REAL_CLOCK = { now = core.now, time = core.time }
+
 --- Service.new(opts) -> Service. opts: st (an open moonbox.local.state), engine, state_dir,
 -- workspace, user, limits (overrides of DEFAULTS), log (function(line)), on_token (function(op,
 -- token, info): the wire's pre-body gate learns about tokens), faults (a moonbox.local.faults
--- injector: its stall rules stop operations at named points). Does not yield.
+-- injector: its stall rules stop operations at named points), clock ({now, time}: the monotonic
+-- seconds and the wall-clock epoch seconds everything the service does reads; default core's,
+-- M.REAL_CLOCK; a dry run hands its simulated one). Does not yield.
 function M.new(opts)
   local self = setmetatable({
+    clock = opts.clock or M.REAL_CLOCK,
     st = opts.st, engine = opts.engine, state_dir = opts.state_dir, workspace = opts.workspace,
     user = opts.user, log = opts.log or function() end, on_token = opts.on_token or function() end,
     faults = opts.faults,
@@ -184,10 +194,10 @@ function Service:emit(id, event, data)
     list = {}
     self.logs[id] = list
   end
-  data.at = data.at or ids.iso(now())
+  data.at = data.at or ids.iso(self:now())
   local size = data.data and #data.data or 0
   list.n = (list.n or 0) + 1
-  list[#list + 1] = { event = event, data = data, t = now(), size = size, n = list.n }
+  list[#list + 1] = { event = event, data = data, t = self:now(), size = size, n = list.n }
   list.bytes = (list.bytes or 0) + size
   while #list > self.limits.log_max or list.bytes > self.limits.log_bytes do
     local old = table.remove(list, 1)
@@ -207,7 +217,7 @@ function Service:log_events(rec)
   local list = self.logs[rec.id]
   if list then return list end
   if rec.status == "terminated" then
-    local t = ids.parse_iso(rec.terminatedAt or "") or now()
+    local t = ids.parse_iso(rec.terminatedAt or "") or self:now()
     return { { event = "lifecycle", data = { type = "terminated", at = rec.terminatedAt }, t = t, size = 0,
       n = 1 } }
   end
@@ -289,7 +299,7 @@ end
 function Service:runtime_of(id)
   local runtime = self.runtime[id]
   if not runtime then
-    runtime = { active = 0, last_activity = now(), ready = core.cond() }
+    runtime = { active = 0, last_activity = self:now(), ready = core.cond() }
     self.runtime[id] = runtime
   end
   return runtime
@@ -327,15 +337,15 @@ function Service:boot(rec, env)
     local ok, err = pcall(self.engine.create, self.engine, rec.id, {
       lowers = rec._lowers or {}, network = rec.networkPolicy.default, env = env,
       allowed = rec.networkPolicy.allowedDomains,
-      dev_records = rec._dev, limits = self:plan_limits(rec.plan),
+      dev_records = rec._dev, limits = self:plan_limits(rec.plan), plan = rec.plan,
     })
     if ok then crash_point(self, "boot", rec.id) end
     if not ok then err = hide_paths(self, message_of(err)) end
     runtime.boot = nil
     if rec.status ~= "creating" or rec._pending then return end -- terminated meanwhile
     if ok then
-      runtime.started = now()
-      runtime.last_activity = now()
+      runtime.started = self:now()
+      runtime.last_activity = self:now()
       if try_status(self, rec, "running") then
         self:watch(rec)
       else
@@ -359,7 +369,7 @@ end
 -- takes over two minutes. [yields]
 function Service:ensure_running(rec)
   local runtime = self:runtime_of(rec.id)
-  local deadline = now() + 120
+  local deadline = self:now() + 120
   while true do
     local s = rec.status
     if rec._pending == "terminate" then fail("not_found", "sandbox " .. rec.id .. " is being terminated") end
@@ -374,11 +384,11 @@ function Service:ensure_running(rec)
         set_status(self, rec, "errored")
         fail("internal", "could not wake sandbox " .. rec.id)
       end
-      runtime.last_activity = now()
+      runtime.last_activity = self:now()
       set_status(self, rec, "running")
       return runtime
     end
-    if now() > deadline then fail("unavailable", "sandbox " .. rec.id .. " is not ready yet", nil, 1) end
+    if self:now() > deadline then fail("unavailable", "sandbox " .. rec.id .. " is not ready yet", nil, 1) end
     runtime.ready:wait()
   end
 end
@@ -388,7 +398,7 @@ end
 function Service:activity(id, delta)
   local runtime = self:runtime_of(id)
   runtime.active = runtime.active + delta
-  runtime.last_activity = now()
+  runtime.last_activity = self:now()
   if runtime.active == 0 and runtime.wake then runtime.wake:broadcast() end
 end
 
@@ -411,7 +421,7 @@ function Service:terminate(rec)
   -- directory and cgroups of every sandbox not live).
   if not ok then self.log("terminating " .. rec.id .. ": " .. message_of(err)) end
   if rec.status == "terminated" then return end -- a concurrent terminate finished first
-  set_status(self, rec, "terminated", { terminatedAt = ids.iso(now()), _pending = State.NONE })
+  set_status(self, rec, "terminated", { terminatedAt = ids.iso(self:now()), _pending = State.NONE })
   runtime.ready:broadcast()
   self.runtime[rec.id] = nil
   retire_logs(self, rec.id)
@@ -621,7 +631,7 @@ function Service:recover()
     local rec = self.st.sandboxes[id]
     pcall(self.engine.terminate, self.engine, id)
     if rec._pending == "terminate" then
-      set_status(self, rec, "terminated", { terminatedAt = ids.iso(now()), _pending = State.NONE })
+      set_status(self, rec, "terminated", { terminatedAt = ids.iso(self:now()), _pending = State.NONE })
       retire_logs(self, id)
     else
       local why = "the moonbox local backend restarted; this sandbox's processes did not survive"
@@ -677,7 +687,7 @@ local function idle_suspend(self, rec)
   if try_status(self, rec, "suspending") then
     suspend_now(self, rec)
   else
-    self:runtime_of(rec.id).last_activity = now() -- not recorded: try again an idle timeout later
+    self:runtime_of(rec.id).last_activity = self:now() -- not recorded: try again an idle timeout later
   end
 end
 
@@ -699,7 +709,7 @@ function Service:watch(rec)
   runtime.wake = runtime.wake or core.cond()
   runtime.watch = task.spawn(function()
     while M.LIVE[rec.status] do
-      local t = now()
+      local t = self:now()
       local lifetime = rec.timeoutSeconds and rec.timeoutSeconds > 0 and runtime.started
         and runtime.started + rec.timeoutSeconds or math.huge
       local idle = (rec.idleTimeoutSeconds or self.limits.idle_timeout_seconds) * self.limits.idle_scale
@@ -730,7 +740,7 @@ function Service:expire_later(snap)
   local at = not snap._deleted and snap.expiresAt and ids.parse_iso(snap.expiresAt)
   if not at or self.snap_timers[snap.id] then return end
   self.snap_timers[snap.id] = task.spawn(function()
-    task.sleep(math.max(0, at - now()))
+    task.sleep(math.max(0, at - self:now()))
     self.snap_timers[snap.id] = nil
     if not snap._deleted then
       -- A snapshot still being captured keeps its files until its capture ends (which frees them).
@@ -748,7 +758,7 @@ local function sweep_tokens(self)
   self.tasks.tokens = task.spawn(function()
     while next(self.tokens) do
       task.sleep(self.limits.token_ttl + 60)
-      local t = now()
+      local t = self:now()
       for tok, info in pairs(self.tokens) do
         if info.expires < t - 60 then
           self.tokens[tok] = nil
@@ -763,7 +773,7 @@ end
 -- ---- groups ----------------------------------------------------------------------------------
 
 local function new_group(self, name, is_default, limit)
-  local t = ids.iso(now())
+  local t = ids.iso(self:now())
   local g = {
     id = ids.new("sbg"), ownerId = self.workspace, name = name, region = self.limits.region,
     isDefault = is_default, environmentId = nil, concurrencyLimit = limit or self.limits.concurrency_limit,
@@ -950,7 +960,7 @@ function Service:create_sandbox(p)
     region = self.limits.region,
     timeoutSeconds = p.timeout or self.limits.timeout_seconds,
     idleTimeoutSeconds = p.idle_timeout or self.limits.idle_timeout_seconds,
-    createdAt = ids.iso(now()), terminatedAt = nil,
+    createdAt = ids.iso(self:now()), terminatedAt = nil,
     sandboxGroupId = group.id, name = p.name,
     _lowers = snap and snap._layers or {}, _snapshot = snap and snap.id, _dev = snap and snap._dev_records,
   }
@@ -985,7 +995,7 @@ local function new_exec(self, rec, typ, operation, command)
   local e = {
     id = ids.new("exe"), sandboxId = rec.id, type = typ, operation = operation,
     command = command and (#command > 4096 and command:sub(1, 4096) or command) or nil,
-    userId = self.user, startedAt = ids.iso(now()),
+    userId = self.user, startedAt = ids.iso(self:now()),
   }
   self.st:save("exec", e)
   return e
@@ -993,9 +1003,9 @@ end
 
 local function mint(self, rec, exec, scope, path)
   local token = ids.token()
-  local expires = now() + self.limits.token_ttl
+  local expires = self:now() + self.limits.token_ttl
   local info = { sandbox = rec.id, op = scope, path = path, exec = exec.id, expires = expires,
-    minted = now() }
+    minted = self:now() }
   self.tokens[token] = info
   self.on_token("put", token, info, self.limits.token_ttl)
   sweep_tokens(self)
@@ -1027,7 +1037,7 @@ end
 function Service:check_token(token, sandbox_id, scope)
   local info = token and self.tokens[token]
   if not info then fail("unauthorized", "invalid or missing connect token") end
-  if info.expires < now() then fail("unauthorized", "connect token expired; mint a new one") end
+  if info.expires < self:now() then fail("unauthorized", "connect token expired; mint a new one") end
   if info.sandbox ~= sandbox_id or info.op ~= scope then
     fail("forbidden", "this connect token is for another sandbox or operation")
   end
@@ -1039,7 +1049,7 @@ function Service:check_token(token, sandbox_id, scope)
   info.used = true
   -- How long clients take from mint to use (GET /_moonbox/health "tokens"): what the token's
   -- lifetime must cover.
-  local u, age = self.token_use, now() - info.minted
+  local u, age = self.token_use, self:now() - info.minted
   u.spent = u.spent + 1
   if age > u.slowest then u.slowest = age end
   local rec = self.st.sandboxes[info.sandbox]
@@ -1063,19 +1073,22 @@ end
 --- svc:finish_exec(e, code): records an exec's exit code and stop time.
 function Service:finish_exec(e, code)
   e.exitCode = code
-  e.stoppedAt = e.stoppedAt or ids.iso(now())
+  e.stoppedAt = e.stoppedAt or ids.iso(self:now())
   self.st:save("exec", e)
 end
 
 -- ---- runs ---------------------------------------------------------------------------------------
 
---- svc:start_run(rec, command) -> handle: starts `bash -c command` (an engine exec handle:
--- read/wait/kill/detach), the sandbox kept awake until svc:end_run(rec). Raises internal when
--- it cannot start. [yields]
-function Service:start_run(rec, command)
+--- svc:start_run(rec, command[, intent]) -> handle: starts `bash -c command` (an engine exec
+-- handle: read/wait/kill/detach), the sandbox kept awake until svc:end_run(rec). intent: the
+-- structured command the client built (moonbox.render.exec: argv or text, env, cwd, timeout, or
+-- a kill), which only an in-memory request carries (moonbox.local.http.memory) and only the
+-- dry run's engine reads (moonbox.local.engine.sim); the real engine runs command. Raises
+-- internal when it cannot start. [yields]
+function Service:start_run(rec, command, intent)
   self:ensure_running(rec)
   self:activity(rec.id, 1)
-  local ok, h = pcall(self.engine.exec, self.engine, rec.id, command)
+  local ok, h = pcall(self.engine.exec, self.engine, rec.id, command, intent and { intent = intent } or nil)
   if not ok then
     self:activity(rec.id, -1)
     if type(h) == "table" and h.code == "not_running" then
@@ -1108,16 +1121,16 @@ M.RUN_GRACE = 0.1
 local Run = {}
 Run.__index = Run
 
---- svc:run(rec, info, command, sink) -> run: one command's output, collected the same way for
+--- svc:run(rec, info, command, sink[, intent]) -> run: one command's output, collected the same way for
 -- runs/sync and runs/stream. Starts `bash -c command` (svc:start_run: the sandbox kept awake
 -- until run:close()) and reads both pipes, each in a task of its own: every chunk, cut at whole
 -- UTF-8 sequences, goes to sink(stream, data), which may wait (the reader then waits: a slow
 -- consumer holds the command back) and returns the part it keeps (nil: all of it); that part goes
 -- to the sandbox's log, tagged with the exec id. run.cond is broadcast on each change (a stream
--- ended, the command exited); a consumer may broadcast it too. Raises what start_run raises.
--- [yields]
-function Service:run(rec, info, command, sink)
-  local handle = self:start_run(rec, command)
+-- ended, the command exited); a consumer may broadcast it too. intent: as start_run's. Raises
+-- what start_run raises. [yields]
+function Service:run(rec, info, command, sink, intent)
+  local handle = self:start_run(rec, command, intent)
   local run = setmetatable({ svc = self, rec = rec, handle = handle, cond = core.cond(), ended = 0,
     tasks = {} }, Run)
   for _, stream in ipairs({ "stdout", "stderr" }) do
@@ -1140,7 +1153,7 @@ function Service:run(rec, info, command, sink)
   end
   run.tasks[#run.tasks + 1] = task.spawn(function()
     run.ok, run.code = pcall(handle.wait, handle)
-    run.exited_at = core.now()
+    run.exited_at = self.clock.now()
     run.cond:broadcast()
   end)
   return run
@@ -1149,14 +1162,14 @@ end
 --- run:output_ended() -> whether no more output comes: both pipes at EOF, or RUN_GRACE
 -- seconds since the command exited. Does not yield.
 function Run:output_ended()
-  return self.ended == 2 or (self.exited_at ~= nil and core.now() >= self.exited_at + M.RUN_GRACE)
+  return self.ended == 2 or (self.exited_at ~= nil and self.svc.clock.now() >= self.exited_at + M.RUN_GRACE)
 end
 
 --- run:wait_change(): waits for run.cond, or until the output's grace ends once the command
 -- exited. [yields]
 function Run:wait_change()
   if self.exited_at then
-    local left = self.exited_at + M.RUN_GRACE - core.now()
+    local left = self.exited_at + M.RUN_GRACE - self.svc.clock.now()
     if left > 0 then pcall(task.timeout, left, self.cond.wait, self.cond) end
   else
     self.cond:wait()
@@ -1182,11 +1195,11 @@ function Run:close()
   self.svc:end_run(self.rec)
 end
 
---- svc:run_sync(rec, info, command) -> {stdout, stderr, exit_code, truncated}. Runs a command
+--- svc:run_sync(rec, info, command[, intent]) -> {stdout, stderr, exit_code, truncated}. Runs a command
 -- to its end and answers with its output, at most limits.sync_output_max bytes per stream (the
 -- rest is read and dropped, truncated says so): a command printing a gigabyte costs the
 -- backend a megabyte. What is kept goes to the sandbox's log, tagged with the exec id. [yields]
-function Service:run_sync(rec, info, command)
+function Service:run_sync(rec, info, command, intent)
   local cap = self.limits.sync_output_max
   local got = { stdout = { n = 0 }, stderr = { n = 0 } }
   local cut = false
@@ -1199,7 +1212,7 @@ function Service:run_sync(rec, info, command)
     if into.n + #data > cap then cut = true end
     into.n = into.n + #data
     return part
-  end)
+  end, intent)
   local ok, code = pcall(function()
     while not run:output_ended() do run:wait_change() end
     return run:exit_code()
@@ -1324,7 +1337,7 @@ end
 -- files then freed.
 function Service:create_snapshot(rec, p)
   if rec.status ~= "running" then fail("conflict", "sandbox is " .. rec.status, "sandbox_not_running") end
-  local t = now()
+  local t = self:now()
   local snap = {
     id = ids.new("snp"), sandboxGroupId = rec.sandboxGroupId, sourceSandboxId = rec.id,
     kind = p.kind, status = "creating", plan = rec.plan, requestedAt = ids.iso(t),
@@ -1370,7 +1383,7 @@ function Service:create_snapshot(rec, p)
     if not why then crash_point(self, "capture", snap.id) end
     self:activity(rec.id, -1)
     if not why then
-      snap.status, snap.capturedAt, snap.sizeBytes = "available", ids.iso(now()), result.size
+      snap.status, snap.capturedAt, snap.sizeBytes = "available", ids.iso(self:now()), result.size
       snap._layers = result.layers
       snap._dev_records = result.dev_records
       snap._manifest = result.manifest and { files = result.manifest.files, bytes = result.manifest.bytes,

@@ -53,20 +53,22 @@ local function new(kind, url, key, workspace)
   return setmetatable({ kind = kind, base = url, api_key = key, workspace = workspace, calls = {} }, Conn)
 end
 
--- A dry run (moonbox.render.dryrun) in force: every connection is to its simulated backend.
+-- A dry run (moonbox.dryrun) in force: every connection is to its simulated backend.
 local simulated
 
 local function simulated_conn(opts)
   local sim = simulated()
-  local c = new("dry-run", sim.url, require("moonbox.ids").token(), opts.workspace or sim.workspace)
+  local c = new("dry-run", sim.url, sim.api_key, opts.workspace or sim.workspace)
   c.transport = sim.transport
   return c
 end
 
 --- conn.simulate(fn): while fn is set, conn.connect (hence render.connect and the default
 -- connection) makes a connection whose requests go to fn().transport (an object with request
--- and stream, as moonbox.http has) at fn().url, whatever backend was asked for; nil ends that.
--- For moonbox.render.dryrun. Does not yield.
+-- and stream, as moonbox.http has) at fn().url with the API key fn().api_key, whatever backend
+-- was asked for; nil ends that. The transport gets each request's options as moonbox.http would,
+-- plus opts.intent where the client put one (moonbox.render.exec: the structured command beside
+-- the wire body, which moonbox.http ignores). For moonbox.dryrun. Does not yield.
 function M.simulate(fn)
   simulated = fn
 end

@@ -121,6 +121,31 @@ local function wrapper(id, command, cwd, has_env)
 end
 M.wrapper = wrapper
 
+--- exec.intent(cmd, opts, kind) -> the structured command the client built, carried beside the
+-- wire body as the request's opts.intent (the real transport, moonbox.http, sends only the
+-- body; a dry run's engine reads this instead of the wrapper's text, moonbox.local.engine.sim):
+-- {kind = "stream" | "sync", exec = {command = the recipe's text | nil, argv = its argv table
+-- (a copy) | nil, cwd, timeout, env_names (sorted; never the values), env_file (the path of the
+-- env file the wrapper sources and removes), id (the marker name kills address)}}. Does not
+-- yield.
+local function intent_of(cmd, opts, kind, id)
+  local ex = { cwd = opts and opts.cwd, timeout = opts and opts.timeout, id = id }
+  if type(cmd) == "table" then
+    ex.argv = {}
+    for i, a in ipairs(cmd) do ex.argv[i] = tostring(a) end
+  else
+    ex.command = cmd
+  end
+  if opts and type(opts.env) == "table" and next(opts.env) ~= nil then
+    ex.env_names = {}
+    for k in pairs(opts.env) do ex.env_names[#ex.env_names + 1] = tostring(k) end
+    table.sort(ex.env_names)
+    if id then ex.env_file = MARKERS .. "/" .. id .. ".env" end
+  end
+  return { kind = kind, exec = ex }
+end
+M.intent = intent_of
+
 local function command_of(cmd)
   if type(cmd) == "table" then
     local parts = {}
@@ -176,7 +201,8 @@ local function send_kill(sb, id, sig, no_marker)
   local r = api.data(sb:connection(), "sandbox:kill",
     { path = "/sandboxes/" .. sb.id .. "/runs/sync/token", body = { command = script } },
     { method = "POST", body = json.encode({ command = script }), timeout = 30,
-      headers = { ["Content-Type"] = "application/json" } },
+      headers = { ["Content-Type"] = "application/json" },
+      intent = { kind = "sync", kill = { id = id, signal = sig, mark = not no_marker } } },
     { name = "sandbox:kill.run", span_path = "/sandboxes/" .. sb.id .. "/runs/sync", sandbox_id = sb.id,
       repeatable = true })
   local d = json.decode(r.body)
@@ -272,8 +298,9 @@ local function check_opts(opts, fname)
   return env_file(opts.env, 3)
 end
 
---- Starts a command and returns its Process; the stream is read by a task of its own. [yields]
-local function start(sb, command, env_text, opts, line_stream)
+--- Starts a command (cmd as the recipe gave it, command its text) and returns its Process; the
+-- stream is read by a task of its own. [yields]
+local function start(sb, cmd, command, env_text, opts, line_stream)
   local id = ids.new("exe"):sub(5) -- a private marker name, not an API id
   -- Uploads land root-owned 0600, in the in-memory /dev area.
   if env_text then files.upload(sb, MARKERS .. "/" .. id .. ".env", env_text) end
@@ -281,7 +308,8 @@ local function start(sb, command, env_text, opts, line_stream)
   local started, resp, tok, span = pcall(api.data, sb:connection(), "sandbox:exec",
     { path = "/sandboxes/" .. sb.id .. "/runs/stream/token", body = { command = script } },
     { method = "POST", body = json.encode({ command = script }), stream = true, idle_timeout = 60,
-      headers = { Accept = "text/event-stream", ["Content-Type"] = "application/json" } },
+      headers = { Accept = "text/event-stream", ["Content-Type"] = "application/json" },
+      intent = intent_of(cmd, opts, "stream", id) },
     { name = "sandbox:exec.stream", span_path = "/sandboxes/" .. sb.id .. "/runs/stream",
       sandbox_id = sb.id })
   if not started then
@@ -378,13 +406,13 @@ function M.exec(sb, cmd, opts)
   opts = opts or {}
   local env_text = check_opts(opts, "exec")
   local command = command_of(cmd)
-  if not opts.timeout then return start(sb, command, env_text, opts):wait() end
+  if not opts.timeout then return start(sb, cmd, command, env_text, opts):wait() end
   if type(opts.timeout) ~= "number" or opts.timeout < 0 then
     error("sb:exec: timeout must be seconds >= 0, got " .. tostring(opts.timeout), 2)
   end
   local p
   local ok, res = pcall(task.timeout, opts.timeout, function()
-    p = start(sb, command, env_text, opts)
+    p = start(sb, cmd, command, env_text, opts)
     return p:wait()
   end)
   if ok then return res end
@@ -404,7 +432,7 @@ function M.spawn(sb, cmd, opts)
   opts = opts or {}
   local env_text = check_opts(opts, "spawn")
   if opts.timeout ~= nil then error("sb:spawn: no timeout option (wrap p:wait() in task.timeout)", 2) end
-  return start(sb, command_of(cmd), env_text, opts, "stdout")
+  return start(sb, cmd, command_of(cmd), env_text, opts, "stdout")
 end
 
 --- sb:run_sync(cmd) -> {code, stdout, stderr, truncated, exec_id} with :check(): one command
@@ -415,7 +443,7 @@ function M.run_sync(sb, cmd)
   local r, tok = api.data(sb:connection(), "sandbox:run_sync",
     { path = "/sandboxes/" .. sb.id .. "/runs/sync/token", body = { command = command } },
     { method = "POST", body = json.encode({ command = command }),
-      headers = { ["Content-Type"] = "application/json" } },
+      headers = { ["Content-Type"] = "application/json" }, intent = intent_of(cmd, nil, "sync") },
     { name = "sandbox:run_sync.run", span_path = "/sandboxes/" .. sb.id .. "/runs/sync", sandbox_id = sb.id })
   local d = json.decode(r.body)
   if type(d) ~= "table" then

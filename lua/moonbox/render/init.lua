@@ -15,7 +15,7 @@
 --   moonbox.render.rebuild   render.snapshots.rebuild
 --   moonbox.render.events    render.observe
 --   moonbox.render.budget    render.budget: limits on what a run may create and keep
---   moonbox.render.dryrun    render.dry_run and `moonbox run --dry-run`'s simulated backend
+--   moonbox.render.dryrun    render.dry_run: the hooks a dry run (moonbox.dryrun) reads
 -- Every function documents its arguments, results, what it raises, and whether it yields where
 -- it is defined; docs/reference/render.md is the manual.
 local conn = require "moonbox.render.conn"

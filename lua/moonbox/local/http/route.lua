@@ -163,7 +163,7 @@ M.DEFAULT_RATE_LIMIT = 100000
 --- route.meter(backend) -> allowed, headers: counts one /v1 request in the backend's current window.
 -- headers: the RateLimit-* (and, when refused, Retry-After) values to answer with.
 function M.meter(backend)
-  local now = core.now()
+  local now = backend.svc.clock.now()
   local m = backend.rate
   if not m or now >= m.start + RATE_WINDOW then
     m = { start = now, count = 0, limit = backend.rate_limit or M.DEFAULT_RATE_LIMIT }

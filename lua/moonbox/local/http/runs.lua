@@ -89,7 +89,7 @@ function M.stream(backend, req, ctx, res)
     while qbytes > QUEUE_MAX do run.cond:wait() end
     qbytes = qbytes + #data
     enqueue({ stream = stream, data = data })
-  end)
+  end, req.intent) -- the client's structured command, on an in-memory request only (http.memory)
   local _, cut = backend.faults:decide(req.method, req.path, { cut = true })
   local w = res:stream(200, { ["Content-Type"] = "text/event-stream", ["Cache-Control"] = "no-cache",
     ["render-request-id"] = ctx.rid })
@@ -148,7 +148,7 @@ function M.sync(backend, req)
   local rec, info = backend.svc:check_token(route.bearer(req), req.captures.id, "runs/sync")
   local body = route.body_json(req, false) or {}
   local command = field(body, "command", "string", "run") or ""
-  local result = backend.svc:run_sync(rec, info, command)
+  local result = backend.svc:run_sync(rec, info, command, req.intent) -- req.intent: see M.stream
   local out = { stdout = json.utf8_clean(result.stdout), stderr = json.utf8_clean(result.stderr),
     exit_code = result.exit_code }
   if result.truncated then out.truncated = true end

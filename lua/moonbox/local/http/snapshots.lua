@@ -1,7 +1,6 @@
 --- moonbox.local.http.snapshots — snapshot create (on a sandbox), get, list, delete (in a group).
 local ids = require "moonbox.ids"
 local json = require "moonbox.json"
-local core = require "moonbox.core"
 local route = require "moonbox.local.http.route"
 local wire = require "moonbox.local.wire"
 local service = require "moonbox.local.service"
@@ -28,7 +27,7 @@ function M.create(backend, req)
   if body.expiresAt ~= nil and body.expiresAt ~= json.null then
     expires = type(body.expiresAt) == "string" and ids.parse_iso(body.expiresAt)
     if not expires then fail("invalid", "expiresAt must be an RFC 3339 timestamp") end
-    if expires <= core.time() then fail("invalid", "expiresAt must be in the future") end
+    if expires <= backend.svc:now() then fail("invalid", "expiresAt must be in the future") end
   end
   local _, capture_fault = backend.faults:decide(req.method, req.path, { capture = true })
   local snap = backend.svc:create_snapshot(rec, { kind = kind, name = name, expires = expires,
