@@ -132,13 +132,13 @@ describe("moonbox run --dry-run", function()
 local render = require "moonbox.render"
 local task = require "moonbox.task"
 local base <close> = render.sandboxes.create { plan = "2c-4g" }
-base:upload("app/conf", "x=1\n")
+base:write("app/conf", "x=1\n")
 local snap = base:snapshot { name = "fan" }
 local items = {}
 for i = 1, 100 do items[i] = i end
 task.map(items, function(i)
   local c <close> = render.sandboxes.create { snapshot = snap }
-  assert(c:download("app/conf") == "x=1\n")
+  assert(c:read("app/conf") == "x=1\n")
   return c:exec("echo " .. i):check().code
 end, { concurrency = 100 })
 local fleet <close> = render.restore(snap, { count = 20 })
@@ -170,19 +170,21 @@ print(m.code, m.stderr == "make all failed in " .. sb.id)
 print(sb:run_sync("make test").code)
 local plain = sb:exec({ "ls", "-l", "/" })
 print(plain.code, plain.stdout == "", plain.stderr == "")
-print(sb:download("/out/report.txt"))
-print(#sb:download("never/written"))
-sb:upload("d/a.txt", "aa")
-sb:upload("d/b.txt", "bbb")
+print(sb:read("/out/report.txt"))
+print(#sb:read("never/written"))
+sb:write("d/a.txt", "aa")
+sb:write("d/b.txt", "bbb")
 local names = {}
 for _, e in ipairs(sb:ls("d")) do names[#names + 1] = e.name .. "=" .. e.size end
 for _, e in ipairs(sb:ls(".")) do names[#names + 1] = e.name .. ":" .. e.type end
 print(table.concat(names, " "))
-sb:get_dir("/nothing/here", LOCAL .. "/empty")
+sb:copy_out("d/a.txt", LOCAL .. "/a.txt")
 ]])
       assert.is_nil(err)
       assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\nreport of /out/report.txt\n0\na.txt=2 b.txt=3 d:directory\n", out)
-      assert.are.same({}, sys.listdir(dir .. "/empty"), "a directory nothing was put at comes back empty")
+      local f = assert(io.open(dir .. "/a.txt", "rb"))
+      assert.are.equal("aa", f:read("a"), "copy_out brings back what write put there")
+      f:close()
       assert.are.equal(4, rep.execs)
       local by_cmd = {}
       for _, s in ipairs(rep.steps) do if s.what == "exec" then by_cmd[s.command] = s end end
