@@ -497,12 +497,13 @@ end
 
 -- ---- commands: remove, mkdir, rename ----------------------------------------------------------
 
--- coreutils' C-locale reasons (the end of its message) and the typed codes they are.
+-- coreutils' C-locale reasons (the end of its message) and the typed codes they are. EPERM and
+-- EROFS are permission_denied too, as the files API answers a read-only path (403).
 local REASONS = {
   ["No such file or directory"] = "not_found", ["File exists"] = "exists",
   ["Not a directory"] = "not_a_directory", ["Is a directory"] = "is_a_directory",
   ["Directory not empty"] = "not_empty", ["Permission denied"] = "permission_denied",
-  ["Operation not permitted"] = "permission_denied",
+  ["Operation not permitted"] = "permission_denied", ["Read-only file system"] = "permission_denied",
 }
 
 --- exec.typed_reason(stderr) -> the typed code coreutils' C-locale stderr says, or nil. The
