@@ -49,7 +49,8 @@ local function shell_quote(s)
   s = tostring(s)
   if s:match("^[%w%-_%./=:,+@%%]+$") then return s end
   if not utf8.len(s) then
-    return "$'" .. s:gsub("[^%w%-_%./=:,+@ ]", function(c) return string.format("\\x%02X", c:byte()) end) .. "'"
+    local escaped = s:gsub("[^%w%-_%./=:,+@ ]", function(c) return string.format("\\x%02X", c:byte()) end)
+    return "$'" .. escaped .. "'"
   end
   return "'" .. s:gsub("'", "'\\''") .. "'"
 end

@@ -32,7 +32,8 @@ local M = {}
 -- ---- the declared calls -----------------------------------------------------------------------
 
 local TRANSFER = {
-  timeout = { type = "seconds", kind = "deadline", doc = "the longest the transfer takes (no bound by default)" },
+  timeout = { type = "seconds", kind = "deadline",
+    doc = "the longest the transfer takes (no bound by default)" },
   idle_timeout = { type = "seconds", kind = "deadline", default = 60,
     doc = "the longest the transfer may go without a byte moving" },
 }
@@ -45,8 +46,8 @@ local function with(base, extra)
 end
 
 local COMMAND = {
-  timeout = { type = "seconds", kind = "deadline", doc = "the longest the command may take; on expiry it is " ..
-    "killed and the call raises timeout" },
+  timeout = { type = "seconds", kind = "deadline",
+    doc = "the longest the command may take; on expiry it is killed and the call raises timeout" },
 }
 
 local PATH_ARG = { name = "path", type = "string" }
@@ -74,7 +75,8 @@ M.SCHEMA = {
     summary = "copies a sandbox file or directory tree to a local path",
     args = { PATH_ARG, { name = "local_path", type = "string" }, OPTS_ARG },
     options = with(TRANSFER, {
-      merge = { type = "boolean", default = false, doc = "a directory: merge into an existing local directory" },
+      merge = { type = "boolean", default = false,
+        doc = "a directory: merge into an existing local directory" },
       max_bytes = { type = "bytes", doc = "a directory: the most bytes unpacked (archive.unpack)" },
       max_entries = { type = "integer", doc = "a directory: the most entries unpacked (archive.unpack)" },
       umask = { type = "integer", doc = "a directory: the umask applied to unpacked modes (archive.unpack)" },
@@ -252,8 +254,8 @@ local function api_answer_error(call, sb, rpath, err)
   elseif err.status == 404 then
     err.code = "sandbox_gone"
     err.op, err.path, err.sandbox_id = call, rpath, sb.id
-    err.message = string.format("%s %s: sandbox %s is gone (404 without file_not_found): %s", call, shown(rpath),
-      sb.id, msg)
+    err.message = string.format("%s %s: sandbox %s is gone (404 without file_not_found): %s", call,
+      shown(rpath), sb.id, msg)
     return err
   elseif err.status == 409 and err.code ~= "sandbox_not_running" and msg:find("is a directory", 1, true) then
     code = "is_a_directory"
@@ -346,8 +348,9 @@ function M.copy_in(sb, path, local_path, opts)
   local kind, msg = local_kind(local_path)
   if not kind then
     error(api.error { op = "sb:copy_in", code = "local_not_found", path = rpath, sandbox_id = sb.id,
-      local_path = local_path, message = string.format("sb:copy_in %s in sandbox %s: cannot read the local " ..
-        "path %s: %s", shown(rpath), sb.id, local_path, tostring(msg)) }, 2)
+      local_path = local_path,
+      message = string.format("sb:copy_in %s in sandbox %s: cannot read the local path %s: %s", shown(rpath),
+        sb.id, local_path, tostring(msg)) }, 2)
   end
   if kind == "file" then
     transfer(sb, "sb:copy_in", "upload", rpath, { method = "PUT", body_file = local_path,
@@ -383,19 +386,21 @@ function M.copy_out(sb, path, local_path, opts)
   local call = "sb:copy_out"
   local tmp = temp_beside(local_path)
   local _tmp_guard <close> = removed_on_close(tmp)
-  local r = transfer(sb, call, "download", rpath, { method = "GET", accept_encoding = "gzip", output_file = tmp },
-    opts)
+  local r = transfer(sb, call, "download", rpath,
+    { method = "GET", accept_encoding = "gzip", output_file = tmp }, opts)
   if media_type(r) ~= "application/x-tar" then
     local ok, msg = os.rename(tmp, local_path)
     if not ok then
-      error(api.error { op = call, code = "io_error", sandbox_id = sb.id, path = rpath, local_path = local_path,
+      error(api.error { op = call, code = "io_error", sandbox_id = sb.id, path = rpath,
+        local_path = local_path,
         message = string.format("%s %s in sandbox %s: could not move the download into place at %s: %s", call,
           shown(rpath), sb.id, local_path, tostring(msg)) }, 0)
     end
     return
   end
   if not opts.merge and local_exists(local_path) then
-    error(api.error { op = call, code = "target_exists", sandbox_id = sb.id, path = rpath, target = local_path,
+    error(api.error { op = call, code = "target_exists", sandbox_id = sb.id, path = rpath,
+      target = local_path,
       message = string.format("%s %s in sandbox %s: it is a directory and %s already exists (pass merge = " ..
         "true to merge into it)", call, shown(rpath), sb.id, local_path) }, 2)
   end

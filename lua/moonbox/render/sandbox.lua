@@ -242,8 +242,9 @@ Sandbox.methods = {
   read = files.read, write = files.write, copy_in = files.copy_in, copy_out = files.copy_out, ls = files.ls,
   stat = files.stat, exists = files.exists, remove = files.remove, mkdir = files.mkdir, rename = files.rename,
   -- the old names raise an error naming the new call
-  upload = files.renamed.upload, upload_file = files.renamed.upload_file, download = files.renamed.download,
-  download_file = files.renamed.download_file, put_dir = files.renamed.put_dir, get_dir = files.renamed.get_dir,
+  upload = files.renamed.upload, upload_file = files.renamed.upload_file,
+  download = files.renamed.download, download_file = files.renamed.download_file,
+  put_dir = files.renamed.put_dir, get_dir = files.renamed.get_dir,
   -- snapshots (moonbox.render.snapshots)
   snapshot = snapshots.capture,
 }
