@@ -241,13 +241,12 @@ Sandbox.methods = {
   -- files (moonbox.render.files)
   read = files.read, write = files.write, copy_in = files.copy_in, copy_out = files.copy_out, ls = files.ls,
   stat = files.stat, exists = files.exists, remove = files.remove, mkdir = files.mkdir, rename = files.rename,
-  -- the old names raise an error naming the new call
-  upload = files.renamed.upload, upload_file = files.renamed.upload_file,
-  download = files.renamed.download, download_file = files.renamed.download_file,
-  put_dir = files.renamed.put_dir, get_dir = files.renamed.get_dir,
   -- snapshots (moonbox.render.snapshots)
   snapshot = snapshots.capture,
 }
+-- The old files names (sb:upload, ...) raise an error naming the new call; found through the
+-- metatable, so the REPL does not offer them.
+setmetatable(Sandbox.methods, { __index = files.renamed })
 
 Sandbox.__index = object.index(Sandbox.methods)
 Sandbox.__tostring = function(sb)
