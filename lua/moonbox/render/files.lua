@@ -533,8 +533,9 @@ M.typed_reason = typed_reason
 local function command(sb, call, rpath, argv, opts, extra)
   local ok, r = pcall(sb.exec, sb, argv, { env = { LC_ALL = "C" }, timeout = opts.timeout })
   if not ok then
-    if type(r) == "table" and r.op == "sandbox:exec" then
-      r.op, r.path = call, rpath
+    -- the exec's own errors (its env upload's too) become this call's
+    if core.Error.is(r) and not api.is_interruption(r) then
+      r.op, r.path, r.sandbox_id = call, rpath, sb.id
       if r.code == "timeout" then
         r.message = string.format("%s %s in sandbox %s did not finish within %g s; it was killed", call,
           shown(rpath), sb.id, opts.timeout)
