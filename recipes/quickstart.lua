@@ -19,11 +19,11 @@ local r = sb:exec({ "sh", "-c", 'echo "hello from $(hostname) as $GREETER"' },
   { env = { GREETER = "moonbox" } }):check()
 io.write("exec: ", r.stdout)
 
-sb:upload("work/input.txt", "3\n1\n2\n")
+sb:write("work/input.txt", "3\n1\n2\n")
 -- A dry run (moonbox run --dry-run) runs no command: say what `sort` leaves behind.
 render.dry_run.on_download("/work/sorted%.txt$", "1\n2\n3\n")
 sb:exec("sort -n work/input.txt > work/sorted.txt"):check()
-io.write("download: ", (sb:download("work/sorted.txt"):gsub("\n", " ")), "\n")
+io.write("download: ", (sb:read("work/sorted.txt"):gsub("\n", " ")), "\n")
 
 sb:exec("mkdir -p /opt/app && echo 'built at step 1' > /opt/app/artifact"):check()
 local snap = sb:snapshot { kind = "filesystem", name = "quickstart" }

@@ -469,11 +469,11 @@ describe("bad input", function()
       end
     end))
 
-  it("answers a list path holding a newline with 400 naming no host path", T.async(function()
+  it("answers a list path holding a NUL with 400 naming no host path", T.async(function()
     local s, _, _, raw = B:req("GET", "/v1/sandboxes/" .. SB.id .. "/files/list",
-      { query = { path = "/root\n/etc" } })
+      { query = { path = "/root\0/etc" } })
     assert.are.equal(400, s)
-    assert_clean_4xx(B, "list path with a newline", s, raw)
+    assert_clean_4xx(B, "list path with a NUL", s, raw)
   end))
 
   for _, case in ipairs({

@@ -137,13 +137,13 @@ describe("moonbox run --dry-run", function()
 local render = require "moonbox.render"
 local task = require "moonbox.task"
 local base <close> = render.sandboxes.create { plan = "2c-4g" }
-base:upload("app/conf", "x=1\n")
+base:write("app/conf", "x=1\n")
 local snap = base:snapshot { name = "fan" }
 local items = {}
 for i = 1, 100 do items[i] = i end
 task.map(items, function(i)
   local c <close> = render.sandboxes.create { snapshot = snap }
-  assert(c:download("app/conf") == "x=1\n")
+  assert(c:read("app/conf") == "x=1\n")
   return c:exec("echo " .. i):check().code
 end, { concurrency = 100 })
 local fleet <close> = render.restore(snap, { count = 20 })
@@ -179,21 +179,21 @@ print(plain.code, plain.stdout == "", plain.stderr == "")
 -- told so by the structured command, removes it too
 sb:exec("true", { env = { SECRET = "s3" } })
 print(#sb:ls("/dev/.moonbox"))
-print(sb:download("/out/report.txt"))
+print(sb:read("/out/report.txt"))
 -- what nothing wrote and no hook gives is not there, as on moonbox local
-print(select(2, pcall(sb.download, sb, "never/written")).code)
-sb:upload("d/a.txt", "aa")
-sb:upload("d/b.txt", "bbb")
+print(select(2, pcall(sb.read, sb, "never/written")).code)
+sb:write("d/a.txt", "aa")
+sb:write("d/b.txt", "bbb")
 local names = {}
 for _, e in ipairs(sb:ls("d")) do names[#names + 1] = e.name .. "=" .. e.size end
 for _, e in ipairs(sb:ls(".")) do names[#names + 1] = e.name .. ":" .. e.type end
 print(table.concat(names, " "))
-print(select(2, pcall(sb.get_dir, sb, "/nothing/here", LOCAL .. "/empty")).code)
-sb:get_dir("d", LOCAL .. "/d")
+print(select(2, pcall(sb.copy_out, sb, "/nothing/here", LOCAL .. "/empty")).code)
+sb:copy_out("d", LOCAL .. "/d")
 ]])
       assert.is_nil(err)
-      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\n0\nreport of /out/report.txt\nfile_not_found\n" ..
-        "a.txt=2 b.txt=3 d:directory\nfile_not_found\n", out)
+      assert.are.equal("abc123\n\n2\ttrue\n2\n0\ttrue\ttrue\n0\nreport of /out/report.txt\nnot_found\n" ..
+        "a.txt=2 b.txt=3 d:directory\nnot_found\n", out)
       assert.are.same({ "a.txt", "b.txt" }, (function()
         local names = sys.listdir(dir .. "/d")
         table.sort(names)

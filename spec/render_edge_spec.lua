@@ -54,7 +54,7 @@ describe("through a TLS + HTTP/2 edge", function()
     local file = dir .. "/big.bin"
     assert.are.equal(0, proc.run({ "sh", "-c", 'head -c 52428800 /dev/urandom > "$1"', "x", file }).code)
     local sum = proc.run({ "sha256sum", file }).stdout:match("^(%x+)")
-    sb:upload_file(file, "/tmp/big.bin", { timeout = 300 })
+    sb:copy_in("/tmp/big.bin", file, { timeout = 300 })
     proc.run { "rm", "-rf", dir }
     local check = sb:exec("stat -c %s /tmp/big.bin; sha256sum /tmp/big.bin"):check()
     assert.are.equal("52428800\n" .. sum .. "  /tmp/big.bin\n", check.stdout)

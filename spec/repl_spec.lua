@@ -87,8 +87,8 @@ describe("moonbox repl on a terminal", function()
     assert.matches("\n> function double%(x%)\n>>   return x %* 2\n>> end\n> double%(21%)\n42\n", screen)
   end))
 
-  it("completes sb:ex to sb:exec with Tab", run(function()
-    term:type("sb:ex")
+  it("completes sb:exe to sb:exec with Tab", run(function()
+    term:type("sb:exe") -- sb:ex is also sb:exists
     term:key("Tab")
     local screen = term:wait_for("\n> sb:exec$")
     assert.matches("\n> sb:exec$", screen)

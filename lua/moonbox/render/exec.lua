@@ -42,10 +42,16 @@ local DEFAULT_MAX_OUTPUT = 8 * 1024 * 1024
 -- its group gets KILL.
 local STOP_GRACE = 2
 
---- render.shell_quote(s) -> s quoted for bash so that it arrives as one literal word.
+--- render.shell_quote(s) -> s quoted for bash so that it arrives as one literal word. A word
+-- that is not valid UTF-8 is written in bash's $'...' form with \xNN escapes, so the command
+-- text stays UTF-8: it travels as a JSON string, which cannot carry other bytes unchanged.
 local function shell_quote(s)
   s = tostring(s)
   if s:match("^[%w%-_%./=:,+@%%]+$") then return s end
+  if not utf8.len(s) then
+    local escaped = s:gsub("[^%w%-_%./=:,+@ ]", function(c) return string.format("\\x%02X", c:byte()) end)
+    return "$'" .. escaped .. "'"
+  end
   return "'" .. s:gsub("'", "'\\''") .. "'"
 end
 M.shell_quote = shell_quote
@@ -303,7 +309,7 @@ end
 local function start(sb, cmd, command, env_text, opts, line_stream)
   local id = ids.new("exe"):sub(5) -- a private marker name, not an API id
   -- Uploads land root-owned 0600, in the in-memory /dev area.
-  if env_text then files.upload(sb, MARKERS .. "/" .. id .. ".env", env_text) end
+  if env_text then files.write(sb, MARKERS .. "/" .. id .. ".env", env_text) end
   local script = wrapper(id, command, opts.cwd, env_text ~= nil)
   local started, resp, tok, span = pcall(api.data, sb:connection(), "sandbox:exec",
     { path = "/sandboxes/" .. sb.id .. "/runs/stream/token", body = { command = script } },

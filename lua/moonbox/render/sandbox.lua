@@ -239,11 +239,14 @@ Sandbox.methods = {
   -- commands (moonbox.render.exec)
   exec = exec.exec, spawn = exec.spawn, run_sync = exec.run_sync,
   -- files (moonbox.render.files)
-  upload = files.upload, upload_file = files.upload_file, download = files.download,
-  download_file = files.download_file, put_dir = files.put_dir, get_dir = files.get_dir, ls = files.ls,
+  read = files.read, write = files.write, copy_in = files.copy_in, copy_out = files.copy_out, ls = files.ls,
+  stat = files.stat, exists = files.exists, remove = files.remove, mkdir = files.mkdir, rename = files.rename,
   -- snapshots (moonbox.render.snapshots)
   snapshot = snapshots.capture,
 }
+-- The old files names (sb:upload, ...) raise an error naming the new call; found through the
+-- metatable, so the REPL does not offer them.
+setmetatable(Sandbox.methods, { __index = files.renamed })
 
 Sandbox.__index = object.index(Sandbox.methods)
 Sandbox.__tostring = function(sb)

@@ -11,7 +11,7 @@
 -- they say; the helper packs a tree into records and moonbox.archive.from_records makes the
 -- tar. Temporary files live in the sandbox disk's spool, else <state_dir>/tmp (0600), and are
 -- removed when the operation ends.
--- Paths are absolute (the service checks them as Render does); NULs and newlines are refused.
+-- Paths are absolute (the service checks them as Render does) and may hold any byte but NUL.
 -- Owned by an Engine (eng.files); only the engine and the service call it.
 local task = require "moonbox.task"
 local proc = require "moonbox.proc"
@@ -38,8 +38,8 @@ local function check_path(fn, id, path)
   if type(path) ~= "string" or path:sub(1, 1) ~= "/" then
     error("local.engine.files." .. fn .. ": path must be an absolute path", 3)
   end
-  if path:find("[%z\n]") then
-    fail(fn, "invalid_path", id, "sandbox " .. id .. ": path contains a NUL or newline")
+  if path:find("%z") then
+    fail(fn, "invalid_path", id, "sandbox " .. id .. ": path contains a NUL byte")
   end
 end
 
