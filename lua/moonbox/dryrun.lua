@@ -37,6 +37,7 @@ local Faults = require "moonbox.local.faults"
 local Journal = require "moonbox.local.journal"
 local service = require "moonbox.local.service"
 local sim_engine = require "moonbox.local.engine.sim"
+local coreutils = require "moonbox.local.engine.coreutils"
 local memory = require "moonbox.local.http.memory"
 local local_http = require "moonbox.local.http"
 
@@ -330,6 +331,7 @@ function M.start()
   saved.real = {}
   for _, name in ipairs(HELD) do
     local mod, fname = name[1], name[2]
+    -- lazy: moonbox.archive (libarchive) and moonbox.proc, loaded only once a dry run starts
     local m = require(mod)
     local real = m[fname]
     saved.real[#saved.real + 1] = { m, fname, real }
@@ -351,7 +353,8 @@ function M.start()
   local workspace, user = ids.new("tea"), ids.new("usr")
   local engine = sim_engine.new { now = sclock.time, duration = hooks.duration, answer = hooks.exec_answer,
     download = hooks.download_answer, observe = function(what, f) return s:observed(what, f) end,
-    temp_dir = tmp .. "/transfers", hold = function(fn, ...) return clock:hold(fn, ...) end }
+    temp_dir = tmp .. "/transfers", hold = function(fn, ...) return clock:hold(fn, ...) end,
+    builtin = coreutils.run }
   local srv = memory.new(sclock)
   local backend = { journal = Journal.new(), faults = Faults.new(nil, nil), workspace = workspace,
     state_dir = tmp .. "/state", url = BASE, public_url = BASE, srv = srv, st = st, engine = engine,

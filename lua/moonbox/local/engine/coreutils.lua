@@ -9,10 +9,9 @@
 -- them (rm and mv: M.quote; mkdir: M.quote_locale), for the cases moonbox.render maps to typed
 -- errors (not_found, exists, not_a_directory, is_a_directory, not_empty, permission_denied)
 -- and the few refusals around them (the same file, a directory into itself, `rm -r` of "/",
--- "." or ".."). Any other argv
--- of mkdir/rm/mv is refused with exit 125 and a message saying what the simulation supports,
--- never run approximately. spec/local_coreutils_spec.lua checks it against the host's
--- coreutils.
+-- "." or ".."). Any other argv of mkdir/rm/mv is not handled (run returns false): the caller
+-- answers it as it answers any command it does not simulate, and it is never run
+-- approximately. spec/local_coreutils_spec.lua checks it against the host's coreutils.
 --
 -- The file system object (the engine's in-memory tree; paths absolute and normalized):
 --   fs:lstat(path) -> nil | { type = "file"|"directory"|"symlink", size = n, mtime = t, target = s }
@@ -264,14 +263,13 @@ local function mv(fs, a, b, cwd)
   return true, 0, "", ""
 end
 
-local SUPPORTED = "`mkdir -- P`, `mkdir -p -- P`, `rm -d -- P`, `rm -r -- P`, `mv -T -- A B`"
 
 --- coreutils.run(fs, argv[, cwd]) -> handled, exit_code, stdout, stderr. handled is false (and
--- nothing else is returned) when argv[1] is not mkdir, rm or mv. Otherwise the command is done
--- on fs as GNU coreutils would do it in the C locale: exit 0 with empty output, or 1 with its
--- message on stderr; an argv outside the supported subset exits 125 with a message naming the
--- subset, doing nothing. Relative paths are under cwd (default "/root", the sandbox's home
--- directory). Does not yield; raises only for an argv that is not a table of strings.
+-- nothing else is returned) when argv is not one of the supported forms (`mkdir [-p] -- P`,
+-- `rm -d|-r -- P`, `mv -T -- A B`). Otherwise the command is done on fs as GNU coreutils would
+-- do it in the C locale: exit 0 with empty output, or 1 with its message on stderr. Relative
+-- paths are under cwd (default "/root", the sandbox's home directory). Does not yield; raises
+-- only for an argv that is not a table of strings.
 function M.run(fs, argv, cwd)
   if type(argv) ~= "table" then error("coreutils.run: argv must be a table", 2) end
   local cmd = argv[1]
@@ -291,10 +289,7 @@ function M.run(fs, argv, cwd)
   if cmd == "mv" and n == 5 and argv[2] == "-T" and argv[3] == "--" then
     return mv(fs, argv[4], argv[5], cwd)
   end
-  local shown = {}
-  for i = 1, n do shown[i] = M.quote(argv[i]) end
-  return true, 125, "", "moonbox dry run: " .. cmd .. " is simulated only as " .. SUPPORTED .. "; got " ..
-    table.concat(shown, " ") .. "\n"
+  return false
 end
 
 return M

@@ -57,22 +57,38 @@ local MODE_DIR, MODE_FILE, MODE_LINK = tonumber("755", 8), tonumber("600", 8), t
 
 local function dir_node(t) return { type = "directory", children = {}, mtime = t, mode = MODE_DIR } end
 
---- sim.new_fs(now) -> Fs: an empty tree (/ and /root, directories); now() gives the epoch seconds
+--- sim.new_fs(now) -> Fs: an empty tree (/, /root and /tmp, directories); now() gives the epoch seconds
 -- entries are stamped with. Does not yield.
 function M.new_fs(now)
   local self = setmetatable({ now = now or core.time }, Fs)
   self.root = dir_node(self.now())
   self.root.children.root = dir_node(self.now())
+  self.root.children.tmp = dir_node(self.now())
+  self.root.children.tmp.mode = tonumber("1777", 8)
   return self
 end
 
--- The node at names[1..n] (default all), or nil, errno.
-function Fs:walk(names, n)
-  local node = self.root
-  for i = 1, n or #names do
+-- The node at names[1..n] (default all), or nil, errno ("ENOENT", "ENOTDIR", "ELOOP"). Symlinks
+-- on the way are followed as the kernel follows them (a relative target from the link's
+-- directory, at most 40 of them), and the last one too when follow.
+function Fs:walk(names, n, follow)
+  local queue = table.move(names, 1, n or #names, 1, {})
+  local node, at, i, hops = self.root, {}, 1, 0
+  while i <= #queue do
     if node.type ~= "directory" then return nil, "ENOTDIR" end
-    node = node.children[names[i]]
-    if not node then return nil, "ENOENT" end
+    local child = node.children[queue[i]]
+    if not child then return nil, "ENOENT" end
+    if child.type == "symlink" and (i < #queue or follow) then
+      hops = hops + 1
+      if hops > 40 then return nil, "ELOOP" end
+      local target = child.target
+      local abs = target:sub(1, 1) == "/" and target or ("/" .. table.concat(at, "/") .. "/" .. target)
+      local t = split(abs) or {}
+      for j = i + 1, #queue do t[#t + 1] = queue[j] end
+      queue, node, at, i = t, self.root, {}, 1
+    else
+      node, at[#at + 1], i = child, queue[i], i + 1
+    end
   end
   return node
 end
@@ -82,7 +98,7 @@ function Fs:parent(path)
   local names = split(path)
   if not names then return nil, "ENOENT" end
   if #names == 0 then return nil, "EACCES" end -- "/" has no parent to change
-  local dir, err = self:walk(names, #names - 1)
+  local dir, err = self:walk(names, #names - 1, true)
   if not dir then return nil, err end
   if dir.type ~= "directory" then return nil, "ENOTDIR" end
   return dir, names[#names]
@@ -95,13 +111,23 @@ local function node_size(node)
   return 4096
 end
 
---- fs:lstat(path) -> nil | {type = "file"|"directory"|"symlink", size, mtime, target, mode}: what
--- is at path, a final symlink not followed (nor one on the way: the tree resolves names only
--- through directories; a sharp edge of the simulation). Does not yield.
+--- fs:lstat(path) -> nil, errno | {type = "file"|"directory"|"symlink", size, mtime, target,
+-- mode}: what is at path, a final symlink not followed (those on the way are). Does not yield.
 function Fs:lstat(path)
   local names = split(path)
-  local node = names and self:walk(names)
-  if not node then return nil end
+  if not names then return nil, "ENOENT" end
+  local node, err = self:walk(names)
+  if not node then return nil, err end
+  return { type = node.type, size = node_size(node), mtime = node.mtime, target = node.target,
+    mode = node.mode }
+end
+
+--- fs:stat(path) -> as fs:lstat, a final symlink followed. Does not yield.
+function Fs:stat(path)
+  local names = split(path)
+  if not names then return nil, "ENOENT" end
+  local node, err = self:walk(names, nil, true)
+  if not node then return nil, err end
   return { type = node.type, size = node_size(node), mtime = node.mtime, target = node.target,
     mode = node.mode }
 end
@@ -110,7 +136,7 @@ end
 -- not a directory). Does not yield.
 function Fs:children(path)
   local names = split(path)
-  local node = names and self:walk(names)
+  local node = names and self:walk(names, nil, true)
   local out = {}
   if node and node.type == "directory" then
     for name in pairs(node.children) do out[#out + 1] = name end
@@ -167,16 +193,13 @@ function Fs:rename(from, to)
   return true
 end
 
---- fs:read(path) -> the bytes of the file at path (a final symlink followed once, when its
--- target is absolute) | nil, errno ("ENOENT", "ENOTDIR", "EISDIR"). Does not yield.
+--- fs:read(path) -> the bytes of the file at path (symlinks followed) | nil, errno ("ENOENT",
+-- "ENOTDIR", "EISDIR", "ELOOP"). Does not yield.
 function Fs:read(path)
   local names = split(path)
-  local node = names and self:walk(names)
-  if node and node.type == "symlink" and node.target:sub(1, 1) == "/" then
-    local t = split(node.target)
-    node = self:walk(t)
-  end
-  if not node then return nil, "ENOENT" end
+  if not names then return nil, "ENOENT" end
+  local node, err = self:walk(names, nil, true)
+  if not node then return nil, err end
   if node.type == "directory" then return nil, "EISDIR" end
   return node.data or ""
 end
@@ -386,8 +409,8 @@ end
 -- host directory for the archives of directory transfers), hold(fn, ...) (runs real work — the
 -- archive jobs — with the simulated clock held still; default: calls fn), builtin(fs, argv) ->
 -- handled, exit_code, stdout, stderr (commands carried out on the sandbox's tree, asked before
--- answer: moonbox.local.engine.coreutils.run; argv is the command's argv, or its words when its
--- text is a plain command, sim.words). Does not yield.
+-- answer, for a command the client sent as an argv: moonbox.local.engine.coreutils.run; a
+-- command given as text is never interpreted). Does not yield.
 function M.new(opts)
   local self = setmetatable({
     now = opts.now or core.time, duration = opts.duration or function() return 0 end,
@@ -474,7 +497,7 @@ function Engine:exec(id, command, opts)
     return new_handle(sb, nil, { code = 143, stdout = "", stderr = "", seconds = 0 })
   end
   local r
-  local argv = self.builtin and (ex and ex.argv or M.words(text))
+  local argv = self.builtin and ex and ex.argv
   if argv then
     local handled, code, stdout, stderr = self.builtin(sb.fs, argv)
     if handled then
@@ -555,11 +578,10 @@ end
 -- not_found (the sandbox). Does not yield.
 function Files:stat(id, path, opts)
   local fs = sandbox_fs(self, "stat", id)
-  local st = fs:lstat(path)
-  if st and st.type == "symlink" and opts and opts.follow and st.target:sub(1, 1) == "/" then
-    st = fs:lstat(st.target)
-  end
+  local st, errno
+  if opts and opts.follow then st, errno = fs:stat(path) else st, errno = fs:lstat(path) end
   local name = path:match("([^/]*)$")
+  if not st and errno ~= "ENOENT" then files_error("stat", id, path, errno) end
   if not st then
     local given = self.engine.download(path, id)
     if given == nil then return nil end
@@ -572,9 +594,11 @@ end
 -- there: depth 0 is path itself. Raises not_directory for a file given depth >= 1. Does not yield.
 function Files:list(id, path, depth)
   local fs = sandbox_fs(self, "list", id)
-  local st = fs:lstat(path)
+  local st, errno = fs:lstat(path)
+  if not st and errno ~= "ENOENT" then files_error("list", id, path, errno) end
   if not st then return nil end
   if depth == 0 then return { entry(path:match("([^/]*)$"), st) } end
+  if st.type == "symlink" then st = fs:stat(path) or st end -- a listing follows a link given as the path
   if st.type ~= "directory" then files_error("list", id, path, "ENOTDIR") end
   local out = {}
   local function walk(dir, rel, level)
