@@ -5,6 +5,7 @@
 -- task was cancelled and its guards unwound).
 local core = require "moonbox.core"
 local build = require "moonbox.build"
+require("moonbox.http_schema").install() -- moonbox.http's calls checked against their schema
 
 local M = {}
 
