@@ -188,6 +188,7 @@ end
 local Process = { __name = "moonbox.render.Process" }
 Process.__index = Process
 Process.__tostring = function(p) return "Process " .. tostring(p.exec_id) .. " in " .. p.sb.id end
+M.Process = Process
 
 --- p:kill(sig [, {grace}]) -> "signalled" | "marked": signals the whole process group (TERM by
 -- default; names like "KILL" or numbers); "marked" when the command had not started (it then
@@ -453,7 +454,7 @@ M.SCHEMA = {
     yields = true },
   ["proc:kill"] = { summary = "signals the command's process group", args = {
     { name = "sig", type = { "string", "integer" }, optional = true }, OPTS },
-    options = { grace = { type = "seconds", kind = "deadline", default = 5,
+    options = { grace = { type = "seconds", default = 5,
       doc = "after TERM, how long the command gets before its group gets KILL" } },
     returns = "string", yields = true },
   ["result:check"] = { summary = "the result, or raises exit_status when the exit code is not 0",

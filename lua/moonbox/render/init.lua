@@ -110,5 +110,6 @@ M.Snapshot = snapshots.Snapshot
 M.Group = snapshots.Group
 M.Fleet = fleet.Fleet
 M.Result = exec.Result
+M.Process = exec.Process
 
 return M

@@ -306,8 +306,8 @@ M.CREATE_OPTIONS = {
     doc = "the sandbox group (a Group or its id); default the snapshot's, else the workspace's default" },
   env = { type = "table", doc = "environment variables of the sandbox (values are kept out of logs)" },
   network = { type = "string", enum = { "allow-all", "deny-all" }, removed = { "network_policy" },
-    refusals = { network_policy = "option `network_policy` was removed: write `network = \"deny-all\"` " ..
-      "(or \"allow-all\"), or `allow = {domains}` for an allow-list" },
+    refusals = { network_policy = "option `network_policy` was removed: write `network` (\"deny-all\" or " ..
+      "\"allow-all\"), or `allow = {domains}` for an allow-list" },
     doc = "outbound network: \"allow-all\" or \"deny-all\"; Render's default (allow-all) without it" },
   allow = { type = "table", doc = "an allow-list of domains (outbound network to those only)" },
   snapshot = { type = { "string", "Snapshot" }, removed = { "snapshot_id", "snapshot_name" },
