@@ -88,7 +88,7 @@ for k, v in pairs(sandbox.CREATE_OPTIONS) do
 end
 
 --- render.restore(snapshot, opts) -> Fleet. Creates opts.count (default 1) sandboxes from
--- snapshot (a Snapshot, an id or a name), at most opts.concurrency (default 4) at a time, each
+-- snapshot (a Snapshot, an id or a name; nil: empty sandboxes), at most opts.concurrency (default 4) at a time, each
 -- with the create options in opts (network, plan, env, timeout, ...), waiting until each runs.
 -- opts.policy decides what a failure means, once every create has settled:
 --   "all_or_nothing" (default): any failure terminates every sibling and raises one error
@@ -240,8 +240,8 @@ end
 
 M.SCHEMA = {
   ["render.restore"] = { summary = "creates many sandboxes from one snapshot, and nothing left running",
-    args = { { name = "snapshot", type = { "string", "Snapshot" } }, { name = "opts", type = "table",
-      optional = true } },
+    args = { { name = "snapshot", type = { "string", "Snapshot" }, optional = true },
+      { name = "opts", type = "table", optional = true } },
     options = RESTORE_OPTIONS, returns = "Fleet", yields = true },
   ["fleet:keep"] = { summary = "closing the fleet no longer terminates its sandboxes", returns = "Fleet" },
   ["fleet:terminate"] = { summary = "terminates every member now (concurrently)", yields = true },
