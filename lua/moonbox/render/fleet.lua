@@ -88,8 +88,9 @@ for k, v in pairs(sandbox.CREATE_OPTIONS) do
 end
 
 --- render.restore(snapshot, opts) -> Fleet. Creates opts.count (default 1) sandboxes from
--- snapshot (a Snapshot, an id or a name; nil: empty sandboxes), at most opts.concurrency (default 4) at a time, each
--- with the create options in opts (network, plan, env, timeout, ...), waiting until each runs.
+-- snapshot (a Snapshot, an id or a name; nil: empty sandboxes), at most opts.concurrency
+-- (default 4) at a time, each with the create options in opts (network, plan, env, lifetime,
+-- ...), waiting until each runs (wait_timeout). Options are checked first (moonbox.schema).
 -- opts.policy decides what a failure means, once every create has settled:
 --   "all_or_nothing" (default): any failure terminates every sibling and raises one error
 --     (code "restore_failed") whose `outcomes` lists each create ({index, id} or {index, error});
