@@ -120,13 +120,28 @@ local function is_type(v, t)
   return type(n) == "string" and (n == t or n:sub(-#t - 1) == "." .. t)
 end
 
+local enum_set -- (below)
+
 local function matches(v, t)
-  for _, one in ipairs(types_of(t)) do
+  if type(t) ~= "table" then return is_type(v, t) end
+  for _, one in ipairs(t) do
     if is_type(v, one) then return true end
   end
   return false
 end
 M.matches = matches
+
+-- The enum of an option as a set (made once per declaration).
+local enum_sets = setmetatable({}, { __mode = "k" })
+enum_set = function(o)
+  local set = enum_sets[o]
+  if not set then
+    set = {}
+    for _, e in ipairs(o.enum) do set[e] = true end
+    enum_sets[o] = set
+  end
+  return set
+end
 
 -- A value for a message: strings quoted, tables by their class.
 local function shown(v)
@@ -214,9 +229,18 @@ function M.check(name, opts, level)
       message = "the options must be a table, got " .. shown(opts) })
   end
   local decl = d.options or {}
+  -- The common case first: every key declared, every value of its type (no allocation).
+  local clean = true
+  for k, v in pairs(opts) do
+    local o = decl[k]
+    if o == nil or not matches(v, o.type) or (o.enum and type(v) == "string" and not enum_set(o)[v]) then
+      clean = false
+      break
+    end
+  end
+  if clean then return opts end
   local keys = {}
   for k in pairs(opts) do keys[#keys + 1] = k end
-  if #keys == 0 then return opts end
   table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
   for _, k in ipairs(keys) do
     local o = decl[k]
@@ -230,11 +254,13 @@ end
 -- against its args (a missing one that is not optional, or one of the wrong type, raises
 -- invalid_argument naming it; the options table goes through schema.check). For a method
 -- ("sb:exec") the first value is the object and is not checked. Does not yield.
+local NO_ARGS = {}
+
 function M.check_args(name, ...)
   local d = declared[name]
   if not d then error("schema.check_args: no call " .. tostring(name) .. " is declared", 2) end
   local first = name:find(":", 1, true) and 2 or 1
-  for i, a in ipairs(d.args or {}) do
+  for i, a in ipairs(d.args or NO_ARGS) do
     local v = select(first + i - 1, ...)
     if a.name == "opts" and (v == nil or type(v) == "table") then
       M.check(name, v)
@@ -254,9 +280,23 @@ end
 
 --- schema.wrap(name, fn) -> a function that checks its arguments as schema.check_args(name,
 -- ...) does, then tail-calls fn with them (so fn's own error levels still point at the
--- recipe). The check comes before anything fn does: a misspelt option sends nothing.
+-- recipe). The check comes before anything fn does: a misspelt option sends nothing. A call
+-- declared without arguments has nothing to check: fn itself is returned.
 function M.wrap(name, fn)
-  if not declared[name] then error("schema.wrap: no call " .. tostring(name) .. " is declared", 2) end
+  local d = declared[name]
+  if not d then error("schema.wrap: no call " .. tostring(name) .. " is declared", 2) end
+  if not d.args or #d.args == 0 then return fn end -- nothing to check
+  -- A single typed argument (task.sleep, task.join, ...): checked inline, no vararg walk.
+  local method = name:find(":", 1, true) ~= nil
+  local a1 = d.args[1]
+  if #d.args == 1 and not method and a1.name ~= "opts" and not a1.optional then
+    local t = a1.type
+    return function(...)
+      local v = ...
+      if v == nil or not matches(v, t) then M.check_args(name, ...) end
+      return fn(...)
+    end
+  end
   return function(...)
     M.check_args(name, ...)
     return fn(...)
