@@ -11,7 +11,7 @@ local render = require "moonbox.render"
 local task = require "moonbox.task"
 
 local started = task.now()
-local sb <close> = render.sandboxes.create { network = "deny-all", timeout = 600 }
+local sb <close> = render.sandboxes.create { network = "deny-all", lifetime = 600 }
 print(("created %s (%s) in %.0f ms"):format(sb.id, sb.plan, (task.now() - started) * 1000))
 
 -- argv tables are quoted safely; env values travel as a file, never in command text
@@ -31,7 +31,7 @@ print(("snapshot %s is %s (%d bytes)"):format(snap.id, snap.status, snap.size_by
 
 -- three restores at once; each is terminated when its task's scope ends
 local outputs = task.map({ 1, 2, 3 }, function(i)
-  local copy <close> = render.sandboxes.create { snapshot = snap, network = "deny-all", timeout = 600 }
+  local copy <close> = render.sandboxes.create { snapshot = snap, network = "deny-all", lifetime = 600 }
   return ("%d: %s"):format(i, copy:exec("cat /opt/app/artifact"):check().stdout:gsub("\n", ""))
 end, { concurrency = 3 })
 for _, line in ipairs(outputs) do print("restored " .. line) end

@@ -43,7 +43,7 @@ local function rebuild()
     NAME, snap.id, d.build, d.capture, d.verify,
     #summary.deleted > 0 and table.concat(summary.deleted, " ") or "none"))
   -- What any later restore by name gets:
-  local check <close> = render.sandboxes.create { snapshot = NAME, network = "deny-all", timeout = 600 }
+  local check <close> = render.sandboxes.create { snapshot = NAME, network = "deny-all", lifetime = 600 }
   io.write("restored by name: ", check:exec("/opt/base/bin/base-info"):check().stdout)
 end
 

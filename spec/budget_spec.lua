@@ -103,7 +103,7 @@ local fleet <close> = render.restore(snap, { count = 6, concurrency = 2 })
     assert.matches("%-%-max%-sandboxes wants a whole number", r.stderr)
     r = home:moonbox("run", home:recipe("require('moonbox.render').budget { sandbox = 3 }"))
     assert.are.equal(1, r.code)
-    assert.matches(":1: render.budget: unknown limit 'sandbox'", r.stderr)
+    assert.matches(":1: render.budget: unknown option `sandbox` (did you mean `sandboxes`?)", r.stderr, 1, true)
   end))
 end)
 

@@ -69,7 +69,7 @@ describe("render.groups.delete and list page sizes", function()
   it("refuses to delete a group with a running sandbox, naming it, and the default group", T.async(function()
     local g = render.groups.create { name = "busy" }
     do
-      local sb <close> = render.sandboxes.create { sandbox_group_id = g.id }
+      local sb <close> = render.sandboxes.create { group = g.id }
       local err = raised(render.groups.delete, g)
       assert.are.equal("conflict", err.code)
       assert.matches(g.id .. " still has 1 sandbox that is not terminated: " .. sb.id, err.message, 1, true)
@@ -99,9 +99,9 @@ describe("render.groups.delete and list page sizes", function()
     for _ in render.groups.list { page_size = 1, limit = 1 } do n_groups = n_groups + 1 end
     assert.are.equal(1, n_groups)
     local err = raised(render.sandboxes.list, { limt = 3 })
-    assert.matches("render.sandboxes.list: unknown option 'limt'", tostring(err), 1, true)
+    assert.matches("render.sandboxes.list: unknown option `limt` (did you mean `limit`?)", tostring(err), 1, true)
     err = raised(render.snapshots.list, { page_size = 101 })
-    assert.matches("page_size must be an integer from 1 to 100", tostring(err))
+    assert.matches("option `page_size` must be an integer from 1 to 100", tostring(err))
     for _, sb in ipairs(made) do sb:terminate() end
   end))
 end)
@@ -152,7 +152,7 @@ describe("sb:snapshot", function()
 
   it("refuses an unknown kind before sending anything", T.async(function()
     local sb <close> = render.sandboxes.create {}
-    assert.matches("kind must be", raised(sb.snapshot, sb, { kind = "memory" }))
+    assert.matches("option `kind` must be one of", tostring(raised(sb.snapshot, sb, { kind = "memory" })))
   end))
 end)
 
@@ -245,7 +245,7 @@ describe("render.snapshots", function()
     local other
     for g in render.groups.list() do if not g.is_default then other = g end end
     other = other or render.groups.create { name = "elsewhere" }
-    local sb <close> = render.sandboxes.create { sandbox_group_id = other.id }
+    local sb <close> = render.sandboxes.create { group = other.id }
     local snap = sb:snapshot { name = "in-other" }
     assert.are.equal(other.id, snap.sandbox_group_id)
     assert.are.equal(snap.id, render.snapshots.latest("in-other", { group = other }).id)

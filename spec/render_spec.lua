@@ -39,15 +39,18 @@ describe("render.sandboxes", function()
     local mark = journal_mark()
     local cases = {
       { function() local r = render.sandboxes.create { netwrok = "deny-all" }; return r end,
-        "render.sandboxes.create: unknown option 'netwrok' (did you mean 'network'?)" },
-      { function() local r = render.sandboxes.create { network = "deny-all", timout = 5 }; return r end,
-        "render.sandboxes.create: unknown option 'timout' (did you mean 'timeout'?)" },
-      { function() local r = render.restore(nil, { count = 2, netwrok = "deny-all" }); return r end,
-        "render.restore: unknown option 'netwrok' (did you mean 'network'?)" },
-      { function() local r = render.restore(nil, { count = 2, wait = true }); return r end,
-        "render.restore: unknown option 'wait'" },
+        "render.sandboxes.create: unknown option `netwrok` (did you mean `network`?)" },
+      { function() local r = render.sandboxes.create { network = "deny-all", lifetme = 5 }; return r end,
+        "render.sandboxes.create: unknown option `lifetme` (did you mean `lifetime`?)" },
+      { function() local r = render.sandboxes.create { network = "deny-all", timeout = 5 }; return r end,
+        "render.sandboxes.create: `timeout` was the sandbox's lifetime: write `lifetime`; the wait's deadline " ..
+          "is `wait_timeout`" },
+      { function() local r = render.restore("base", { count = 2, netwrok = "deny-all" }); return r end,
+        "render.restore: unknown option `netwrok` (did you mean `network`?)" },
+      { function() local r = render.restore("base", { count = 2, wait = true }); return r end,
+        "render.restore: unknown option `wait`" },
       { function() local r = render.sandboxes.create { [1] = "deny-all" }; return r end,
-        "render.sandboxes.create: unknown option '1'" },
+        "render.sandboxes.create: unknown option `1`" },
     }
     for _, c in ipairs(cases) do
       local line = debug.getinfo(c[1], "S").linedefined
@@ -63,7 +66,7 @@ describe("render.sandboxes", function()
   it("keeps a sandbox past its scope after keep()", T.async(function()
     local id
     do
-      local sb <close> = render.sandboxes.create { network = "deny-all", timeout = 600 }
+      local sb <close> = render.sandboxes.create { network = "deny-all", lifetime = 600 }
       sb:keep()
       id = sb.id
       assert.are.equal("deny-all", sb.network_policy.default)

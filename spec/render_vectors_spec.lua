@@ -39,7 +39,7 @@ describe("requests moonbox.render sends (the SDKs' vectors)", function()
     T.async(function()
       local sb
       local e = journaled(function()
-        sb = render.sandboxes.create { plan = "pro", timeout = 600, network = "deny-all",
+        sb = render.sandboxes.create { plan = "pro", lifetime = 600, network = "deny-all",
           env = { NODE_ENV = "test" }, wait = false }
       end)
       assert.are.equal("POST", e[1].method)

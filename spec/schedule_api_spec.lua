@@ -48,31 +48,33 @@ describe("schedule.every and schedule.cron", function()
     local line = debug.getinfo(1, "l").currentline - 3
     local ok, err = pcall(recipe_line)
     assert.is_false(ok)
-    assert.matches("schedule_api_spec.lua:" .. line .. ": schedule.every: schedule 'bad%-overlap': overlap must be",
-      err)
+    assert.are.equal("invalid_option", err.code)
+    assert.are.equal("overlap", err.option)
+    assert.matches("schedule_api_spec.lua:" .. line .. ": schedule.every: schedule 'bad%-overlap': option `overlap` " ..
+      "must be one of", tostring(err))
   end)
 
   it("refuse duplicate names, unknown options, bad durations and bad counts", function()
     schedule.every("dup", "1m", noop)
     local cases = {
       { function() schedule.every("dup", "1m", noop) end, "already registered" },
-      { function() schedule.every("x", "1m", noop, { overlaps = "skip" }) end, "unknown option 'overlaps'" },
+      { function() schedule.every("x", "1m", noop, { overlaps = "skip" }) end, "unknown option `overlaps` %(did you mean `overlap`%?%)" },
       { function() schedule.every("x", "soon", noop) end, "interval: expected a duration" },
-      { function() schedule.every("x", "1m", noop, { timeout = "5 minutes" }) end, "timeout: expected a duration" },
+      { function() schedule.every("x", "1m", noop, { timeout = "5 minutes" }) end, "option `timeout` must be seconds" },
       { function() schedule.every("x", "1m", noop, { pause_after_failures = 0 }) end, "pause_after_failures must" },
       { function() schedule.every("x", "1m", noop, { jitter = "2m" }) end, "jitter %(2m%) must be shorter" },
       { function() schedule.every("x", "1m", "not a function") end, "expected a function" },
       { function() schedule.every("has space", "1m", noop) end, "the name must be" },
       { function() schedule.every("x", "1m", noop, { tz = "UTC" }) end, "tz applies to schedule.cron only" },
       { function() schedule.every("x", "1m", noop, { max_sandboxes = 1.5 }) end,
-        "max_sandboxes must be a non%-negative integer" },
+        "option `max_sandboxes` must be integer" },
       { function() schedule.cron("x", "0 3 * * *", noop, { max_sandbox_seconds = "a while" }) end,
-        "max_sandbox_seconds: expected a duration" },
+        "option `max_sandbox_seconds` must be seconds" },
     }
     for _, c in ipairs(cases) do
       local ok, err = pcall(c[1])
       assert.is_false(ok)
-      assert.matches(c[2], err)
+      assert.matches(c[2], tostring(err))
       assert.matches("schedule_api_spec.lua:%d+:", err)
     end
   end)

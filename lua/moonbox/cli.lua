@@ -20,6 +20,7 @@ local lazy = setmetatable({}, { __index = function(t, name)
   t[name] = m
   return m
 end })
+require("moonbox.http_schema").install() -- moonbox.http's calls checked against their schema
 
 local M = {}
 

@@ -8,6 +8,7 @@
 -- Functions marked [yields] must be called from inside a task (a `moonbox run` recipe body is
 -- one); calling them elsewhere raises an error that says so.
 local core = require "moonbox.core"
+local schema = require "moonbox.schema"
 
 local M = {}
 
@@ -534,6 +535,75 @@ M.run = core.run
 methods.join = M.join
 methods.cancel = M.cancel
 methods.result = M.result
+
+-- ---- the declared calls (moonbox.schema) -------------------------------------------------------
+
+local FN = { name = "fn", type = "function" }
+local TASK = { name = "t", type = "Task" }
+local LIST = { name = "list", type = "table" }
+local ERR = { name = "err", type = "any", optional = true }
+
+M.SCHEMA = {
+  ["task.spawn"] = { summary = "starts fn(...) as a new task", args = { FN }, returns = "Task" },
+  ["task.current"] = { summary = "the running task, or nil", returns = "Task?" },
+  ["task.set_context"] = { summary = "sets a context value on a task (inherited by the tasks it spawns)",
+    args = { { name = "key", type = "string" }, { name = "value", type = "any", optional = true },
+      { name = "t", type = "Task", optional = true } } },
+  ["task.context"] = { summary = "a value of a task's context, or nil",
+    args = { { name = "key", type = "string" }, { name = "t", type = "Task", optional = true } },
+      returns = "any" },
+  ["task.join"] = { summary = "waits for a task and returns its results (or re-raises its error)",
+    args = { TASK }, returns = "any", yields = true },
+  ["task.result"] = { summary = "nil while running; else true, results or false, err", args = { TASK },
+    returns = "boolean?, any" },
+  ["task.cancel"] = { summary = "asks a task to stop (it raises cancelled where it waits)", args = { TASK } },
+  ["task.sleep"] = { summary = "waits that many seconds", args = { { name = "seconds", type = "number" } },
+    yields = true },
+  ["task.yield"] = { summary = "lets every other ready task run, then continues", yields = true },
+  ["task.remaining"] = { summary = "what the nearest enclosing task.timeout still allows, or nil",
+    returns = "number?" },
+  ["task.now"] = { summary = "seconds on the loop's monotonic clock", returns = "number" },
+  ["task.timeout"] = { summary = "runs fn(...) with a deadline; raises timeout when it expires",
+    args = { { name = "seconds", type = "number" }, FN }, returns = "any", yields = true },
+  ["task.scope"] = { summary = "runs fn(scope); waits for every child; the first failure cancels the rest",
+    args = { FN }, returns = "any", yields = true },
+  ["task.all"] = { summary = "runs functions (or joins tasks) concurrently; their first results in order",
+    args = { LIST }, returns = "any[]", yields = true },
+  ["task.all_settled"] = { summary = "waits for every item; an outcome per item, none dropped",
+    args = { LIST }, returns = "table[]", yields = true },
+  ["task.race"] = { summary = "the first item to finish wins; the others are cancelled",
+    args = { LIST }, returns = "any, integer", yields = true },
+  ["task.map"] = { summary = "fn(item, i) for every item, a bounded number in flight",
+    args = { { name = "items", type = "table" }, FN, { name = "opts", type = { "table", "integer" },
+      optional = true } },
+    options = {
+      concurrency = { type = "integer", default = 8, doc = "the most calls in flight" },
+      adaptive = { type = "boolean", default = true,
+        doc = "false: a fixed limit; else an adaptive window that halves on congestion (a 429)" },
+      window = { type = "table", doc = "a task.window to share with other work" },
+      name = { type = "string", default = "task.map", doc = "the window's name in a trace" },
+    }, returns = "any[], table", yields = true },
+  ["task.window"] = { summary = "an adaptive concurrency limit (AIMD)",
+    args = { { name = "limit", type = "integer" }, { name = "name", type = "string", optional = true } },
+    returns = "table" },
+  ["task.congested"] = { summary = "tells every open window that the shared resource is overloaded",
+    args = { { name = "retry_after", type = { "number", "string" }, optional = true } } },
+  ["task.semaphore"] = { summary = "a semaphore with n permits (first come, first served)",
+    args = { { name = "n", type = "integer" } }, returns = "table" },
+  ["task.run"] = { summary = "runs fn as a task and drives the event loop until it finishes",
+    args = { FN }, returns = "any" },
+  ["task.is_cancelled"] = { summary = "whether err is a cancellation", args = { ERR }, returns = "boolean" },
+  ["task.is_timeout"] = { summary = "whether err is a timeout", args = { ERR }, returns = "boolean" },
+  ["task.is_interruption"] = { summary = "whether err is the caller's cancellation or an enclosing deadline",
+    args = { ERR }, returns = "boolean" },
+}
+schema.declare(M.SCHEMA)
+
+for _, k in ipairs { "spawn", "set_context", "context", "join", "result", "cancel", "sleep", "timeout",
+  "scope",
+  "all", "all_settled", "race", "map", "window", "congested", "semaphore", "run" } do
+  M[k] = schema.wrap("task." .. k, M[k])
+end
 
 M.Task = Task
 return M

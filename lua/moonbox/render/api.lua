@@ -22,7 +22,7 @@ local json = require "moonbox.json"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local trace = require "moonbox.trace"
-local options = require "moonbox.options"
+local schema = require "moonbox.schema"
 
 local M = {}
 
@@ -426,24 +426,22 @@ function M.shielded(fn, ...)
   return interruption, core.result(t)
 end
 
-local PAGE_OPTIONS = { page_size = true, limit = true }
---- api.PAGE_OPTIONS: the options every list call takes (page_size, limit), for a call that
--- checks its options before it reaches api.pages.
-M.PAGE_OPTIONS = PAGE_OPTIONS
-
---- api.pages(conn, op, path, query, opts, fname, extra) -> iterator over the items of a list
--- endpoint, every page, fetched as the iterator reaches them. opts (a recipe's): page_size
--- (1..100, default 100: the items each request asks for), limit (stop after that many items,
--- never asking for more), and the keys named in extra (the caller's own options); any other key
--- raises, naming fname. query: the endpoint's query besides cursor and limit. [yields]
-function M.pages(conn, op, path, query, opts, fname, extra)
-  opts = options.check(opts or {}, options.union(PAGE_OPTIONS, extra or {}), fname, 4)
+--- api.pages(conn, op, path, query, opts, fname) -> iterator over the items of a list endpoint,
+-- every page, fetched as the iterator reaches them. opts (a recipe's, already checked against
+-- the declaration of the public call fname by moonbox.schema): page_size (1..100, default 100:
+-- the items each request asks for), limit (stop after that many items, never asking for more).
+-- A page_size or limit out of range raises invalid_option naming fname before any request.
+-- query: the endpoint's query besides cursor and limit. [yields]
+function M.pages(conn, op, path, query, opts, fname)
+  opts = opts or {}
   local size, limit = opts.page_size or 100, opts.limit
   if math.type(size) ~= "integer" or size < 1 or size > 100 then
-    error(fname .. ": page_size must be an integer from 1 to 100, got " .. tostring(opts.page_size), 3)
+    schema.invalid(fname, { option = "page_size", got = size,
+      message = "option `page_size` must be an integer from 1 to 100, got " .. tostring(opts.page_size) })
   end
   if limit ~= nil and (math.type(limit) ~= "integer" or limit < 0) then
-    error(fname .. ": limit must be a non-negative integer, got " .. tostring(limit), 3)
+    schema.invalid(fname, { option = "limit", got = limit,
+      message = "option `limit` must be a non-negative integer, got " .. tostring(limit) })
   end
   local cursor, page, i, done, given = nil, {}, 0, limit == 0, 0
   return function()

@@ -24,6 +24,7 @@
 local core = require "moonbox.core"
 local task = require "moonbox.task"
 local events = require "moonbox.render.events"
+local schema = require "moonbox.schema"
 
 local M = {}
 
@@ -106,13 +107,6 @@ function M.current(t) return task.context(KEY, t) end
 -- current run (a limit already lower stays), or attaches a new one to the calling task outside a
 -- run. Raises on a limit that is not a non-negative number. Does not yield.
 function M.set(limits)
-  if type(limits) ~= "table" then error("render.budget: expected a table {sandboxes=, sandbox_seconds=}",
-    2) end
-  for k in pairs(limits) do
-    if k ~= "sandboxes" and k ~= "sandbox_seconds" then
-      error("render.budget: unknown limit '" .. tostring(k) .. "' (sandboxes, sandbox_seconds)", 2)
-    end
-  end
   local n = check_limit("render.budget", "sandboxes", limits.sandboxes, 2)
   local s = check_limit("render.budget", "sandbox_seconds", limits.sandbox_seconds, 2)
   local b = M.current()
@@ -245,6 +239,17 @@ function Budget:close()
   self.unobserve = nil
   if self.watchdog and not task.result(self.watchdog) then task.cancel(self.watchdog) end
 end
+
+M.SCHEMA = {
+  ["render.budget"] = { summary = "limits what the current run may create and keep",
+    args = { { name = "opts", type = "table" } }, options = {
+      sandboxes = { type = "integer", doc = "the most sandbox creates the run may send" },
+      sandbox_seconds = { type = "number",
+        doc = "the most sandbox-seconds (the sum of the time each sandbox existed) the run may spend" },
+    }, returns = "table" },
+}
+schema.declare(M.SCHEMA)
+M.set = schema.wrap("render.budget", M.set)
 
 M.Budget = Budget
 return M

@@ -27,7 +27,7 @@ local task = require "moonbox.task"
 local core = require "moonbox.core"
 local trace = require "moonbox.trace"
 local ids = require "moonbox.ids"
-local options = require "moonbox.options"
+local schema = require "moonbox.schema"
 local utf8_cut = require("moonbox.strings").utf8_cut
 
 local M = {}
@@ -220,6 +220,7 @@ end
 local Process = { __name = "moonbox.render.Process" }
 Process.__index = Process
 Process.__tostring = function(p) return "Process " .. tostring(p.exec_id) .. " in " .. p.sb.id end
+M.Process = Process
 
 --- p:kill(sig [, {grace}]) -> "signalled" | "marked": signals the whole process group (TERM by
 -- default; names like "KILL" or numbers); "marked" when the command had not started (it then
@@ -231,7 +232,7 @@ function Process:kill(sig, opts)
   if n == 15 and how == "signalled" then
     -- The command may ignore TERM, and its children may outlive it even when the wrapper
     -- itself died of the TERM: after the grace period the whole group gets KILL regardless.
-    local grace = (opts and opts.grace) or 5
+    local grace = schema.seconds(opts and opts.grace) or 5
     task.spawn(function()
       task.sleep(grace)
       pcall(send_kill, self.sb, self.id, 9, true)
@@ -292,15 +293,26 @@ local function relay_output(p, resp, opts)
   end
 end
 
-local EXEC_OPTS = { timeout = true, on_output = true, max_output = true, cwd = true, env = true,
-  grace = true }
+-- The options of sb:exec (sb:spawn takes them but timeout); moonbox.schema checks them at the
+-- recipe's call (M.SCHEMA below).
+local EXEC_OPTS = {
+  env = { type = "table",
+    doc = "per-call variables, never in command text (a root-only file, sourced and deleted)" },
+  cwd = { type = "string", doc = "the directory to run in (default the home directory)" },
+  timeout = { type = "seconds", kind = "deadline",
+    doc = "the longest the whole call takes; then the process group is killed and `timeout` raised" },
+  on_output = { type = "function", doc = "on_output(stream, chunk), called as output arrives" },
+  max_output = { type = "bytes", default = DEFAULT_MAX_OUTPUT,
+    doc = "bytes kept per stream; the rest is dropped and `truncated` set" },
+}
+local SPAWN_OPTS = {}
+for k, v in pairs(EXEC_OPTS) do
+  if k ~= "timeout" then SPAWN_OPTS[k] = v end
+end
 
--- Checks the options at the recipe's call; returns the env file's text (nil without env).
-local function check_opts(opts, fname)
-  options.check(opts, EXEC_OPTS, "sb:" .. fname, 4)
-  if opts.env == nil then return nil end
-  if type(opts.env) ~= "table" then error("sb:" .. fname .. ": env must be a table", 3) end
-  if next(opts.env) == nil then return nil end
+-- Returns the env file's text of checked options (nil without env).
+local function check_opts(opts)
+  if opts.env == nil or next(opts.env) == nil then return nil end
   return env_file(opts.env, 3)
 end
 
@@ -410,23 +422,21 @@ end
 -- stream without an exit event, and the API's structured errors. [yields]
 function M.exec(sb, cmd, opts)
   opts = opts or {}
-  local env_text = check_opts(opts, "exec")
+  local env_text = check_opts(opts)
   local command = command_of(cmd)
-  if not opts.timeout then return start(sb, cmd, command, env_text, opts):wait() end
-  if type(opts.timeout) ~= "number" or opts.timeout < 0 then
-    error("sb:exec: timeout must be seconds >= 0, got " .. tostring(opts.timeout), 2)
-  end
+  local limit = schema.seconds(opts.timeout)
+  if not limit then return start(sb, cmd, command, env_text, opts):wait() end
   local p
-  local ok, res = pcall(task.timeout, opts.timeout, function()
+  local ok, res = pcall(task.timeout, limit, function()
     p = start(sb, cmd, command, env_text, opts)
     return p:wait()
   end)
   if ok then return res end
   if type(res) == "table" and res.op == "task.timeout" and res.code == "timeout" then
-    error(api.error { op = "sandbox:exec", code = "timeout", retryable = true, seconds = opts.timeout,
+    error(api.error { op = "sandbox:exec", code = "timeout", retryable = true, seconds = limit,
       sandbox_id = sb.id, exec_id = p and p.exec_id, command = first_words(command),
       message = string.format("`%s` did not finish within %g s; its process group was killed",
-        first_words(command), opts.timeout) }, 0)
+        first_words(command), limit) }, 0)
   end
   error(res, 0)
 end
@@ -436,8 +446,7 @@ end
 -- started.
 function M.spawn(sb, cmd, opts)
   opts = opts or {}
-  local env_text = check_opts(opts, "spawn")
-  if opts.timeout ~= nil then error("sb:spawn: no timeout option (wrap p:wait() in task.timeout)", 2) end
+  local env_text = check_opts(opts)
   return start(sb, cmd, command_of(cmd), env_text, opts, "stdout")
 end
 
@@ -460,5 +469,42 @@ function M.run_sync(sb, cmd)
     stderr = d.stderr or "", exec_id = tok.executionId, sandbox_id = sb.id,
     truncated = d.truncated == true, command_summary = summary(command) }, Result)
 end
+
+-- ---- the declared calls (moonbox.schema) -------------------------------------------------------
+
+local CMD = { name = "cmd", type = { "string", "table" } }
+local OPTS = { name = "opts", type = "table", optional = true }
+
+M.SCHEMA = {
+  ["sb:exec"] = { summary = "runs a command and waits for its result", args = { CMD, OPTS },
+    options = EXEC_OPTS, returns = "Result", yields = true },
+  ["sb:spawn"] = { summary = "starts a command and returns its process", args = { CMD, OPTS },
+    options = SPAWN_OPTS, returns = "Process", yields = true },
+  ["sb:run_sync"] = { summary = "runs a command through the buffered sync operation", args = { CMD },
+    returns = "Result", yields = true },
+  ["proc:wait"] = { summary = "waits for the command's end and returns its result", returns = "Result",
+    yields = true },
+  ["proc:lines"] = { summary = "an iterator over stdout's lines as they arrive", returns = "fun(): string?",
+    yields = true },
+  ["proc:kill"] = { summary = "signals the command's process group", args = {
+    { name = "sig", type = { "string", "integer" }, optional = true }, OPTS },
+    options = { grace = { type = "seconds", default = 5,
+      doc = "after TERM, how long the command gets before its group gets KILL" } },
+    returns = "string", yields = true },
+  ["result:check"] = { summary = "the result, or raises exit_status when the exit code is not 0",
+    returns = "Result" },
+  ["render.shell_quote"] = { summary = "s quoted for bash so that it arrives as one literal word",
+    args = { { name = "s", type = { "string", "number" } } }, returns = "string" },
+}
+schema.declare(M.SCHEMA)
+
+M.exec = schema.wrap("sb:exec", M.exec)
+M.spawn = schema.wrap("sb:spawn", M.spawn)
+M.run_sync = schema.wrap("sb:run_sync", M.run_sync)
+M.shell_quote = schema.wrap("render.shell_quote", shell_quote)
+Process.wait = schema.wrap("proc:wait", Process.wait)
+Process.lines = schema.wrap("proc:lines", Process.lines)
+Process.kill = schema.wrap("proc:kill", Process.kill)
+Result.check = schema.wrap("result:check", Result.check)
 
 return M

@@ -24,7 +24,7 @@ local api = require "moonbox.render.api"
 local json = require "moonbox.json"
 local archive = require "moonbox.archive"
 local core = require "moonbox.core"
-local options = require "moonbox.options"
+local schema = require "moonbox.schema"
 local path_clean = require("moonbox.path").clean
 
 local M = {}
@@ -54,6 +54,10 @@ local PATH_ARG = { name = "path", type = "string" }
 local OPTS_ARG = { name = "opts", type = "table", optional = true }
 
 M.SCHEMA = {
+  ["render.normalize_path"] = {
+    summary = "a sandbox path cleaned as the API wants it (Go's path.Clean); empty or NUL raises invalid_path",
+    args = { { name = "path", type = "string" } }, returns = "string", yields = false,
+  },
   ["sb:read"] = {
     summary = "reads a whole sandbox file into a string",
     args = { PATH_ARG, OPTS_ARG },
@@ -120,20 +124,14 @@ M.SCHEMA = {
   },
 }
 
--- The names each call's options table may hold, from its declaration.
-local KNOWN = {}
-for name, decl in pairs(M.SCHEMA) do
-  local set = {}
-  for k in pairs(decl.options or {}) do set[k] = true end
-  KNOWN[name] = set
-end
+schema.declare(M.SCHEMA)
 
---- Checks the options of the files call `call` ("sb:read", ...) against its declaration;
--- opts may be nil. Raises at `level` (counted from the caller of this helper) naming the call
--- and the unknown option. Returns opts or {}.
+--- Checks the options of the files call `call` ("sb:read", ...) against its declaration
+-- (moonbox.schema: invalid_option naming the call, the option and the nearest name); opts may be
+-- nil. Returns opts or {}.
 local function check_options(call, opts, level)
   if opts == nil then return {} end
-  return options.check(opts, KNOWN[call], call, level + 1)
+  return schema.check(call, opts, level + 1)
 end
 
 -- ---- paths -------------------------------------------------------------------------------------
@@ -159,7 +157,7 @@ local function normalize_path(p)
   end
   return path_clean(p)
 end
-M.normalize_path = normalize_path
+M.normalize_path = schema.wrap("render.normalize_path", normalize_path)
 
 --- A path for a message: control bytes, DEL and bytes that are not UTF-8 shown as \xNN, the
 -- rest as it is.

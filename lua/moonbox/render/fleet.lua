@@ -14,7 +14,7 @@ local snapshots = require "moonbox.render.snapshots"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local guard = require "moonbox.guard"
-local options = require "moonbox.options"
+local schema = require "moonbox.schema"
 
 local M = {}
 local Fleet = {}
@@ -74,15 +74,23 @@ function fleet_methods.ids(fleet)
 end
 
 local POLICIES = { all_or_nothing = true, best_effort = true }
--- render.restore's own options and every option of render.sandboxes.create (wait is restore's
--- to decide: it creates without waiting, then waits for each sandbox).
-local RESTORE_OPTIONS = options.union(sandbox.CREATE_OPTIONS,
-  { count = true, concurrency = true, policy = true })
-RESTORE_OPTIONS.wait = nil
+-- render.restore's own options and every option of render.sandboxes.create but snapshot (the
+-- first argument) and wait (restore's to decide: it creates without waiting, then waits for
+-- each sandbox).
+local RESTORE_OPTIONS = {
+  count = { type = "integer", default = 1, doc = "how many sandboxes" },
+  concurrency = { type = "integer", default = 4, doc = "the most creates in flight (an adaptive window)" },
+  policy = { type = { "string", "table" }, default = "all_or_nothing",
+    doc = "\"all_or_nothing\", \"best_effort\" or {quorum = k}: what a failure means" },
+}
+for k, v in pairs(sandbox.CREATE_OPTIONS) do
+  if k ~= "wait" and k ~= "snapshot" then RESTORE_OPTIONS[k] = v end
+end
 
 --- render.restore(snapshot, opts) -> Fleet. Creates opts.count (default 1) sandboxes from
--- snapshot (a Snapshot, an id or a name), at most opts.concurrency (default 4) at a time, each
--- with the create options in opts (network, plan, env, timeout, ...), waiting until each runs.
+-- snapshot (a Snapshot, an id or a name; nil: empty sandboxes), at most opts.concurrency
+-- (default 4) at a time, each with the create options in opts (network, plan, env, lifetime,
+-- ...), waiting until each runs (wait_timeout). Options are checked first (moonbox.schema).
 -- opts.policy decides what a failure means, once every create has settled:
 --   "all_or_nothing" (default): any failure terminates every sibling and raises one error
 --     (code "restore_failed") whose `outcomes` lists each create ({index, id} or {index, error});
@@ -92,7 +100,7 @@ RESTORE_OPTIONS.wait = nil
 -- and has no id here — the error says so. Cleanup failures never replace the error; they are
 -- attached as err.cleanup_errors. [yields]
 function M.restore(snapshot, opts)
-  opts = options.check(opts or {}, RESTORE_OPTIONS, "render.restore", 3)
+  opts = opts or {}
   local count = opts.count or 1
   local concurrency = opts.concurrency or 4
   local policy = opts.policy or "all_or_nothing"
@@ -115,7 +123,7 @@ function M.restore(snapshot, opts)
   create_opts.snapshot = snapshot
 
   create_opts.wait = false
-  local wait_timeout = opts.wait_timeout or 120
+  local wait_timeout = schema.seconds(opts.wait_timeout) or 120
 
   -- Every create settles: each worker catches its own failure, so none cancels the others. A
   -- sandbox is recorded the moment its create answers, before waiting for it to run, so a
@@ -123,7 +131,8 @@ function M.restore(snapshot, opts)
   -- The window adapts (AIMD) to 429s; the group's concurrencyLimit (the most non-terminated
   -- sandboxes it allows) bounds it.
   local limit = math.min(concurrency, count)
-  local gid = opts.sandbox_group_id or (type(snapshot) == "table" and snapshot.sandbox_group_id)
+  local gid = opts.group or (type(snapshot) == "table" and snapshot.sandbox_group_id)
+  if type(gid) == "table" then gid = gid.id end
   if gid and limit > 1 then
     local okg, gerr = pcall(function() -- a failed look leaves the window as it is
       for g in snapshots.groups.list() do
@@ -228,6 +237,24 @@ function M.restore(snapshot, opts)
       table.concat(lines, "; ")),
     outcomes = outcome_list, cleanup_errors = #cleanup > 0 and cleanup or nil,
     snapshot_id = type(snapshot) == "table" and snapshot.id or nil }, 2)
+end
+
+-- ---- the declared calls (moonbox.schema) -------------------------------------------------------
+
+M.SCHEMA = {
+  ["render.restore"] = { summary = "creates many sandboxes from one snapshot, and nothing left running",
+    args = { { name = "snapshot", type = { "string", "Snapshot" }, optional = true },
+      { name = "opts", type = "table", optional = true } },
+    options = RESTORE_OPTIONS, returns = "Fleet", yields = true },
+  ["fleet:keep"] = { summary = "closing the fleet no longer terminates its sandboxes", returns = "Fleet" },
+  ["fleet:terminate"] = { summary = "terminates every member now (concurrently)", yields = true },
+  ["fleet:ids"] = { summary = "the members' sandbox ids", returns = "string[]" },
+}
+schema.declare(M.SCHEMA)
+
+M.restore = schema.wrap("render.restore", M.restore)
+for _, k in ipairs { "keep", "terminate", "ids" } do
+  fleet_methods[k] = schema.wrap("fleet:" .. k, fleet_methods[k])
 end
 
 M.Fleet = Fleet

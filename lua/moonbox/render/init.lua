@@ -27,30 +27,52 @@ local snapshots = require "moonbox.render.snapshots"
 local rebuild = require "moonbox.render.rebuild"
 local fleet = require "moonbox.render.fleet"
 local budget = require "moonbox.render.budget"
+local schema = require "moonbox.schema"
 
 local M = {}
 
+-- The calls this face takes from modules that declare nothing themselves (moonbox.schema).
+M.SCHEMA = {
+  ["render.observe"] = { summary = "subscribes fn(event, subject, info) to sandbox life events",
+    args = { { name = "fn", type = "function" } }, returns = "fun()" },
+  ["render.connect"] = { summary = "chooses the backend and makes it the default connection",
+    args = { { name = "opts", type = "table", optional = true } }, options = {
+      backend = { type = "string",
+        doc = "\"local\", \"render\" or an http(s) URL; default from the environment" },
+      api_key = { type = "string", doc = "the API key; default RENDER_API_KEY" },
+      workspace = { type = "string", doc = "the workspace (owner id); default RENDER_WORKSPACE_ID" },
+      state_dir = { type = "string", doc = "the embedded local backend's state directory" },
+    }, returns = "table", yields = true },
+  ["render.connection"] = { summary = "the default connection (connecting with the defaults first)",
+    returns = "table", yields = true },
+  ["render.current_connection"] = {
+    summary = "the default connection, or the last one, or nil; never connects",
+    returns = "table?" },
+  ["render.close"] = { summary = "closes the default connection", yields = true },
+}
+schema.declare(M.SCHEMA)
+
 --- render.observe(fn) -> unsubscribe(): sandbox life events (moonbox.render.events). [does not
 -- yield]
-M.observe = events.observe
+M.observe = schema.wrap("render.observe", events.observe)
 
 --- render.connect(opts) -> Conn: chooses the backend (moonbox.render.conn: backend, api_key,
 -- workspace, state_dir) and makes it the default for the module's functions. Called implicitly
 -- by the first API call. [yields]
-M.connect = conn.set_default
+M.connect = schema.wrap("render.connect", conn.set_default)
 
 --- render.connection() -> the default Conn (connecting with the defaults first). Concurrent
 -- first calls make one connection. [yields]
-M.connection = conn.default
+M.connection = schema.wrap("render.connection", conn.default)
 
 --- render.current_connection() -> the default Conn, or the last one after render.close(), or
 -- nil; never connects. Does not yield.
-M.current_connection = conn.current
+M.current_connection = schema.wrap("render.current_connection", conn.current)
 
 --- render.close(): closes the default connection; the embedded local backend this process used
 -- stops if no other run uses it (moonbox run calls it when the recipe ends, also after a
 -- failure or SIGINT). [yields]
-M.close = conn.close_default
+M.close = schema.wrap("render.close", conn.close_default)
 
 --- render.sandboxes: create, get, list, terminate (moonbox.render.sandbox).
 M.sandboxes = {
@@ -88,5 +110,6 @@ M.Snapshot = snapshots.Snapshot
 M.Group = snapshots.Group
 M.Fleet = fleet.Fleet
 M.Result = exec.Result
+M.Process = exec.Process
 
 return M

@@ -20,14 +20,35 @@ local duration = require "moonbox.duration"
 local task = require "moonbox.task"
 local guard = require "moonbox.guard"
 local core = require "moonbox.core"
-local options = require "moonbox.options"
+local schema = require "moonbox.schema"
 
 local M = {}
 
-local OPTIONS = { kind = true, plan = true, keep = true, verify = true, network = true, allow = true,
-  timeout = true, base = true, region = true, env = true, timeout_seconds = true, group = true,
-  expires_at = true, capture_timeout = true }
-local KINDS = { filesystem = true, runtime = true }
+local CREATE = sandbox.CREATE_OPTIONS
+-- render.snapshots.rebuild's options (docs/reference/render.md, "Names": `timeout` and
+-- `capture_timeout` are deadlines, `lifetime` each sandbox's server-side lifetime).
+local OPTIONS = {
+  kind = { type = "string", enum = { "filesystem", "runtime" }, default = "filesystem",
+    doc = "the new snapshot's kind" },
+  keep = { type = "integer", default = 3,
+    doc = "how many available snapshots of the name remain, the new one included" },
+  verify = { type = { "string", "table", "function" },
+    doc = "a command that must exit 0, or function(verifier, snap) that must not raise nor return false" },
+  timeout = { type = "seconds", kind = "deadline",
+    doc = "the longest the whole rebuild takes (task.timeout)" },
+  capture_timeout = { type = "seconds", kind = "deadline", default = 3600,
+    doc = "the longest the wait for the capture to be available takes" },
+  lifetime = { type = "seconds", kind = "lifetime", removed = { "timeout_seconds" },
+    doc = "each sandbox's server-side lifetime; default the rebuild's timeout plus 5 minutes, " ..
+      "when there is one" },
+  base = { type = { "string", "Snapshot" },
+    doc = "the snapshot the builder starts from (a Snapshot, an id or a name); none: empty" },
+  group = CREATE.group,
+  plan = CREATE.plan, region = CREATE.region, network = CREATE.network, allow = CREATE.allow,
+  env = { type = "table", doc = "environment variables of the builder (not the verifier)" },
+  expires_at = { type = { "number", "string" },
+    doc = "when the new snapshot expires: a unix time or an RFC 3339 string" },
+}
 
 -- How long a failed rebuild's cleanup waits for a capture still in progress to end before it
 -- gives up deleting that snapshot (a snapshot being captured cannot be deleted).
@@ -200,8 +221,8 @@ local function attempt(st, build_fn, opts)
   stage_begin(st, "builder")
   local builder = guarded_sandbox(g, {
     snapshot = opts.base, plan = opts.plan, network = opts.network, allow = opts.allow,
-    region = opts.region, env = opts.env, timeout_seconds = st.sandbox_timeout,
-    sandbox_group_id = st.group_id }, "builder")
+    region = opts.region, env = opts.env, lifetime = st.sandbox_lifetime,
+    group = st.group_id }, "builder")
   summary.builder_id = builder.id
   builder:wait_running()
   st.group_id = builder.sandbox_group_id
@@ -230,7 +251,7 @@ local function attempt(st, build_fn, opts)
   stage_begin(st, "verify")
   local verifier = guarded_sandbox(g, {
     snapshot = snap, network = opts.network, allow = opts.allow, region = opts.region,
-    timeout_seconds = st.sandbox_timeout }, "verifier")
+    lifetime = st.sandbox_lifetime }, "verifier")
   summary.verifier_id = verifier.id
   verifier:wait_running()
   run_verify(opts.verify, verifier, snap)
@@ -301,7 +322,7 @@ end
 --   verify: a command (bash string or argv table) that must exit 0, or function(verifier, snap)
 --     that must not raise nor return false; nil: the restore reaching "running" is the check;
 --   timeout: seconds or "20m", bounding the whole rebuild (task.timeout);
---   plan, region, network, allow, timeout_seconds (each sandbox's own lifetime; default the
+--   plan, region, network, allow, lifetime (each sandbox's own lifetime; default the
 --     rebuild timeout plus 5 minutes, when there is one), env (builder only), group (a Group or
 --     an id; default the base snapshot's, else the default group), expires_at (the snapshot's),
 --     capture_timeout (seconds to wait for availability, default 3600).
@@ -319,22 +340,12 @@ end
 -- do not fail the rebuild (see summary.prune_errors). [yields]
 function M.rebuild(name, build_fn, opts)
   opts = opts or {}
-  if type(name) ~= "string" or name == "" then
+  if name == "" then
     error("render.snapshots.rebuild: name (a non-empty string) is required", 2)
   end
-  if type(build_fn) ~= "function" then error("render.snapshots.rebuild: build_fn must be a function", 2) end
-  options.check(opts, OPTIONS, "render.snapshots.rebuild", 3)
   local keep = opts.keep or 3
   if math.type(keep) ~= "integer" or keep < 1 then
     error("render.snapshots.rebuild: keep must be an integer >= 1, got " .. tostring(keep), 2)
-  end
-  if opts.kind ~= nil and not KINDS[opts.kind] then
-    error("render.snapshots.rebuild: kind must be \"filesystem\" or \"runtime\", got " ..
-      tostring(opts.kind), 2)
-  end
-  local vt = type(opts.verify)
-  if vt ~= "nil" and vt ~= "string" and vt ~= "table" and vt ~= "function" then
-    error("render.snapshots.rebuild: verify must be a command (string or argv table) or a function", 2)
   end
   local limit = seconds(opts.timeout, "timeout")
   local group = opts.group
@@ -343,7 +354,7 @@ function M.rebuild(name, build_fn, opts)
   local summary = { name = name, deleted = {}, prune_errors = {}, kept = {}, durations = {} }
   local st = { name = name, keep = keep, summary = summary, group_id = group,
     capture_timeout = seconds(opts.capture_timeout, "capture_timeout") or 3600,
-    sandbox_timeout = opts.timeout_seconds or (limit and math.ceil(limit) + 300) }
+    sandbox_lifetime = schema.seconds(opts.lifetime) or (limit and math.ceil(limit) + 300) }
   local started = task.now()
   local ok, err
   if limit then
@@ -357,5 +368,15 @@ function M.rebuild(name, build_fn, opts)
   local timed_out = limit ~= nil and task.is_timeout(err) and not rawequal(err, st.cause)
   error(rebuild_error(st, err, timed_out, limit), 0)
 end
+
+M.SCHEMA = {
+  ["render.snapshots.rebuild"] = {
+    summary = "rebuilds, captures, verifies and rolls forward the snapshot of that name",
+    args = { { name = "name", type = "string" }, { name = "build_fn", type = "function" },
+      { name = "opts", type = "table", optional = true } },
+    options = OPTIONS, returns = "Snapshot, table", yields = true },
+}
+schema.declare(M.SCHEMA)
+M.rebuild = schema.wrap("render.snapshots.rebuild", M.rebuild)
 
 return M

@@ -32,7 +32,7 @@ local task = require "moonbox.task"
 local core = require "moonbox.core"
 local trace = require "moonbox.trace"
 local ids = require "moonbox.ids"
-local options = require "moonbox.options"
+local schema = require "moonbox.schema"
 local guard = require "moonbox.guard"
 
 local M = {}
@@ -176,7 +176,7 @@ end
 -- left as it is: whoever owns it decides). Does not wake a suspended sandbox. [yields]
 local function wait_running(sb, opts)
   opts = opts or {}
-  local limit = opts.timeout or 120
+  local limit = schema.seconds(opts.timeout) or 120
   local deadline = task.now() + limit
   local function check()
     local s = sb.status
@@ -290,37 +290,59 @@ end
 
 -- ---- create ---------------------------------------------------------------------------------
 
-local NETWORK = { ["allow-all"] = true, ["deny-all"] = true }
+--- The options of a sandbox's create, shared by render.sandboxes.create, render.restore
+-- (moonbox.render.fleet) and the sandboxes of render.snapshots.rebuild (docs/reference/render.md,
+-- "Names": `lifetime` is the server's, `wait_timeout` the client's wait).
+M.CREATE_OPTIONS = {
+  plan = { type = "string", doc = "the sandbox's plan (a restore from a snapshot takes the snapshot's)" },
+  region = { type = "string", doc = "the region to create it in" },
+  name = { type = "string",
+    doc = "its name; without one moonbox's label (by which a lost answer is found again)" },
+  lifetime = { type = "seconds", kind = "lifetime", removed = { "timeout", "timeout_seconds" },
+    refusals = { timeout = "`timeout` was the sandbox's lifetime: write `lifetime`; the wait's deadline " ..
+      "is `wait_timeout`" },
+    doc = "how long the sandbox lives on the server (the API's timeoutSeconds); Render's default " ..
+      "without it" },
+  idle_lifetime = { type = "seconds", kind = "lifetime", removed = { "idle_timeout_seconds" },
+    doc = "how long it may sit idle before the server suspends it (the API's idleTimeoutSeconds)" },
+  group = { type = { "string", "Group" }, removed = { "sandbox_group_id" },
+    doc = "the sandbox group (a Group or its id); default the snapshot's, else the workspace's default" },
+  env = { type = "table", doc = "environment variables of the sandbox (values are kept out of logs)" },
+  network = { type = "string", enum = { "allow-all", "deny-all" }, removed = { "network_policy" },
+    refusals = { network_policy = "option `network_policy` was removed: write `network` (\"deny-all\" or " ..
+      "\"allow-all\"), or `allow = {domains}` for an allow-list" },
+    doc = "outbound network: \"allow-all\" or \"deny-all\"; Render's default (allow-all) without it" },
+  allow = { type = "table", doc = "an allow-list of domains (outbound network to those only)" },
+  snapshot = { type = { "string", "Snapshot" }, removed = { "snapshot_id", "snapshot_name" },
+    doc = "restore from a snapshot: a Snapshot, an id (snp-...) or a name (the newest available one)" },
+  wait = { type = "boolean", default = true, doc = "false: return at once, status \"creating\"" },
+  wait_timeout = { type = "seconds", kind = "deadline", default = 120,
+    doc = "the longest the wait for `running` takes; then `timeout`, and the sandbox is terminated" },
+}
 
---- The options render.sandboxes.create knows (docs/reference/render.md). Any other key raises
--- at the recipe's call: a misspelt `netwrok = "deny-all"` must not create an allow-all sandbox.
-M.CREATE_OPTIONS = { plan = true, region = true, name = true, timeout = true, timeout_seconds = true,
-  idle_timeout_seconds = true, sandbox_group_id = true, env = true, network = true, network_policy = true,
-  allow = true, snapshot = true, snapshot_id = true, snapshot_name = true, wait = true, wait_timeout = true }
-
---- Builds the create body from recipe options: snake_case names and short forms (docs/reference/render.md).
--- Unset options are not sent (the SDKs' rule). Raises misuse at the recipe's call.
+--- Builds the create body from recipe options (checked against M.CREATE_OPTIONS: the names of
+-- docs/reference/render.md "Names"; the API's own names on the wire). Unset options are not
+-- sent (the SDKs' rule). Raises nothing.
 local function create_body(c, opts)
   local body = { ownerId = c:owner() }
   local function set(wire, v) if v ~= nil then body[wire] = v end end
+  local function secs(v)
+    v = schema.seconds(v)
+    return v and (math.tointeger(v) or v)
+  end
   set("plan", opts.plan)
   set("region", opts.region)
   set("name", opts.name)
-  set("timeoutSeconds", opts.timeout_seconds or opts.timeout)
-  set("idleTimeoutSeconds", opts.idle_timeout_seconds)
-  set("sandboxGroupId", opts.sandbox_group_id)
+  set("timeoutSeconds", secs(opts.lifetime))
+  set("idleTimeoutSeconds", secs(opts.idle_lifetime))
+  local g = opts.group
+  set("sandboxGroupId", type(g) == "table" and g.id or g)
   set("env", opts.env)
   if type(opts.env) == "table" then
     for _, v in pairs(opts.env) do trace.secret(tostring(v)) end
   end
-  local np = opts.network_policy
-  if opts.network ~= nil then
-    if not NETWORK[opts.network] then
-      error("render.sandboxes.create: network must be \"allow-all\" or \"deny-all\" (got " ..
-        tostring(opts.network) .. "); use allow = {domains} for an allow-list", 3)
-    end
-    np = { default = opts.network }
-  end
+  local np
+  if opts.network ~= nil then np = { default = opts.network } end
   if opts.allow ~= nil then
     np = { default = "allow-list", allowedDomains = json.array(opts.allow) }
   end
@@ -337,8 +359,6 @@ local function create_body(c, opts)
       body.snapshotName = snap
     end
   end
-  set("snapshotId", opts.snapshot_id)
-  set("snapshotName", opts.snapshot_name)
   return body
 end
 
@@ -390,22 +410,21 @@ local function create_request(c, body, L, intent, label)
 end
 
 --- render.sandboxes.create(opts) -> Sandbox, once it is running (opts.wait = false returns at
--- once, status "creating"). opts: plan, region, name, timeout / timeout_seconds,
--- idle_timeout_seconds, network ("deny-all"|"allow-all") or network_policy, allow (domains),
--- env, snapshot (a Snapshot, an id or a name), snapshot_id, snapshot_name, sandbox_group_id,
--- wait_timeout (seconds, default 120). The Sandbox is a `<close>` guard: leaving its scope
--- terminates it unless sb:keep() was called.
--- Never re-sends the create after an ambiguous failure (a 429 is a refusal and is). A lost
--- answer or a 5xx is reconciled by the label moonbox puts in the sandbox's name when opts.name
--- is not given: a sandbox carrying it is the one created (returned as if the answer had come);
--- none found raises the original error (code "unknown_outcome" for a lost answer). If the
--- calling task is cancelled, or its deadline passes, while the request is in flight or while
--- waiting for `running`, or the wait fails, the sandbox is terminated before the error is
--- raised. Raises structured errors (op "sandboxes.create", "sandboxes.wait_running"), and
--- budget_exceeded before sending anything when the run's budget is spent
--- (moonbox.render.budget). [yields]
+-- once, status "creating"). opts: M.CREATE_OPTIONS (plan, region, name, lifetime, idle_lifetime,
+-- network ("deny-all"|"allow-all"), allow (domains), env, snapshot (a Snapshot, an id or a name),
+-- group, wait, wait_timeout (seconds, default 120)), checked before anything is sent
+-- (moonbox.schema: an unknown, removed or mistyped option raises invalid_option). The Sandbox is
+-- a `<close>` guard: leaving its scope terminates it unless sb:keep() was called. Never re-sends
+-- the create after an ambiguous failure (a 429 is a refusal and is). A lost answer or a 5xx is
+-- reconciled by the label moonbox puts in the sandbox's name when opts.name is not given: a
+-- sandbox carrying it is the one created (returned as if the answer had come); none found raises
+-- the original error (code "unknown_outcome" for a lost answer). If the calling task is
+-- cancelled, or its deadline passes, while the request is in flight or while waiting for
+-- `running`, or the wait fails, the sandbox is terminated before the error is raised. Raises
+-- structured errors (op "sandboxes.create", "sandboxes.wait_running"), and budget_exceeded before
+-- sending anything when the run's budget is spent (moonbox.render.budget). [yields]
 function M.create(opts)
-  opts = options.check(opts or {}, M.CREATE_OPTIONS, "render.sandboxes.create", 3)
+  opts = opts or {}
   local c = conn.default()
   local body = create_body(c, opts)
   local b = budget.current()
@@ -433,7 +452,7 @@ function M.create(opts)
     error(interruption, 0)
   end
   if opts.wait ~= false then
-    local wok, werr = pcall(wait_running, sb, { timeout = opts.wait_timeout })
+    local wok, werr = pcall(wait_running, sb, { timeout = schema.seconds(opts.wait_timeout) })
     if not wok then
       M.discard(sb, werr)
       error(werr, 0)
@@ -459,7 +478,7 @@ function M.list(opts)
   local status = opts.status
   if type(status) == "string" then status = { status } end
   local items = api.pages(c, "sandboxes.list", "/sandboxes", { ownerId = c.workspace, status = status }, opts,
-    "render.sandboxes.list", { status = true })
+    "render.sandboxes.list")
   return function()
     local item = items()
     return item and wrap(c, item.sandbox, false)
@@ -475,6 +494,54 @@ function M.terminate(id)
   if ok then terminated(id, "terminated") end
   if interruption then error(interruption, 0) end
   if not ok then error(err, 0) end
+end
+
+-- ---- the declared calls (moonbox.schema) -------------------------------------------------------
+
+local LIST_OPTIONS = {
+  status = { type = { "string", "table" },
+    doc = "a status or a list of them; default Render's, which hides terminated" },
+  page_size = { type = "integer", default = 100, doc = "how many each request asks for (1..100)" },
+  limit = { type = "integer", doc = "stop after that many (and ask for no more)" },
+}
+M.LIST_OPTIONS = LIST_OPTIONS
+
+local OPTS = { name = "opts", type = "table", optional = true }
+local ID = { name = "id", type = "string" }
+
+M.SCHEMA = {
+  ["render.sandboxes.create"] = { summary = "creates a sandbox and waits until it runs", args = { OPTS },
+    options = M.CREATE_OPTIONS, returns = "Sandbox", yields = true },
+  ["render.sandboxes.get"] = { summary = "the sandbox of that id (not a guard until sb:adopt())",
+    args = { ID },
+    returns = "Sandbox", yields = true },
+  ["render.sandboxes.list"] = { summary = "an iterator over the sandboxes (every page; not guards)",
+    args = { OPTS }, options = LIST_OPTIONS, returns = "fun(): Sandbox?", yields = true },
+  ["render.sandboxes.terminate"] = { summary = "terminates a sandbox by id (idempotent)", args = { ID },
+    yields = true },
+  ["sb:connection"] = { summary = "the connection this sandbox's calls go through", returns = "table" },
+  ["sb:refresh"] = { summary = "re-reads its fields from the API", returns = "Sandbox", yields = true },
+  ["sb:terminate"] = { summary = "terminates it (idempotent; runs to its end even when cancelled)",
+    yields = true },
+  ["sb:suspend"] = { summary = "asks for an idle suspend now", yields = true },
+  ["sb:keep"] = { summary = "leaving its scope no longer terminates it", returns = "Sandbox" },
+  ["sb:adopt"] = { summary = "makes a sandbox from get/list a guard (terminated on scope exit)",
+    returns = "Sandbox" },
+  ["sb:wait_running"] = { summary = "waits until the sandbox runs", args = { OPTS }, options = {
+    timeout = { type = "seconds", kind = "deadline", default = 120,
+      doc = "the longest the wait takes; then `timeout` (the sandbox is left as it is)" },
+    interval = { type = "number", default = 0.01,
+      doc = "the first poll's delay in seconds (doubling up to 1 s)" },
+  }, returns = "Sandbox", yields = true },
+}
+schema.declare(M.SCHEMA)
+
+M.create = schema.wrap("render.sandboxes.create", M.create)
+M.get = schema.wrap("render.sandboxes.get", M.get)
+M.list = schema.wrap("render.sandboxes.list", M.list)
+M.terminate = schema.wrap("render.sandboxes.terminate", M.terminate)
+for _, k in ipairs { "connection", "refresh", "terminate", "suspend", "keep", "adopt", "wait_running" } do
+  Sandbox.methods[k] = schema.wrap("sb:" .. k, Sandbox.methods[k])
 end
 
 budget.terminate = M.terminate -- (budget.lua: what an exceeded budget ends sandboxes with)

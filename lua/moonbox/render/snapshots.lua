@@ -13,7 +13,7 @@ local api = require "moonbox.render.api"
 local conn = require "moonbox.render.conn"
 local object = require "moonbox.render.object"
 local task = require "moonbox.task"
-local options = require "moonbox.options"
+local schema = require "moonbox.schema"
 
 local M = {}
 
@@ -75,7 +75,10 @@ end
 -- raises "unknown_outcome"). Raises structured errors (op "groups.create"). [yields]
 function groups.create(opts)
   opts = opts or {}
-  if type(opts.name) ~= "string" then error("render.groups.create: name (a string) is required", 2) end
+  if opts.name == nil then
+    schema.invalid("render.groups.create", { option = "name",
+      message = "option `name` (a string) is required" })
+  end
   local c = conn.default()
   local data = api.call(c, "groups.create", "POST", "/sandbox-groups", {
     body = { ownerId = c:owner(), name = opts.name, concurrencyLimit = opts.concurrency_limit,
@@ -149,7 +152,7 @@ function M.learned_capture_seconds() return learned end
 -- if capture failed, "timeout" after the deadline. [yields]
 function snapshot_methods.wait_available(snap, opts)
   opts = opts or {}
-  local limit = opts.timeout or 300
+  local limit = schema.seconds(opts.timeout) or 300
   local start = task.now()
   local deadline = start + limit
   local requested = rawget(snap, "_requested") -- when this process asked for the capture
@@ -191,7 +194,6 @@ function snapshot_methods.delete(snap)
     { query = { ownerId = c.workspace }, snapshot_id = snap.id })
 end
 
-local GET_OPTIONS = { group = true }
 
 --- render.snapshots.get(snapshot_id[, {group = Group or id}]) -> Snapshot: the snapshot with
 -- that id in the group (default: the workspace's default group). The one shape: a
@@ -211,7 +213,7 @@ function snapshots.get(sid, opts)
     error("render.snapshots.get: takes the snapshot id first and the group as an option: " ..
       "render.snapshots.get(snapshot_id, {group = group_id}), not get(group_id, snapshot_id)", 2)
   end
-  opts = options.check(opts or {}, GET_OPTIONS, "render.snapshots.get")
+  opts = schema.check("render.snapshots.get", opts or {}, 2)
   local gid = group_id(opts.group)
   local c = conn.default()
   if not gid then
@@ -223,21 +225,18 @@ function snapshots.get(sid, opts)
   return wrap_snapshot(c, data)
 end
 
-local LIST_OPTIONS = { group = true, status = true }
-
 --- render.snapshots.list{group = Group or id (default: the default group), status = a status
 -- or a list, page_size, limit (as render.sandboxes.list)} -> iterator over every Snapshot, all
 -- pages, newest first (expired and deleted ones are omitted by Render). Yields nothing when the
 -- workspace has no group yet. Raises "invalid_status", "not_found" (unknown group). [yields]
 function snapshots.list(opts)
-  opts = options.check(opts or {}, options.union(LIST_OPTIONS, api.PAGE_OPTIONS), "render.snapshots.list")
   local c = conn.default()
   local gid = group_id(opts.group)
   if gid == nil then return function() return nil end end
   local status = opts.status
   if type(status) == "string" then status = { status } end
   local items = api.pages(c, "snapshots.list", "/sandbox-groups/" .. gid .. "/snapshots",
-    { ownerId = c:owner(), status = status }, opts, "render.snapshots.list", LIST_OPTIONS)
+    { ownerId = c:owner(), status = status }, opts, "render.snapshots.list")
   return function()
     local item = items()
     return item and wrap_snapshot(c, item.snapshot)
@@ -249,7 +248,6 @@ end
 -- [yields]
 function snapshots.latest(name, opts)
   opts = opts or {}
-  if type(name) ~= "string" then error("render.snapshots.latest: name (a string) is required", 2) end
   for snap in snapshots.list { group = opts.group, status = "available" } do
     if snap.name == name then return snap end
   end
@@ -279,8 +277,6 @@ end
 
 -- ---- sb:snapshot ------------------------------------------------------------------------------
 
-local KINDS = { filesystem = true, runtime = true }
-
 --- sb:snapshot{kind = "filesystem"|"runtime", name, expires_at, wait = true, wait_timeout = 300}
 -- -> Snapshot, once available (wait = false: at once, status "creating"). kind is always sent
 -- (default "filesystem": Render's default has changed between versions). expires_at is a unix
@@ -290,14 +286,9 @@ local KINDS = { filesystem = true, runtime = true }
 function M.capture(sb, opts)
   opts = opts or {}
   local kind = opts.kind or "filesystem"
-  if not KINDS[kind] then
-    error("sb:snapshot: kind must be \"filesystem\" or \"runtime\", got " .. tostring(kind), 2)
-  end
   local expires = opts.expires_at
   if type(expires) == "number" then
     expires = os.date("!%Y-%m-%dT%H:%M:%SZ", math.floor(expires))
-  elseif expires ~= nil and type(expires) ~= "string" then
-    error("sb:snapshot: expires_at must be a unix time or an RFC 3339 string", 2)
   end
   local c = sb:connection()
   local requested = task.now()
@@ -307,12 +298,92 @@ function M.capture(sb, opts)
     idempotent = false, sandbox_id = sb.id })
   local snap = wrap_snapshot(c, data)
   rawset(snap, "_requested", requested)
-  if opts.wait ~= false then snap:wait_available { timeout = opts.wait_timeout } end
+  if opts.wait ~= false then snap:wait_available { timeout = schema.seconds(opts.wait_timeout) } end
   return snap
 end
 
 -- render.snapshots.rebuild is moonbox.render.rebuild's, put here by moonbox.render (rebuild
 -- requires this module: the reverse require would be a cycle).
+
+-- ---- the declared calls (moonbox.schema) -------------------------------------------------------
+
+local OPTS = { name = "opts", type = "table", optional = true }
+local PAGES = {
+  page_size = { type = "integer", default = 100, doc = "how many each request asks for (1..100)" },
+  limit = { type = "integer", doc = "stop after that many (and ask for no more)" },
+}
+local GROUP = { type = { "string", "Group" },
+  doc = "a Group or its id; default the workspace's default group" }
+local STATUS = { type = { "string", "table" }, doc = "a status or a list of them" }
+
+M.SCHEMA = {
+  ["render.groups.list"] = { summary = "the workspace's sandbox groups (every page)", args = { OPTS },
+    options = PAGES, returns = "Group[]", yields = true },
+  ["render.groups.default"] = { summary = "the workspace's default group, or nil before its first sandbox",
+    returns = "Group?", yields = true },
+  ["render.groups.create"] = { summary = "creates a sandbox group", args = { { name = "opts",
+    type = "table" } },
+    options = {
+      name = { type = "string", doc = "the group's name (required)" },
+      concurrency_limit = { type = "integer", doc = "the most non-terminated sandboxes it allows" },
+      region = { type = "string", doc = "its region" },
+    }, returns = "Group", yields = true },
+  ["render.groups.delete"] = { summary = "deletes a sandbox group and its snapshots",
+    args = { { name = "group", type = { "string", "Group" } } }, yields = true },
+  ["group:delete"] = { summary = "deletes this sandbox group and its snapshots", yields = true },
+  ["render.snapshots.get"] = {
+    summary = "the snapshot with that id, in the default group or the one given",
+    -- "any": the call itself refuses the old shapes (get(group, id), get(snap)) naming the kept one
+    args = { { name = "snapshot_id", type = "any" }, { name = "opts", type = "any", optional = true } },
+    options = { group = GROUP }, returns = "Snapshot", yields = true },
+  ["render.snapshots.list"] = { summary = "an iterator over a group's snapshots, newest first",
+    args = { OPTS },
+    options = { group = GROUP, status = STATUS, page_size = PAGES.page_size, limit = PAGES.limit },
+    returns = "fun(): Snapshot?", yields = true },
+  ["render.snapshots.latest"] = { summary = "the newest available snapshot of that name, or nil",
+    args = { { name = "name", type = "string" }, OPTS }, options = { group = GROUP },
+    returns = "Snapshot?", yields = true },
+  ["render.snapshots.delete"] = { summary = "deletes a snapshot (idempotent)",
+    args = { { name = "snapshot", type = { "string", "Snapshot", "table" } } }, yields = true },
+  ["render.snapshots.wait_available"] = { summary = "waits until the snapshot is available",
+    args = { { name = "snapshot", type = "Snapshot" }, OPTS }, options = nil, returns = "Snapshot",
+      yields = true },
+  ["snap:refresh"] = { summary = "re-reads its fields from the API", returns = "Snapshot", yields = true },
+  ["snap:wait_available"] = { summary = "waits until the snapshot is available", args = { OPTS }, options = {
+    timeout = { type = "seconds", kind = "deadline", default = 300,
+      doc = "the longest the wait takes; then `timeout`" },
+    interval = { type = "number", doc = "the first look's delay in seconds after the capture was requested" },
+  }, returns = "Snapshot", yields = true },
+  ["snap:delete"] = { summary = "deletes it (idempotent)", yields = true },
+  ["sb:snapshot"] = { summary = "captures the sandbox as a snapshot and waits until it is available",
+    args = { OPTS }, options = {
+      kind = { type = "string", enum = { "filesystem", "runtime" }, default = "filesystem",
+        doc = "what is captured (always sent)" },
+      name = { type = "string", doc = "the snapshot's name (a restore by name takes the newest available)" },
+      expires_at = { type = { "number", "string" },
+        doc = "when it expires: a unix time or an RFC 3339 string" },
+      wait = { type = "boolean", default = true, doc = "false: return at once, status \"creating\"" },
+      wait_timeout = { type = "seconds", kind = "deadline", default = 300,
+        doc = "the longest the wait for `available` takes; then `timeout`" },
+    }, returns = "Snapshot", yields = true },
+}
+M.SCHEMA["render.snapshots.wait_available"].options = M.SCHEMA["snap:wait_available"].options
+schema.declare(M.SCHEMA)
+
+groups.list = schema.wrap("render.groups.list", groups.list)
+groups.default = schema.wrap("render.groups.default", groups.default)
+groups.create = schema.wrap("render.groups.create", groups.create)
+groups.delete = schema.wrap("render.groups.delete", groups.delete)
+group_methods.delete = schema.wrap("group:delete", group_methods.delete)
+snapshots.get = schema.wrap("render.snapshots.get", snapshots.get)
+snapshots.list = schema.wrap("render.snapshots.list", snapshots.list)
+snapshots.latest = schema.wrap("render.snapshots.latest", snapshots.latest)
+snapshots.delete = schema.wrap("render.snapshots.delete", snapshots.delete)
+snapshots.wait_available = schema.wrap("render.snapshots.wait_available", snapshots.wait_available)
+snapshot_methods.refresh = schema.wrap("snap:refresh", snapshot_methods.refresh)
+snapshot_methods.wait_available = schema.wrap("snap:wait_available", snapshot_methods.wait_available)
+snapshot_methods.delete = schema.wrap("snap:delete", snapshot_methods.delete)
+M.capture = schema.wrap("sb:snapshot", M.capture)
 
 M.Snapshot = Snapshot
 M.Group = Group

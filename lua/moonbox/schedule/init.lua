@@ -12,6 +12,7 @@
 -- daemon.lua), which loads the recipe, reads and writes the state and history in the state
 -- dir's moonbox.db, and runs each fire as a task. See docs/schedule.md.
 local duration = require "moonbox.duration"
+local schema = require "moonbox.schema"
 
 local M = {}
 
@@ -20,9 +21,6 @@ local registry = { list = {}, by_name = {} }
 local running = false
 
 local OVERLAP = { skip = true, buffer_one = true, cancel_other = true }
-local OPTIONS = { overlap = true, catchup = true, jitter = true, timeout = true,
-  pause_after_failures = true, tz = true, webhooks = true, max_sandboxes = true,
-  max_sandbox_seconds = true }
 
 --- schedule.duration(v) -> seconds, or nil and a message; schedule.format_duration(seconds) ->
 -- "1h30m". The parser shared with the rest of moonbox (lua/moonbox/duration.lua).
@@ -91,9 +89,15 @@ local function check_opts(kind, name, where, opts)
   end
   if opts == nil then opts = {} end
   if type(opts) ~= "table" then bad("options must be a table, got a %s", type(opts)) end
-  for k in pairs(opts) do
-    if not OPTIONS[k] then bad("unknown option '%s' (known: overlap, catchup, jitter, timeout, " ..
-      "pause_after_failures, tz, webhooks, max_sandboxes, max_sandbox_seconds)", tostring(k)) end
+  if kind == "every" and opts.tz ~= nil then bad("tz applies to schedule.cron only") end
+  -- Unknown or mistyped options: a structured invalid_option (moonbox.schema) naming the schedule.
+  local ok, err = pcall(schema.check, "schedule." .. kind, opts)
+  if not ok then
+    if type(err) == "table" then
+      err.schedule = name
+      err.message = string.format("schedule '%s': %s", name, tostring(err.message))
+    end
+    error(err, 0)
   end
   local s = { name = name, where = where, overlap = opts.overlap or "skip" }
   if not OVERLAP[s.overlap] then
@@ -227,6 +231,63 @@ function M.format_slot(s, t)
     if ok then return txt end
   end
   return require("moonbox.schedule.clock").format(t)
+end
+
+-- ---- the declared calls (moonbox.schema) -------------------------------------------------------
+
+local function schedule_options(with_tz)
+  local o = {
+    overlap = { type = "string", enum = { "skip", "buffer_one", "cancel_other" }, default = "skip",
+      doc = "what a fire does while the previous run is still active" },
+    catchup = { type = { "seconds", "boolean" }, default = "1d",
+      doc = "after downtime the latest missed slot runs once if it is at most this old; false: never" },
+    jitter = { type = "seconds", default = 0,
+      doc = "each fire waits a random delay in [0, jitter) after its slot" },
+    timeout = { type = "seconds", kind = "deadline",
+      doc = "the longest a run takes: its task is cancelled at start + timeout (outcome timeout)" },
+    pause_after_failures = { type = "integer",
+      doc = "after N consecutive failed/timeout runs the schedule is paused until --resume" },
+    webhooks = { type = { "string", "table" }, doc = "a URL or an array of http(s) URLs that get alerts" },
+    max_sandboxes = { type = "integer", doc = "each run may send at most N sandbox creates (its budget)" },
+    max_sandbox_seconds = { type = "seconds",
+      doc = "each run's sandboxes may exist this long in total (its budget)" },
+  }
+  if with_tz then
+    o.tz = { type = "string", default = "UTC", doc = "the zone of the cron expression (an IANA name)" }
+  end
+  return o
+end
+
+local NAME = { name = "name", type = "string" }
+local FN = { name = "fn", type = "function" }
+local OPTS = { name = "opts", type = "table", optional = true }
+
+M.SCHEMA = {
+  ["schedule.cron"] = { summary = "fires fn(run) at every minute a cron expression matches",
+    args = { NAME, { name = "expr", type = "string" }, FN, OPTS }, options = schedule_options(true),
+    returns = "table" },
+  ["schedule.every"] = { summary = "fires fn(run) every interval, at its multiples since the epoch",
+    args = { NAME, { name = "interval", type = "seconds" }, FN, OPTS }, options = schedule_options(false),
+    returns = "table" },
+  ["schedule.running"] = { summary = "true inside `moonbox schedule`, false otherwise", returns = "boolean" },
+  ["schedule.list"] = { summary = "the registered schedules, in registration order", returns = "table[]" },
+  ["schedule.get"] = { summary = "the registered schedule of that name, or nil", args = { NAME },
+    returns = "table?" },
+  ["schedule.next_after"] = { summary = "the first slot of a schedule strictly after time t",
+    args = { { name = "s", type = "table" }, { name = "t", type = "number" } }, returns = "number?" },
+  ["schedule.format_slot"] = { summary = "a slot as RFC 3339 text (in a cron schedule's zone)",
+    args = { { name = "s", type = "table" }, { name = "t", type = "number" } }, returns = "string" },
+  ["schedule.duration"] = { summary = "a duration's seconds, or nil and a message",
+    args = { { name = "v", type = "any", optional = true } }, returns = "number?, string?" },
+  ["schedule.format_duration"] = { summary = "seconds as a duration (\"1h30m\")",
+    args = { { name = "seconds", type = "number" } }, returns = "string" },
+  ["schedule.check_webhook"] = { summary = "true, or nil and why a URL cannot be an alert webhook",
+    args = { { name = "url", type = "any", optional = true } }, returns = "boolean?, string?" },
+}
+schema.declare(M.SCHEMA)
+
+for _, k in ipairs { "get", "next_after", "format_slot", "format_duration" } do
+  M[k] = schema.wrap("schedule." .. k, M[k])
 end
 
 -- For `moonbox schedule` (and specs): marks the process as the scheduler; clears the registry.
