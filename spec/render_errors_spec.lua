@@ -119,7 +119,7 @@ document("docs/reference/http.md", "http.request")
 -- be: every other documented code has a provoking function below.
 local NOT_PROVOKED = {
   ["exec_error sandbox:exec"] = "an exec stream's error event: Render's; moonbox local never sends one",
-  ["unsupported_encoding sandbox:get_dir"] = "moonbox local always sends a directory as gzip",
+  ["unsupported_encoding sb:copy_out"] = "moonbox local always sends a directory as gzip",
   ["transport_error http.request"] = "libcurl's catch-all: no failure over loopback maps to it",
 }
 
@@ -130,7 +130,9 @@ local B, SB, SNAP, WORK
 L.fixture(setup, teardown, function(b)
   B = b
   SB = render.sandboxes.create {}
-  SB:upload("/tmp/a-file", "x")
+  SB:write("/tmp/a-file", "x")
+  SB:mkdir("/tmp/full")
+  SB:write("/tmp/full/f", "f")
   SNAP = SB:snapshot { name = "errors-base" }
   WORK = proc.run({ "mktemp", "-d", "/tmp/moonbox-errors-spec.XXXXXX" }).stdout:gsub("%s+$", "")
   return function()
@@ -218,7 +220,7 @@ end
 -- moonbox.render: Render's own codes, as moonbox local sends them
 
 PROVOKE["invalid_sandbox_group_id sandboxes.create"] = function()
-  return raised(render.sandboxes.create, { sandbox_group_id = "not-a-group" })
+  return raised(render.sandboxes.create, { group = "not-a-group" })
 end
 
 PROVOKE["sandbox_not_running sandbox:snapshot"] = function()
@@ -270,7 +272,7 @@ PROVOKE["snapshot_not_available sandboxes.create"] = function()
   local other = render.groups.create { name = "elsewhere" }
   local snap
   do
-    local sb <close> = render.sandboxes.create { sandbox_group_id = other.id }
+    local sb <close> = render.sandboxes.create { group = other.id }
     snap = sb:snapshot { name = "in-other" }
   end
   return raised(render.sandboxes.create, { snapshot = snap.id })
@@ -361,29 +363,51 @@ PROVOKE["invalid_path render.normalize_path"] = function()
   return raised(render.normalize_path, "")
 end
 
-PROVOKE["file_not_found sandbox:download"] = function()
-  return raised(SB.download, SB, "/no/such/file")
+PROVOKE["not_found sb:read"] = function()
+  return raised(SB.read, SB, "/no/such/file")
 end
 
-PROVOKE["is_directory sandbox:download"] = function()
-  return raised(SB.download, SB, "/tmp")
+PROVOKE["is_a_directory sb:read"] = function()
+  return raised(SB.read, SB, "/tmp")
 end
 
-PROVOKE["not_a_directory sandbox:get_dir"] = function()
-  return raised(SB.get_dir, SB, "/tmp/a-file", WORK .. "/not-made")
+PROVOKE["not_a_directory sb:ls"] = function()
+  return raised(SB.ls, SB, "/tmp/a-file")
 end
 
-PROVOKE["target_exists sandbox:get_dir"] = function()
-  return raised(SB.get_dir, SB, "/tmp", WORK)
+PROVOKE["exists sb:mkdir"] = function()
+  return raised(SB.mkdir, SB, "/tmp/a-file")
 end
 
-PROVOKE["io_error sandbox:download_file"] = function()
+PROVOKE["not_empty sb:remove"] = function()
+  return raised(SB.remove, SB, "/tmp/full")
+end
+
+PROVOKE["permission_denied sb:write"] = function()
+  return raised(SB.write, SB, "/proc/x", "y")
+end
+
+PROVOKE["exec_failed sb:rename"] = function()
+  return raised(SB.rename, SB, "/tmp/full", "/tmp/full/inside")
+end
+
+PROVOKE["sandbox_gone sb:read"] = function()
+  local gone = render.sandboxes.create {}
+  gone:terminate()
+  return raised(gone.read, gone, "/tmp/a-file")
+end
+
+PROVOKE["local_not_found sb:copy_in"] = function()
+  return raised(SB.copy_in, SB, "/tmp/never", WORK .. "/no-such-local-file")
+end
+
+PROVOKE["target_exists sb:copy_out"] = function()
+  return raised(SB.copy_out, SB, "/tmp", WORK)
+end
+
+PROVOKE["io_error sb:copy_out"] = function()
   -- WORK is a directory that is not empty: the finished download cannot be renamed onto it.
-  return raised(SB.download_file, SB, "/tmp/a-file", WORK)
-end
-
-PROVOKE["request_failed files.PUT"] = function()
-  return raised(SB.upload_file, SB, WORK .. "/no-such-local-file", "/tmp/never")
+  return raised(SB.copy_out, SB, "/tmp/a-file", WORK)
 end
 
 -- the runtime core (errors.md)
@@ -539,9 +563,9 @@ describe("each documented code", function()
   end
 end)
 
-describe("sb:upload onto a directory", function()
-  it("raises conflict, as the files table says", T.async(function()
-    local err = raised(SB.upload, SB, "/tmp", "x")
-    assert.are.equal("conflict", err.code, tostring(err))
+describe("sb:write onto a directory", function()
+  it("raises is_a_directory, as the files table says", T.async(function()
+    local err = raised(SB.write, SB, "/tmp", "x")
+    assert.are.equal("is_a_directory", err.code, tostring(err))
   end))
 end)

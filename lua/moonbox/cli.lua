@@ -264,6 +264,8 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
       end
       if backend then lazy.render.connect { backend = backend } end
       local r = table.pack(xpcall(chunk, core.msgh, ...))
+      -- a dry run past its simulated-time limit cancelled the recipe: that limit is the error
+      if dry_run and not r[1] and lazy.dryrun.over() then r = table.pack(false, lazy.dryrun.over()) end
       if progress then progress:stop() end
       M.finish_run()
       if dry_run then dry_report = lazy.dryrun.stop() end

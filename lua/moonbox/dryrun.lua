@@ -68,15 +68,24 @@ function Clock:at(at, cond, owner)
   return tm
 end
 
+-- The error of a run past its limit of max simulated seconds.
+local function limit_error(max)
+  return core.Error.new { op = "render.dry_run", code = "simulated_time_limit",
+    message = string.format("the dry run passed its limit of %g simulated seconds and was stopped: a " ..
+      "loop that waits for an exec's output no hook gives (render.dry_run.on_exec)? A longer run needs " ..
+      "render.dry_run.limit(seconds)", max) }
+end
+
+-- The error a wait of the main task raises: the limit's, when passing it is what cancelled it.
+function Clock:why(err)
+  if self.over and task.is_cancelled(err) and core.current() == self.main then return self.over end
+  return err
+end
+
 -- Raises once the simulated time is past the limit (render.dry_run.limit).
 function Clock:check_limit()
   local max = hooks.limit_seconds()
-  if self.t > max then
-    error(core.Error.new { op = "render.dry_run", code = "simulated_time_limit",
-      message = string.format("the dry run passed its limit of %g simulated seconds and was stopped: a " ..
-        "loop that waits for an exec's output no hook gives (render.dry_run.on_exec)? A longer run needs " ..
-        "render.dry_run.limit(seconds)", max) }, 0)
-  end
+  if self.t > max then error(limit_error(max), 0) end
 end
 
 --- clock:wait_for(cond, seconds[, owner]): waits until cond is broadcast or `seconds` of
@@ -86,7 +95,7 @@ function Clock:wait_for(cond, seconds, owner)
   local tm = self:at(self.t + math.max(seconds, 0), cond, owner)
   local ok, err = pcall(cond.wait, cond)
   tm.dead = true
-  if not ok then error(err, 0) end
+  if not ok then error(self:why(err), 0) end
   self:check_limit()
 end
 
@@ -101,7 +110,7 @@ function Clock:sleep(seconds)
     local ok, err = pcall(cond.wait, cond)
     if not ok then
       tm.dead = true
-      error(err, 0)
+      error(self:why(err), 0)
     end
   end
   self:check_limit()
@@ -173,6 +182,14 @@ function Clock:drive()
       local tm = table.remove(self.timers, 1)
       while tm and tm.dead do tm = table.remove(self.timers, 1) end
       if tm then
+        -- Passing the limit stops the recipe, whatever it waits on (a wait on the backend's
+        -- answer too, whose own task is the one the clock wakes): its main task is cancelled and
+        -- dryrun.over() says why (moonbox run reports that error).
+        local max = hooks.limit_seconds()
+        if tm.at > max and not self.over and self.main then
+          self.over = limit_error(max)
+          core.cancel(self.main)
+        end
         if tm.at > self.t then self.t = tm.at end
         if tm.fire then tm.fire() end
         if tm.cond then tm.cond:broadcast() end
@@ -309,6 +326,7 @@ function M.start()
       downloads = 0, peak_live = 0, seconds = 0, by_plan_seconds = {}, steps = 0 },
   }, Sim)
   sim = s
+  clock.main = core.current()
   saved = { sleep = task.sleep, now = task.now, timeout = task.timeout, clock = budget.clock }
   task.sleep = function(seconds)
     if type(seconds) ~= "number" or seconds ~= seconds or seconds < 0 then
@@ -400,6 +418,10 @@ function M.hold(fn, ...)
   if not sim then return fn(...) end
   return sim.clock:hold(fn, ...)
 end
+
+--- dryrun.over() -> the simulated_time_limit error once the active dry run passed its limit (its
+-- main task, the one that called dryrun.start, was cancelled then), else nil. Does not yield.
+function M.over() return sim and sim.clock.over or nil end
 
 --- dryrun.stop() -> report: ends the dry run (the service and its records are closed, the
 -- temporary directory removed, the driver stopped; task.sleep, task.now, task.timeout and the

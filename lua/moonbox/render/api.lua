@@ -354,6 +354,8 @@ function M.data(conn, op, mint, req, opts)
     headers.Authorization = "Bearer " .. t.token -- whatever req.headers said
     r_opts.headers = headers
     local via = conn.transport or http -- a dry run's simulated backend (moonbox.render.dryrun)
+    -- the structured command travels only to an in-memory backend; the wire carries the body
+    if via == http then r_opts.intent = nil end
     local sent, r = pcall(req.stream and via.stream or via.request, r_opts)
     if not sent then
       if is_interruption(r) or type(r) ~= "table" then error(r, 0) end

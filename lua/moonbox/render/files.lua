@@ -55,7 +55,7 @@ local OPTS_ARG = { name = "opts", type = "table", optional = true }
 
 M.SCHEMA = {
   ["render.normalize_path"] = {
-    summary = "a sandbox path cleaned as the API wants it (Go's path.Clean); empty or NUL raises invalid_path",
+    summary = "a sandbox path cleaned as the API wants it (Go's path.Clean) (empty or NUL: invalid_path)",
     args = { { name = "path", type = "string" } }, returns = "string", yields = false,
   },
   ["sb:read"] = {
@@ -90,7 +90,8 @@ M.SCHEMA = {
   },
   ["sb:ls"] = {
     summary = "lists a sandbox directory: one array of entries",
-    args = { PATH_ARG, OPTS_ARG },
+    -- opts "any": the call itself refuses the old ls(path, depth) naming the option
+    args = { PATH_ARG, { name = "opts", type = "any", optional = true } },
     options = { depth = { type = "integer", default = 1,
       doc = "1: the directory's children; 0: the entry itself; up to 16 levels" } },
     returns = "table", yields = true,
@@ -610,6 +611,14 @@ for old, new in pairs(RENAMED) do
   M.renamed[old] = function()
     error(string.format("sb:%s was renamed: use %s", old, new), 2)
   end
+end
+
+
+-- Each files method checks its positional arguments and options against its declaration first
+-- (moonbox.schema: invalid_argument / invalid_option at the recipe's line).
+for name in pairs(M.SCHEMA) do
+  local method = name:match("^sb:(.+)$")
+  if method and M[method] then M[method] = schema.wrap(name, M[method]) end
 end
 
 return M
