@@ -79,7 +79,7 @@ describe("render.sandboxes", function()
   it("reads the API's fields in snake_case only: a camelCase read raises at its line, naming the spelling",
     T.async(function()
       local object = require "moonbox.render.object"
-      local sb <close> = render.sandboxes.create { network = "deny-all", timeout_seconds = 600 }
+      local sb <close> = render.sandboxes.create { network = "deny-all", lifetime = 600 }
       assert.are.same({ 600, "deny-all" }, { sb.timeout_seconds, sb.network_policy.default })
       assert.matches("^sbg%-", sb.sandbox_group_id)
       local names = {}

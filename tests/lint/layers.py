@@ -33,7 +33,6 @@ violation as FILE:LINE: what, when
     order things load in can be seen. The exceptions are a C library loaded only when needed
     (libcurl, libmicrohttpd, SQLite, libpq, libedit, libarchive: each a separate .so,
     CMakeLists.txt moonbox_lazy_module), a module that loads one, and a dynamic require(name).
-    The modules of PENDING are not checked yet.
 
 A Lua require is any `require "name"`, `require 'name'` or `require("name")` (also inside
 pcall(require, "name")) outside a comment; for the top-level rule, any use of the name require
@@ -42,7 +41,6 @@ tests/lint/test_layers.py (ctest: lint_layers_refuses) checks that the lint refu
 needs nothing but python3; ctest fails it loudly when python3 is missing (CMakeLists.txt).
 """
 
-import fnmatch
 import os
 import re
 import sys
@@ -151,20 +149,6 @@ LUA_TOKEN = re.compile(r"""--\[(=*)\[.*?\]\1\]|\[(=*)\[.*?\]\2\]|--[^\n]*|"(?:\\
 BLOCK_OPEN = {"function", "if", "while", "for", "repeat", "do"}
 LAZY = "-- lazy:"
 
-# Modules other branches of issue 24 are editing while their requires move: moved at the merge
-# of issue 24's branches (then this list is emptied).
-PENDING = {
-    "lua/moonbox/render/*.lua",
-    "lua/moonbox/local/service.lua",
-    "lua/moonbox/local/init.lua",
-    "lua/moonbox/local/http/*.lua",
-    "lua/moonbox/options.lua",
-    "lua/moonbox/task.lua",
-    "lua/moonbox/http*.lua",
-    "lua/moonbox/schedule/init.lua",
-}
-
-
 def nested_requires(path):
     """Line numbers of each use of `require` inside a block (a function body, if, for, while,
     repeat or do) of the Lua file at path, but those marked lazy: a comment starting `-- lazy:`
@@ -223,7 +207,7 @@ def nested_requires(path):
 
 def top_problems(root):
     """FILE:LINE lines for each require of a module under lua/ that is not at its top level and
-    not marked `-- lazy:` (PENDING aside)."""
+    not marked `-- lazy:`."""
     out = []
     base = os.path.join(root, "lua")
     for dirpath, _, files in os.walk(base):
@@ -232,8 +216,6 @@ def top_problems(root):
                 continue
             path = os.path.join(dirpath, name)
             rel = os.path.relpath(path, root).replace(os.sep, "/")
-            if any(fnmatch.fnmatchcase(rel, pat) for pat in PENDING):
-                continue
             try:
                 lines = nested_requires(path)
             except ValueError as e:

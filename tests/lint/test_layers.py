@@ -136,19 +136,6 @@ class WholeLint(unittest.TestCase):
                               "  return require \"moonbox.http\"\nend\nreturn M\n")
         self.assertEqual((code, err), (0, ""))
 
-    def test_the_pending_list_is_skipped_and_only_it(self):
-        if not layers.PENDING:
-            self.skipTest("PENDING is empty")
-        pattern = sorted(layers.PENDING)[0]
-        rel = pattern.replace("*", "pending_for_test")
-        os.makedirs(os.path.join(self.tmp, os.path.dirname(rel)), exist_ok=True)
-        body = "local M = {}\nfunction M.f()\n  return require \"moonbox.json\"\nend\nreturn M\n"
-        code, err = self.lint(rel, body)
-        self.assertEqual((code, err), (0, ""), pattern)
-        code, err = self.lint(os.path.join("lua", "moonbox", "not_pending_for_test.lua"), body)
-        self.assertEqual(code, 1)
-        self.assertIn("lua/moonbox/not_pending_for_test.lua:3: require inside a function", err)
-
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

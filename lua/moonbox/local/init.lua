@@ -24,6 +24,10 @@ local Faults = require "moonbox.local.faults"
 local Journal = require "moonbox.local.journal"
 local service = require "moonbox.local.service"
 local image = require "moonbox.local.image"
+local Engine = require "moonbox.local.engine"
+local public = require "moonbox.local.http.public"
+local http = require "moonbox.local.http"
+local core = require "moonbox.core"
 
 local M = {}
 local Backend = {}
@@ -137,7 +141,7 @@ function M.start(opts)
       self.log("warning: sandboxes use this machine's own root filesystem as their base (--host-root): " ..
         "they can read every file of it that is not masked; use an image instead")
     end
-    engine = require("moonbox.local.engine").new { state_dir = state_dir, image = base,
+    engine = Engine.new { state_dir = state_dir, image = base,
       host_root = opts.host_root, dns = opts.dns, disk_size = opts.disk_size,
       fairness = os.getenv("MOONBOX_LOCAL_FAIRNESS") ~= "off" } -- off: bench/neighbour.lua's "before"
   end
@@ -160,7 +164,7 @@ function M.start(opts)
   end
 
   if opts.public_url then
-    local url, why = require("moonbox.local.http.public").valid_url(opts.public_url)
+    local url, why = public.valid_url(opts.public_url)
     if not url then error("--public-url " .. tostring(opts.public_url) .. ": " .. why, 0) end
     self.public_url = url
   end
@@ -188,16 +192,16 @@ function M.start(opts)
       if op == "put" then srv:token_put(token, info.sandbox, info.op, ttl) else srv:token_drop(token) end
     end,
   }
-  require("moonbox.local.http").install(self)
+  http.install(self)
   -- Where clients find a running backend (moonbox.render.embedded reuses it): "URL WORKSPACE".
   -- Written as soon as the port is open, before the recovery: a client that finds the backend
   -- while it recovers is answered 503 (its /_moonbox/health says ready: false) and waits,
   -- rather than taking the backend for gone and starting another on the same state dir.
   write_secret(state_dir .. "/endpoint", self.url .. " " .. self.workspace .. "\n")
-  local t0 = require("moonbox.core").now()
+  local t0 = core.now()
   self.svc:start()
   self.ready = true
-  self.recovered_in = require("moonbox.core").now() - t0
+  self.recovered_in = core.now() - t0
   return self
 end
 
@@ -207,13 +211,12 @@ end
 -- grow by). low: the sandbox disk has less than a tenth of its size (at most 4 GiB) left, or
 -- the state directory less than half its reserve. Does not yield.
 function Backend:disk_health()
-  local sys_ = require "moonbox.sys"
   local problems = {}
   local out = { problems = problems }
   local disk = self.engine.disk
   local ok, sp = pcall(function()
     if disk then return disk:space() end
-    local sv = sys_.statvfs(self.state_dir)
+    local sv = sys.statvfs(self.state_dir)
     return { state = { size = sv.size, avail = sv.avail, reserve = 64 * 1024 * 1024 } }
   end)
   if not ok then

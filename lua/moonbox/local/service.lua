@@ -21,6 +21,7 @@ local json = require "moonbox.json"
 local utf8_cut = require("moonbox.strings").utf8_cut
 local image = require "moonbox.local.image"
 local State = require "moonbox.local.state"
+local Engine = require "moonbox.local.engine"
 
 local M = {}
 local Service = {}
@@ -97,12 +98,11 @@ function M.is_error(v) return getmetatable(v) == ServiceError end
 -- asks this before create_sandbox so that it never needs the engine itself. Raises nothing and
 -- does not yield.
 function M.check_allowed(domains)
-  local engine = require "moonbox.local.engine"
-  if #domains > engine.MAX_ALLOWED then
-    return false, string.format(": at most %d names (got %d)", engine.MAX_ALLOWED, #domains)
+  if #domains > Engine.MAX_ALLOWED then
+    return false, string.format(": at most %d names (got %d)", Engine.MAX_ALLOWED, #domains)
   end
   for i, d in ipairs(domains) do
-    local ok, why = engine.check_domain(d)
+    local ok, why = Engine.check_domain(d)
     if not ok then return false, string.format("[%d]: %s", i - 1, why) end
   end
   return true

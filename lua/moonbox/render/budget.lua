@@ -25,6 +25,7 @@ local core = require "moonbox.core"
 local task = require "moonbox.task"
 local events = require "moonbox.render.events"
 local schema = require "moonbox.schema"
+local json = require "moonbox.json"
 
 local M = {}
 
@@ -228,7 +229,7 @@ end
 -- once a create was refused for the count (even when the recipe caught that error), else null.
 -- Does not yield.
 function Budget:report()
-  local null = require("moonbox.json").null
+  local null = json.null
   return { sandboxes = self.max_sandboxes or null, sandbox_seconds = self.max_seconds or null,
     exceeded = self.breach and self.breach.budget or self.count_refused and "sandboxes" or null }
 end

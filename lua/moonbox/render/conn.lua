@@ -21,6 +21,9 @@ local CLOUD = "https://api.render.com/v1"
 
 local read_file = require("moonbox.path").read_file
 local state_home = require("moonbox.path").state_home
+local trace = require "moonbox.trace"
+local embedded = require "moonbox.render.embedded"
+local core = require "moonbox.core"
 
 --- conn.default_state_dir() -> the embedded backend's state directory ($XDG_STATE_HOME/moonbox/
 -- local, default ~/.local/state/moonbox/local).
@@ -49,7 +52,7 @@ end
 local function new(kind, url, key, workspace)
   url = url:gsub("/+$", "")
   if not url:match("/v1$") then url = url .. "/v1" end
-  require("moonbox.trace").secret(key, true)
+  trace.secret(key, true)
   return setmetatable({ kind = kind, base = url, api_key = key, workspace = workspace, calls = {} }, Conn)
 end
 
@@ -104,7 +107,7 @@ function M.connect(opts)
   end
   if backend == "local" then
     local dir = opts.state_dir or M.default_state_dir()
-    local member = require("moonbox.render.embedded").join(dir)
+    local member = embedded.join(dir)
     local c = new("local", member.url, member.key, workspace or member.workspace)
     c.state_dir, c.member = dir, member
     return c
@@ -130,7 +133,7 @@ function Conn:close()
   local m = self.member
   if m then
     self.member = nil
-    require("moonbox.render.embedded").leave(m)
+    embedded.leave(m)
   end
 end
 
@@ -143,7 +146,7 @@ local connecting -- a cond while the default connection is being made
 -- previous default). [yields]
 function M.set_default(opts)
   while connecting do connecting:wait() end
-  local done = require("moonbox.core").cond()
+  local done = core.cond()
   connecting = done
   local ok, c = pcall(M.connect, opts)
   connecting = nil

@@ -46,8 +46,9 @@ local START_LOCK_WAIT = 300
 local STOP_WAIT = 60
 
 local read_file = require("moonbox.path").read_file
+local ledger = require "moonbox.ledger"
 
-local function pid_start(pid) return require("moonbox.ledger").pid_start(pid) end
+local function pid_start(pid) return ledger.pid_start(pid) end
 
 --- embedded.backend_pid(dir) -> pid, start of the embedded backend serving dir, or nil when
 -- none runs there (or the one there was started by hand).

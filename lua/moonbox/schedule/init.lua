@@ -13,6 +13,10 @@
 -- dir's moonbox.db, and runs each fire as a task. See docs/schedule.md.
 local duration = require "moonbox.duration"
 local schema = require "moonbox.schema"
+local core = require "moonbox.core"
+local budget = require "moonbox.render.budget"
+local cron = require "moonbox.cron"
+local sclock = require "moonbox.schedule.clock"
 
 local M = {}
 
@@ -62,8 +66,6 @@ end
 -- the run fails with the budget's error (not as a cancellation). [yields]
 local function with_budget(limits, fn)
   return function(run)
-    local core = require "moonbox.core"
-    local budget = require "moonbox.render.budget"
     local b = budget.attach(core.current(), budget.new(limits))
     local r = table.pack(xpcall(fn, core.msgh, run))
     b:close()
@@ -167,7 +169,6 @@ function M.cron(name, expr, fn, opts)
   local tz = type(opts) == "table" and opts.tz or nil
   local s, bad = check_opts("cron", name, where, opts)
   if type(expr) ~= "string" then bad("expected a cron expression string, got a %s", type(expr)) end
-  local cron = require "moonbox.cron"
   local pok, c = pcall(cron.parse, expr)
   if not pok then bad("%s", type(c) == "table" and tostring(c.message) or tostring(c)) end
   if tz ~= nil then
@@ -227,10 +228,10 @@ end
 --- schedule.format_slot(s, t) -> t as RFC 3339 text (in the schedule's zone for a cron one).
 function M.format_slot(s, t)
   if s.kind == "cron" and s.tz ~= "UTC" then
-    local ok, txt = pcall(require("moonbox.cron").format, t, s.tz)
+    local ok, txt = pcall(cron.format, t, s.tz)
     if ok then return txt end
   end
-  return require("moonbox.schedule.clock").format(t)
+  return sclock.format(t)
 end
 
 -- ---- the declared calls (moonbox.schema) -------------------------------------------------------

@@ -3,6 +3,7 @@
 -- rule must not stop anyone from removing it).
 local json = require "moonbox.json"
 local route = require "moonbox.local.http.route"
+local core = require "moonbox.core"
 
 local M = {}
 local fail = route.fail
@@ -72,7 +73,7 @@ end
 function M.health(backend)
   local d = disk_of(backend:disk_health())
   local body = { ok = d.ok and backend.ready or false, ready = backend.ready or false,
-    workspace = backend.workspace, version = require("moonbox.core").version,
+    workspace = backend.workspace, version = core.version,
     sandboxes = backend.check and backend.check.ok or false,
     problems = json.array(backend.check and backend.check.problems or {}), disk = d }
   local use = backend.svc and backend.svc.token_use

@@ -8,6 +8,7 @@ local json = require "moonbox.json"
 local route = require "moonbox.local.http.route"
 local wire = require "moonbox.local.wire"
 local public = require "moonbox.local.http.public"
+local proc = require "moonbox.proc"
 
 local M = {}
 local fail = route.fail
@@ -38,7 +39,6 @@ end
 -- cost twice the decompression CPU; trusting gzip's own length field would not do (it is the
 -- length modulo 4 GiB, of the last member only).
 local function gunzip(backend, src, limit)
-  local proc = require "moonbox.proc"
   -- "BYTES GZIP_STATUS": gzip dies of SIGPIPE (141) when head has had enough.
   local count = proc.run { "bash", "-c",
     'n=$(gzip -dc < "$1" | head -c "$2" | wc -c; echo " ${PIPESTATUS[0]}"); echo $n', "moonbox-gunzip", src,

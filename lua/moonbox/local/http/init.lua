@@ -13,6 +13,13 @@
 -- Handlers decode, call the service (moonbox.local.service) and encode; route.wrap adds what
 -- they share.
 local route = require "moonbox.local.http.route"
+local sandboxes = require "moonbox.local.http.sandboxes"
+local runs = require "moonbox.local.http.runs"
+local files = require "moonbox.local.http.files"
+local snapshots = require "moonbox.local.http.snapshots"
+local groups = require "moonbox.local.http.groups"
+local logs = require "moonbox.local.http.logs"
+local control_routes = require "moonbox.local.http.control"
 
 local M = {}
 
@@ -47,17 +54,17 @@ function M.install(backend)
     for k, v in pairs(opts or {}) do o[k] = v end
     srv:route(method, pattern, route.wrap(backend, fn), o)
   end
-  require("moonbox.local.http.sandboxes").install(api)
-  require("moonbox.local.http.runs").install(api, data)
-  require("moonbox.local.http.files").install(api, data, backend.svc.limits.max_upload, backend.space_dir)
-  require("moonbox.local.http.snapshots").install(api)
-  require("moonbox.local.http.groups").install(api)
-  require("moonbox.local.http.logs").install(api)
-  require("moonbox.local.http.control").install(control)
+  sandboxes.install(api)
+  runs.install(api, data)
+  files.install(api, data, backend.svc.limits.max_upload, backend.space_dir)
+  snapshots.install(api)
+  groups.install(api)
+  logs.install(api)
+  control_routes.install(control)
   -- Unauthenticated, for health checkers: free space only (no ids, no paths).
   srv:route("GET", "/healthz", function(req, res)
     local _ = req
-    local h = require("moonbox.local.http.control").healthz(backend)
+    local h = control_routes.healthz(backend)
     return route.respond(res, h.ok and 200 or 503, h)
   end)
   -- Last: what no /v1 route takes is still answered by the application (RateLimit-* included).

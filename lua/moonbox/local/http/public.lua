@@ -12,6 +12,7 @@
 -- A Host or X-Forwarded-Host that is not exactly a host name, an IPv4 address or a bracketed
 -- IPv6 address with an optional port is refused with 400: nothing a client sends reaches a URL
 -- unchecked.
+local service = require "moonbox.local.service"
 local M = {}
 
 local function loopback(addr)
@@ -65,7 +66,7 @@ end
 function M.base(backend, req)
   if backend.public_url then return backend.public_url end
   local h = req.headers or {}
-  local fail = require("moonbox.local.service").fail
+  local fail = service.fail
   local fhost = h["x-forwarded-host"]
   if fhost and loopback(req.remote) then
     fhost = first(fhost)

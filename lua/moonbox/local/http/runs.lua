@@ -4,6 +4,8 @@ local task = require "moonbox.task"
 local json = require "moonbox.json"
 local route = require "moonbox.local.http.route"
 local wire = require "moonbox.local.wire"
+local public = require "moonbox.local.http.public"
+local ids = require "moonbox.ids"
 
 local M = {}
 local fail, field = route.fail, route.field
@@ -23,13 +25,13 @@ function M.token(backend, req)
   local op = req.captures.op
   if op ~= "stream" and op ~= "sync" then fail("invalid", "operation must be stream or sync, got "
     .. tostring(op)) end
-  local base = require("moonbox.local.http.public").base(backend, req)
+  local base = public.base(backend, req)
   local rec = backend.svc:find_sandbox(req.captures.id)
   local body = route.body_json(req, false) or {}
   local command = field(body, "command", "string", "run token")
   local e, token, expires = backend.svc:mint_run(rec, op, command)
   return 201, {
-    executionId = e.id, token = token, method = "POST", expiresAt = require("moonbox.ids").iso(expires),
+    executionId = e.id, token = token, method = "POST", expiresAt = ids.iso(expires),
     uri = string.format("%s/proxy/%s/runs/%s", base, rec.id, op),
   }
 end
