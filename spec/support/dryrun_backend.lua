@@ -89,34 +89,9 @@ function Backend:snapshot(id, kind)
   return snap
 end
 
---- backend:exec(id, command) -> {stdout, stderr, code, events, status, exec_id}: as
--- local_backend's (a stream run). [yields]
-function Backend:exec(id, command)
-  local status, tok = self:req("POST", "/v1/sandboxes/" .. id .. "/runs/stream/token",
-    { body = { command = command } })
-  assert(status == 201, "token: " .. status .. " " .. json.encode(tok))
-  local resp <close> = self.http.stream { method = "POST", url = tok.uri, body = json.encode({ command = command }),
-    headers = { Authorization = "Bearer " .. tok.token, Accept = "text/event-stream",
-      ["Content-Type"] = "application/json" } }
-  local out = { stdout = {}, stderr = {}, events = {}, status = resp.status, exec_id = tok.executionId }
-  if resp.status ~= 200 then
-    out.body = resp:read()
-    return out
-  end
-  while true do
-    local ev = resp:read_event()
-    if not ev then break end
-    out.events[#out.events + 1] = ev
-    local d = json.decode(ev.data)
-    if ev.event == "output" then
-      table.insert(out[d.stream], d.data)
-    elseif ev.event == "exit" then
-      out.code = d.exit_code
-    end
-  end
-  out.stdout, out.stderr = table.concat(out.stdout), table.concat(out.stderr)
-  return out
-end
+--- backend:exec(id, command) -> {stdout, stderr, code, events, status, exec_id}: local_backend's
+-- (a stream run), over the in-memory transport. [yields]
+Backend.exec = require("spec.support.local_backend").Backend.exec
 
 --- M.fixture(setup, teardown, ready): local_backend.fixture's, for a dry run. [yields]
 function M.fixture(setup, teardown, ready)

@@ -13,6 +13,7 @@ M.KEY = "rnd_speckey0123456789"
 M.WORKSPACE = "tea-cph1rs3idesc73a2b2mg"
 
 local Backend = {}
+M.Backend = Backend -- its methods, for another backend of the same interface (dryrun_backend)
 Backend.__index = Backend
 
 --- M.edge: whether backends are reached through a TLS + HTTP/2 edge (MOONBOX_SPEC_EDGE=1: the
@@ -260,13 +261,14 @@ function Backend:settled(snap, within)
   error("snapshot " .. snap.id .. " is still creating after " .. (within or 60) .. " s")
 end
 
---- backend:exec(id, command) -> {code=, stdout=, stderr=, events=} through a stream token. [yields]
+--- backend:exec(id, command) -> {code=, stdout=, stderr=, events=} through a stream token (over
+-- backend.http when it has one: a dry run's in-memory transport). [yields]
 function Backend:exec(id, command, opts)
   opts = opts or {}
   local status, tok = self:req("POST", "/v1/sandboxes/" .. id .. "/runs/stream/token",
     { body = { command = command } })
   assert(status == 201, "token: " .. status .. " " .. json.encode(tok))
-  local resp <close> = http.stream { method = "POST", url = tok.uri, body = json.encode({ command = command }),
+  local resp <close> = (self.http or http).stream { method = "POST", url = tok.uri, body = json.encode({ command = command }),
     headers = { Authorization = "Bearer " .. tok.token, Accept = "text/event-stream",
       ["Content-Type"] = "application/json" }, timeout = opts.timeout or 120 }
   local out = { stdout = {}, stderr = {}, events = {}, status = resp.status, exec_id = tok.executionId }

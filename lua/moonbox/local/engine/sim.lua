@@ -113,20 +113,16 @@ end
 
 --- fs:lstat(path) -> nil, errno | {type = "file"|"directory"|"symlink", size, mtime, target,
 -- mode}: what is at path, a final symlink not followed (those on the way are). Does not yield.
-function Fs:lstat(path)
-  local names = split(path)
-  if not names then return nil, "ENOENT" end
-  local node, err = self:walk(names)
-  if not node then return nil, err end
-  return { type = node.type, size = node_size(node), mtime = node.mtime, target = node.target,
-    mode = node.mode }
-end
+function Fs:lstat(path) return self:stat_of(path, false) end
 
 --- fs:stat(path) -> as fs:lstat, a final symlink followed. Does not yield.
-function Fs:stat(path)
+function Fs:stat(path) return self:stat_of(path, true) end
+
+-- What is at path (a final symlink followed when follow), or nil, errno.
+function Fs:stat_of(path, follow)
   local names = split(path)
   if not names then return nil, "ENOENT" end
-  local node, err = self:walk(names, nil, true)
+  local node, err = self:walk(names, nil, follow)
   if not node then return nil, err end
   return { type = node.type, size = node_size(node), mtime = node.mtime, target = node.target,
     mode = node.mode }
