@@ -14,56 +14,14 @@ local task = require "moonbox.task"
 local json = require "moonbox.json"
 local sys = require "moonbox.sys"
 local proc = require "moonbox.proc"
+local markdown = require "spec.support.markdown"
 local files = require "spec.support.files"
 local L = require "spec.support.local_backend"
 
 -- ---- the manual's tables ----------------------------------------------------------------------
 
--- The cells of a markdown table row ("| a | `b\|c` |" → {"a", "`b|c`"}), or nil for a line that
--- is not one.
-local function cells(line)
-  if not line:match("^%s*|") then return nil end
-  local row, cur, i = {}, {}, 1
-  line = line:gsub("^%s*|", ""):gsub("|%s*$", "")
-  while i <= #line do
-    local c = line:sub(i, i)
-    if c == "\\" and line:sub(i + 1, i + 1) == "|" then
-      cur[#cur + 1] = "|"
-      i = i + 2
-    elseif c == "|" then
-      row[#row + 1] = table.concat(cur):match("^%s*(.-)%s*$")
-      cur = {}
-      i = i + 1
-    else
-      cur[#cur + 1] = c
-      i = i + 1
-    end
-  end
-  row[#row + 1] = table.concat(cur):match("^%s*(.-)%s*$")
-  return row
-end
-
--- Every table of a markdown file: {header = {...}, rows = {{...}, ...}, line = n}.
-local function tables(path)
-  local lines = {}
-  for l in files.must_read(path):gmatch("([^\n]*)\n?") do lines[#lines + 1] = l end
-  local out, i = {}, 1
-  while i < #lines do
-    local head, sep = cells(lines[i]), lines[i + 1]
-    if head and sep:match("^%s*|[%s%-:|]+$") then
-      local t = { header = head, rows = {}, line = i }
-      i = i + 2
-      while i <= #lines and cells(lines[i]) do
-        t.rows[#t.rows + 1] = cells(lines[i])
-        i = i + 1
-      end
-      out[#out + 1] = t
-    else
-      i = i + 1
-    end
-  end
-  return out
-end
+-- Every table of a markdown file (spec/support/markdown.lua).
+local function tables(path) return markdown.tables(files.must_read(path)) end
 
 -- The code a cell names when it is exactly one backticked code (`snapshot_not_found`), else nil.
 local function one_code(cell)

@@ -35,6 +35,7 @@ local task = require "moonbox.task"
 local http = require "moonbox.http"
 local schedule = require "moonbox.schedule"
 local core = require "moonbox.core"
+local markdown = require "spec.support.markdown"
 
 local ROOT = (debug.getinfo(1, "S").source:match("^@(.*)/spec/[^/]*$")) or "."
 
@@ -295,17 +296,7 @@ local function read(path)
   return s
 end
 
--- The cells of a table row ("| a | b \| c |" -> {"a", "b | c"}).
-local function cells(line)
-  local out = {}
-  local body = line:match("^%s*|(.*)|%s*$")
-  if not body then return nil end
-  body = body:gsub("\\|", "\0")
-  for c in (body .. "|"):gmatch("([^|]*)|") do
-    out[#out + 1] = (c:gsub("%z", "|"):gsub("^%s+", ""):gsub("%s+$", ""))
-  end
-  return out
-end
+local cells = markdown.cells
 
 --- Every "Options: `CALL`" table of a manual: { [call] = { [option] = {type, default, meaning, line} } }.
 local function doc_tables(path)
