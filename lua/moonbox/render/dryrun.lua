@@ -8,6 +8,14 @@
 -- durations, the simulated-time limit — and the flag it sets. Registering a hook outside a dry
 -- run does nothing, so a recipe may register them unconditionally.
 -- See docs/reference/render.md, "Dry runs", for what a dry run is and what it cannot tell.
+--
+-- The hooks are declared in moonbox.schema (M.SCHEMA below) like every public call. on_exec and
+-- on_download check their own arguments (declared "any"), so that a mistake says what a hook
+-- takes, not only the type expected; durations checks its options itself, raising the schema's
+-- invalid_option with its own wording; limit is wrapped (invalid_argument for a non-number).
+local schema = require "moonbox.schema"
+local options = require "moonbox.options"
+
 local M = {}
 
 --- dryrun.DURATIONS: the simulated seconds each operation takes unless render.dry_run.durations
@@ -40,13 +48,9 @@ local function add_hook(kind, fname, pattern, answer)
       type(pattern)), 3)
   end
   local t = type(answer)
-  if t ~= "function" and t ~= "table" and t ~= "string" then
+  if t ~= "function" and t ~= (kind == "exec" and "table" or "string") then
     error("render.dry_run." .. fname .. ": the answer must be a function or a " ..
       (kind == "exec" and "table {code, stdout, stderr, seconds}" or "string") .. ", got " .. t, 3)
-  end
-  if kind == "exec" and t == "string" then
-    error("render.dry_run.on_exec: the answer must be a function or a table {code, stdout, stderr, seconds}",
-      3)
   end
   local list = hooks[kind]
   list[#list + 1] = { pattern = pattern, answer = answer }
@@ -68,21 +72,31 @@ function H.on_exec(pattern, answer) add_hook("exec", "on_exec", pattern, answer)
 function H.on_download(pattern, answer) add_hook("download", "on_download", pattern, answer) end
 
 --- render.dry_run.durations{create =, restore =, exec =, snapshot =, transfer =} -> the
--- simulated seconds in force (those given replace the defaults, dryrun.DURATIONS). Raises on an
--- unknown name or a value that is not seconds >= 0. Does not yield.
+-- simulated seconds in force (those given replace the defaults, dryrun.DURATIONS). Raises
+-- invalid_option, before it replaces any, on an unknown name (with the nearest as suggestion) or a
+-- value that is not seconds >= 0. Does not yield.
 function H.durations(t)
+  local call = "render.dry_run.durations"
   if t ~= nil then
-    if type(t) ~= "table" then error("render.dry_run.durations: expected a table of seconds", 2) end
-    for k, v in pairs(t) do
+    if type(t) ~= "table" then schema.check(call, t) end -- raises invalid_argument
+    local keys = {}
+    for k in pairs(t) do keys[#keys + 1] = k end
+    table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+    for _, k in ipairs(keys) do
+      local v = t[k]
       if M.DURATIONS[k] == nil then
-        error("render.dry_run.durations: unknown operation '" .. tostring(k) ..
-          "' (create, restore, exec, snapshot, transfer)", 2)
+        local near = type(k) == "string" and options.nearest(k, M.DURATIONS) or nil
+        schema.invalid(call, { option = k, suggestion = near,
+          message = "unknown operation '" .. tostring(k) .. "' " ..
+            (near and "(did you mean `" .. near .. "`?)" or "(create, restore, exec, snapshot, transfer)") })
       end
       if type(v) ~= "number" or v ~= v or v < 0 or v == math.huge then
-        error("render.dry_run.durations: " .. k .. " must be seconds >= 0, got " .. tostring(v), 2)
+        schema.invalid(call, { option = k, expected = "number", got = type(v),
+          message = "option `" .. k .. "` must be seconds >= 0, got " ..
+            (type(v) == "string" and string.format("%q", v) or tostring(v)) })
       end
-      durations[k] = v
     end
+    for k, v in pairs(t) do durations[k] = v end
   end
   local out = {}
   for k, v in pairs(M.DURATIONS) do out[k] = durations[k] or v end
@@ -91,13 +105,56 @@ end
 
 --- render.dry_run.limit(seconds): the simulated seconds this dry run may last before it stops
 -- with simulated_time_limit (default dryrun.MAX_SIMULATED, a day). Raises on a value that is
--- not seconds > 0; does nothing outside a dry run. Does not yield.
+-- not seconds > 0 (invalid_argument when it is not a number); does nothing outside a dry run. Does not yield.
 function H.limit(seconds)
   if type(seconds) ~= "number" or seconds ~= seconds or seconds <= 0 then
     error("render.dry_run.limit: expected seconds > 0, got " .. tostring(seconds), 2)
   end
   if state.active then state.limit = seconds end
 end
+
+local DURATION_DOC = {
+  create = "a fresh sandbox, until it runs",
+  restore = "a create from a snapshot, until it runs",
+  exec = "a command no hook times (a command that is only `sleep N` takes N)",
+  snapshot = "a capture, until it is available",
+  transfer = "one upload or download",
+}
+
+local function duration_options()
+  local out = {}
+  for k, v in pairs(M.DURATIONS) do
+    out[k] = { type = "number", default = v, doc = "the simulated seconds of " .. DURATION_DOC[k] }
+  end
+  return out
+end
+
+M.SCHEMA = {
+  ["render.dry_run.active"] = { summary = "whether this run is a dry run (moonbox run --dry-run)",
+    returns = "boolean" },
+  ["render.dry_run.on_exec"] = {
+    summary = "in a dry run, an exec whose command matches the Lua pattern gets answer " ..
+      "({code, stdout, stderr, seconds}, or a function(command, sandbox_id) returning one or nil)",
+    -- "any": the call names what a hook takes (a Lua pattern; a table or function) itself
+    args = { { name = "pattern", type = "any" }, { name = "answer", type = "any" } } },
+  ["render.dry_run.on_download"] = {
+    summary = "in a dry run, a download of a path nothing wrote that matches the Lua pattern gets answer " ..
+      "(the bytes, or a function(path, sandbox_id) returning them or nil)",
+    args = { { name = "pattern", type = "any" }, { name = "answer", type = "any" } } },
+  ["render.dry_run.durations"] = {
+    summary = "replaces those simulated seconds for the run; returns the durations in force",
+    args = { { name = "opts", type = "table", optional = true } }, options = duration_options(),
+    returns = "table<string, number>" },
+  ["render.dry_run.limit"] = {
+    summary = "the simulated seconds this dry run may last before it stops with simulated_time_limit",
+    args = { { name = "seconds", type = "number" } } },
+}
+schema.declare(M.SCHEMA)
+
+-- on_exec, on_download and durations check their own arguments (above); active takes none, so
+-- wrap returns it as it is; limit's type is checked by the wrap, its range by limit.
+H.active = schema.wrap("render.dry_run.active", H.active)
+H.limit = schema.wrap("render.dry_run.limit", H.limit)
 
 M.hooks = H
 
