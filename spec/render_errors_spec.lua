@@ -370,6 +370,14 @@ end
 
 -- the runtime core (errors.md)
 
+PROVOKE["invalid_option task.map"] = function()
+  return raised(task.map, { 1 }, function(x) return x end, { concurency = 2 })
+end
+
+PROVOKE["invalid_argument task.sleep"] = function()
+  return raised(task.sleep, "soon")
+end
+
 PROVOKE["cancelled task"] = function()
   local t = task.spawn(function() task.sleep(30) end)
   task.sleep(0)
