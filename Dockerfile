@@ -28,7 +28,10 @@ RUN export DEBIAN_FRONTEND=noninteractive \
       libmicrohttpd-dev libsqlite3-dev libarchive-dev zlib1g-dev libedit-dev libseccomp-dev \
       musl-tools \
       libpq-dev \
+      lua-cjson \
  && rm -rf /var/lib/apt/lists/*
+# lua-cjson: the build runs the moonbox it built to write the editor annotations from the
+# schema (tools/luacats.lua), and moonbox loads cjson at start.
 WORKDIR /src
 COPY . .
 # Everything is built (not only the binary): `cmake --install` needs every target its install

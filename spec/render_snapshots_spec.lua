@@ -195,7 +195,7 @@ describe("render.snapshots", function()
       raised(render.snapshots.get, snap.sandbox_group_id, snap.id), 1, true)
     assert.matches("render.snapshots.get(snap.id, {group = snap.sandbox_group_id})",
       raised(render.snapshots.get, snap), 1, true)
-    assert.matches("render.snapshots.get: unknown option 'gruop'", raised(render.snapshots.get, snap.id, { gruop = "x" }),
+    assert.matches("render.snapshots.get: unknown option `gruop`", raised(render.snapshots.get, snap.id, { gruop = "x" }),
       1, true)
     render.snapshots.delete(snap)
     render.snapshots.delete(snap)
