@@ -1147,6 +1147,18 @@ static int l_task_traceback(lua_State *L)
 
 /* ---- module -------------------------------------------------------------------------------- */
 
+/* core.where() -> "file:line" of the nearest recipe frame (the place an error made now would
+ * name: the same rule as err.where), and whether it is a recipe's line (false: a library
+ * line, or "?"). Does not yield. */
+static int l_where(lua_State *L)
+{
+    char where[256];
+    int recipe = mb_where(L, where, sizeof where);
+    lua_pushstring(L, where);
+    lua_pushboolean(L, recipe);
+    return 2;
+}
+
 static const luaL_Reg core_funcs[] = {
     {"spawn", l_spawn},
     {"current", l_current},
@@ -1165,6 +1177,7 @@ static const luaL_Reg core_funcs[] = {
     {"shutdown", l_shutdown},
     {"leakcheck", l_leakcheck},
     {"traceback", l_task_traceback},
+    {"where", l_where},
     {NULL, NULL},
 };
 

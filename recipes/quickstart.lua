@@ -15,7 +15,8 @@ local sb <close> = render.sandboxes.create { network = "deny-all", lifetime = 60
 print(("created %s (%s) in %.0f ms"):format(sb.id, sb.plan, (task.now() - started) * 1000))
 
 -- argv tables are quoted safely; env values travel as a file, never in command text
-local r = sb:exec({ "sh", "-c", 'echo "hello from $(hostname) as $GREETER"' },
+-- (an env value is a secret: traces, journals and cassettes show it as [redacted])
+local r = sb:exec({ "sh", "-c", 'echo "hello from $(hostname); GREETER has ${#GREETER} characters"' },
   { env = { GREETER = "moonbox" } }):check()
 io.write("exec: ", r.stdout)
 

@@ -142,7 +142,9 @@ M.bad_backend = bad_backend
 
 command("run", "run a recipe as a task",
   "moonbox run [--backend URL|local|render] [--trace FILE] [--json] [--progress] [--dry-run]\n" ..
-  "                   [--max-sandboxes N] [--max-sandbox-seconds S] FILE [ARGS...]",
+  "                   [--max-sandboxes N] [--max-sandbox-seconds S]\n" ..
+  "                   [--durable [--run-id NAME] | --record CASSETTE | --replay CASSETTE] FILE [ARGS...]\n" ..
+  "       moonbox run --resume RUN [FILE [ARGS...]]",
   [[Loads FILE as a Lua chunk and runs it as the root task on the event loop, so its top
 level can call any moonbox function that waits. ARGS are in the global `arg` table (arg[0] is
 FILE), as with `lua`. When the chunk returns, tasks it left running are cancelled and unwound.
@@ -175,7 +177,21 @@ refused as moonbox local refuses it. Execs exit 0 with empty output unless the r
 render.dry_run hooks say otherwise. Then it prints what the run would do: each step in
 simulated time, creates by plan, snapshots, restores, execs, peak live sandboxes and
 sandbox-seconds (with --json: one JSON object instead). Budgets apply. See
-docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
+docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.
+
+--durable journals the run in the run store (the ledger's database): every Render call with its
+answer, every task.step's results, the clock and the randomness it reads. If the run dies
+(SIGKILL, a lost machine), `moonbox run --resume RUN` runs the recipe again from the top with the
+same arguments and backend: journaled calls get their recorded answers without touching the
+backend, the sandboxes it had are adopted as they are, and from the first call past the journal
+it runs live. A call that differs from the journal raises nondeterminism; a sandbox the journal
+holds that is gone raises lost_sandbox. --run-id NAME names the run: the same command again
+resumes it when it died (and refuses when it runs or has ended). `moonbox reap` leaves a durable
+run that died to its resume (`moonbox reap --abandon RUN` gives it up).
+--record CASSETTE writes the same journal to a file, with the recipe's own moonbox.http requests;
+--replay CASSETTE runs the recipe with no backend at all, every call answered from the cassette
+(FILE defaults to the one recorded). Secrets never enter a journal or a cassette. See
+docs/reference/durable.md.]],
   -- The command: parses the flags above (a bad one is a usage error, status 2), loads the
   -- recipe (a load error is status 1), then runs its chunk as the root task (run_root: the
   -- loop runs here, outside any task) under the run's budget, with the dry-run simulation,
@@ -186,16 +202,31 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
   function(args)
     local backend, trace_file, want_json, want_progress, dry_run
     local limits = {}
+    local jopts = {} -- a journal (moonbox.durable.run): durable, run_key, resume, record, replay
+    local VALUED = { backend = true, trace = true, ["max-sandboxes"] = true, ["max-sandbox-seconds"] = true,
+      ["run-id"] = true, resume = true, record = true, replay = true }
     while args[1] and args[1]:match("^%-%-") do
       local a = table.remove(args, 1)
       local name, v = a:match("^%-%-([%w%-]+)=(.*)$")
       name = name or a:sub(3)
-      if name == "backend" or name == "trace" or name == "max-sandboxes" or name == "max-sandbox-seconds" then
+      if VALUED[name] then
         if not v then
           v = table.remove(args, 1)
           if not v then return usage_error("run: --%s needs a value", name) end
         end
-        if name == "backend" then
+        if name == "run-id" then
+          if not v:match("^[%w][%w._:-]*$") or #v > 128 or math.tointeger(tonumber(v)) then
+            return usage_error("run: --run-id wants a name of letters, digits and ._:- (not a number, " ..
+              "at most 128), got '%s'", v)
+          end
+          jopts.run_key = v
+        elseif name == "resume" then
+          jopts.resume = v
+        elseif name == "record" then
+          jopts.record = v
+        elseif name == "replay" then
+          jopts.replay = v
+        elseif name == "backend" then
           backend = v
         elseif name == "trace" then
           trace_file = v
@@ -216,6 +247,8 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
         want_progress = true
       elseif name == "dry-run" and not v then
         dry_run = true
+      elseif name == "durable" and not v then
+        jopts.durable = true
       elseif a == "--" then
         break
       else
@@ -227,20 +260,57 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
     if dry_run and backend then
       return usage_error("run: --dry-run simulates the backend; it takes no --backend")
     end
-    local file = args[1]
-    if not file then return usage_error("run: missing the recipe FILE") end
-    local rest = table.move(args, 2, #args, 1, {})
-    local chunk, lerr = loadfile(file)
-    if not chunk then
-      eprintf("moonbox: cannot load recipe: %s\n", lerr)
-      return EXIT_FAIL
+    -- which journal, if any (docs/reference/durable.md)
+    local jmode
+    local modes = {}
+    if jopts.durable or jopts.run_key then modes[#modes + 1] = jopts.durable and "--durable" or "--run-id" end
+    if jopts.resume then modes[#modes + 1] = "--resume" end
+    if jopts.record then modes[#modes + 1] = "--record" end
+    if jopts.replay then modes[#modes + 1] = "--replay" end
+    if dry_run then modes[#modes + 1] = "--dry-run" end
+    if jopts.run_key and not jopts.durable then
+      return usage_error("run: --run-id names a durable run: give --durable too")
     end
-    set_arg(file, rest)
-    -- moonbox.render records this run's creates (moonbox ps / reap); a dry run creates nothing.
-    build.ledger = not dry_run
+    if #modes > 1 then
+      return usage_error("run: %s and %s cannot be combined", modes[1], modes[2])
+    end
+    if jopts.durable or jopts.resume then jmode = "durable"
+    elseif jopts.record then jmode = "record"
+    elseif jopts.replay then jmode = "replay" end
+    if (jopts.resume or jopts.replay) and backend then
+      return usage_error("run: %s takes the backend from %s; it takes no --backend",
+        jopts.resume and "--resume" or "--replay",
+        jopts.resume and "the run it resumes" or "the cassette (none)")
+    end
+    local file = args[1]
+    if not file and not (jopts.resume or jopts.replay) then
+      return usage_error("run: missing the recipe FILE")
+    end
+    local rest = table.move(args, 2, #args, 1, {})
+    local chunk
+    local function load_recipe(f, a)
+      local ch, lerr = loadfile(f)
+      if not ch then return nil, lerr end
+      set_arg(f, a)
+      file, rest, chunk = f, a, ch
+      return ch
+    end
+    -- A resume runs the recipe its run recorded (a replay, its cassette's when none is given):
+    -- it is loaded once the journal is open, in the root task.
+    if file and not (jopts.resume or (jopts.replay and not file)) then
+      local ok, lerr = load_recipe(file, rest)
+      if not ok then
+        eprintf("moonbox: cannot load recipe: %s\n", lerr)
+        return EXIT_FAIL
+      end
+    end
+    -- moonbox.render records this run's creates (moonbox ps / reap); a dry run creates nothing,
+    -- nor does a replay.
+    build.ledger = not dry_run and jmode ~= "replay"
     local trace = lazy.trace
     if trace_file then
-      local ok, terr = pcall(trace.start, trace_file, { name = "moonbox run " .. file })
+      local ok, terr = pcall(trace.start, trace_file,
+        { name = "moonbox run " .. tostring(file or jopts.resume) })
       if not ok then
         eprintf("moonbox: %s\n", M.format_error(terr))
         return EXIT_FAIL
@@ -251,7 +321,18 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
     local t_start = core.now()
     local budget_mod = lazy["render.budget"]
     local budget = budget_mod.new(limits)
-    local code, err = run_root(function(...)
+    local jctx, jstats
+    local code, err = run_root(function()
+      if jmode then
+        jctx = lazy["durable.run"].begin { mode = jmode, file = file, args = rest, args_given = #rest > 0,
+          backend = backend, run_key = jopts.run_key, resume = jopts.resume,
+          cassette = jopts.record or jopts.replay }
+        jctx.cassette_path = jopts.record or jopts.replay
+        if not chunk then
+          local ok, lerr = load_recipe(jctx.file, jctx.args)
+          if not ok then error("moonbox: cannot load recipe: " .. tostring(lerr), 0) end
+        end
+      end
       -- Errors made where no recipe frame is on the stack (a tail call of the chunk) name the
       -- recipe file rather than moonbox's own.
       local data = core.data(core.current())
@@ -262,17 +343,26 @@ docs/reference/render.md, "Dry runs", for what a dry run can and cannot tell.]],
       if not dry_run and (want_progress or core.isatty(2)) then
         progress = lazy.progress.start { tty = core.isatty(2) }
       end
-      if backend then lazy.render.connect { backend = backend } end
-      local r = table.pack(xpcall(chunk, core.msgh, ...))
+      if backend and not jmode then lazy.render.connect { backend = backend } end
+      local r = table.pack(xpcall(chunk, core.msgh, table.unpack(rest)))
       -- a dry run past its simulated-time limit cancelled the recipe: that limit is the error
       if dry_run and not r[1] and lazy.dryrun.over() then r = table.pack(false, lazy.dryrun.over()) end
       if progress then progress:stop() end
+      if jctx then jstats = lazy["durable.run"].finish(jctx) end
       M.finish_run()
       if dry_run then dry_report = lazy.dryrun.stop() end
       return budget_mod.settle(budget, r)
-    end, table.unpack(rest))
+    end)
+    if jctx then
+      local line = lazy["durable.run"].describe(jctx, jstats)
+      if line then eprintf("%s\n", line) end
+    end
     if err ~= nil then
-      eprintf("moonbox: recipe %s failed: %s\n", file, M.format_error(err))
+      if file then
+        eprintf("moonbox: recipe %s failed: %s\n", file, M.format_error(err))
+      else
+        eprintf("%s\n", M.format_error(err))
+      end
     end
     local outcome = code == 0 and "ok" or (code == 130 or code == 143) and "interrupted" or "failed"
     -- A run that never loaded the ledger has none to close (and need not load SQLite for it).
@@ -672,7 +762,7 @@ expired. See docs/reference/ledger.md.]],
   end)
 
 command("reap", "terminate what dead runs left behind",
-  "moonbox reap [--dry-run] [--forget RUN] [--state DB]",
+  "moonbox reap [--dry-run] [--forget RUN] [--abandon RUN] [--state DB]",
   [[Goes through every run that is no longer alive (killed, crashed, or ended) and still holds
 sandboxes, and settles each with its backend: terminates what still runs, releases what the
 backend no longer knows, and reconciles a create whose answer was lost by the label moonbox puts
@@ -680,6 +770,10 @@ in every sandbox's name (a sandbox carrying it is terminated; none means the cre
 made). An embedded backend is brought up again on the state dir the run recorded. A run whose
 backend cannot be reached, or a terminate that keeps failing after its retries, is reported and
 left for the next reap; every other run is still settled. Prints what it did per run.
+
+A durable run (`moonbox run --durable`) that died before it ended is left alone: its sandboxes
+wait for `moonbox run --resume RUN`. --abandon RUN gives such a run up (it is recorded
+"abandoned" and can no longer be resumed) and settles what it holds.
 
 --dry-run only says what it would do. --forget RUN drops what run RUN (a dead one) holds from
 the ledger without asking its backend — for entries you know are gone; combine it with
@@ -691,7 +785,8 @@ Exit status: 0 when nothing is left held by a dead run, 1 when something is (see
 above), 2 on usage errors. The backend's key comes from RENDER_API_KEY, or from the local
 backend's state dir for a local one.]],
   function(args)
-    local opts, rest = parse_flags(args, { ["dry-run"] = "flag", forget = "value", state = "value" })
+    local opts, rest = parse_flags(args, { ["dry-run"] = "flag", forget = "value", state = "value",
+      abandon = "value" })
     if not opts then return usage_error("reap: %s", rest) end
     if #rest > 0 then return usage_error("reap: unexpected argument '%s'", rest[1]) end
     local bad = state_flag("reap", opts)
@@ -700,9 +795,23 @@ backend's state dir for a local one.]],
     if opts.forget and not forget then
       return usage_error("reap: --forget needs a run id, got '%s'", opts.forget)
     end
+    local abandon = opts.abandon and math.tointeger(tonumber(opts.abandon))
+    if opts.abandon and not abandon then
+      return usage_error("reap: --abandon needs a run id, got '%s'", opts.abandon)
+    end
+    if abandon and forget then
+      return usage_error("reap: --abandon and --forget are two different things; give one")
+    end
     local reap = lazy.reap
     local left = false
     local code, err = run_root(function()
+      if abandon then
+        local r = reap.abandon(abandon, { dry_run = opts["dry-run"] }, print)
+        print(string.format("reap: %d terminated, %d already gone, %d never made, %d failed",
+          r.terminated, r.gone, r.never_made, r.failed))
+        left = r.failed > 0
+        return
+      end
       if forget then
         local n = reap.forget(forget, { dry_run = opts["dry-run"] }, print)
         print(string.format("reap: run %d: %d %s", forget, n,

@@ -79,16 +79,68 @@ function Ledger:now()
   return core.time()
 end
 
---- ledger:open_run{recipe, backend, workspace, local_state} -> run id: a new run record owned by
--- this process (not made the process's own run; see begin_run). local_state: the state dir of
--- the embedded backend the run uses, if it does.
+--- ledger:open_run{recipe, backend, workspace, local_state, durable, args, run_key} -> run id: a
+-- new run record owned by this process (not made the process's own run; see begin_run).
+-- local_state: the state dir of the embedded backend the run uses, if it does; durable: the run
+-- keeps a journal (moonbox.durable) and may be resumed, with args (JSON text: the recipe's
+-- arguments); run_key: the run's own name (`moonbox run --run-id`), unique.
 function Ledger:open_run(info)
   local lease = self.shared and (self:now() + M.LEASE) or nil
   local _, id = self.db:run([[INSERT INTO runs (pid, pid_start, recipe, backend, workspace, started_at,
-    local_state, owner, lease_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)]], M.self_pid(), M.self_start(),
-    info.recipe, info.backend, info.workspace, core.time(), info.local_state, M.owner(), lease)
+    local_state, owner, lease_until, durable, args, run_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)]],
+    M.self_pid(), M.self_start(), info.recipe, info.backend, info.workspace, core.time(), info.local_state,
+    M.owner(), lease, info.durable and 1 or 0, info.args, info.run_key)
   if self.shared then self.leases.runs[id] = true end
   return id
+end
+
+--- ledger:claim_run(id) -> the run's row, now this process's, or nil and why not: takes over a
+-- durable run that died (moonbox.durable's resume). Exactly one claimer wins: the UPDATE is
+-- conditional on the row still naming the owner that died (its pid and start time on SQLite; an
+-- expired lease on PostgreSQL, judged by the database's clock). Records the resume in
+-- run_resumes (who, when, from whom, how many journal entries the run had). Refuses a run that
+-- is not durable, has ended, or whose owner is alive. [yields] on PostgreSQL.
+function Ledger:claim_run(id)
+  local r = self.db:row("SELECT * FROM runs WHERE id = ?", id)
+  if not r then return nil, string.format("there is no run %s in %s", tostring(id), self.path) end
+  if (r.durable or 0) == 0 then
+    return nil, string.format("run %d was not durable (moonbox run --durable): it has no journal to " ..
+      "resume from", id)
+  end
+  if r.ended_at ~= nil then
+    return nil, string.format("run %d has ended (%s): only a run that died can be resumed", id,
+      tostring(r.outcome))
+  end
+  local now = self:now()
+  if self:is_alive(r, now) then
+    return nil, string.format("run %d is still running (%s): it can be resumed once it has died", id,
+      self.shared and ("its lease runs until " .. os.date("!%H:%M:%SZ", math.floor(r.lease_until)))
+        or ("pid " .. tostring(r.pid)))
+  end
+  local lease = self.shared and (now + M.LEASE) or nil
+  local n
+  if self.shared then
+    n = self.db:run([[UPDATE runs SET pid = ?, pid_start = ?, owner = ?, lease_until = ?,
+      resumes = resumes + 1 WHERE id = ? AND ended_at IS NULL AND owner IS NOT DISTINCT FROM ?
+      AND (lease_until IS NULL OR lease_until < ?)]], M.self_pid(), M.self_start(), M.owner(), lease, id,
+      r.owner, now)
+  else
+    n = self.db:run([[UPDATE runs SET pid = ?, pid_start = ?, owner = ?, resumes = resumes + 1
+      WHERE id = ? AND ended_at IS NULL AND pid = ? AND pid_start IS ?]], M.self_pid(), M.self_start(),
+      M.owner(), id, r.pid, r.pid_start)
+  end
+  if n ~= 1 then return nil, string.format("run %d was resumed by another process first", id) end
+  local entries = self.db:value("SELECT count(*) AS n FROM journal WHERE run_id = ?", id) or 0
+  self.db:run("INSERT INTO run_resumes (run_id, at, owner, previous_owner, entries) VALUES (?, ?, ?, ?, ?)",
+    id, core.time(), M.owner(), r.owner, entries)
+  if self.shared then self.leases.runs[id] = true end
+  return self.db:row("SELECT * FROM runs WHERE id = ?", id)
+end
+
+--- ledger:resumes(id) -> array of the run's resumes {at, owner, previous_owner, entries}, oldest
+-- first. [yields] on PostgreSQL.
+function Ledger:resumes(id)
+  return self.db:rows("SELECT * FROM run_resumes WHERE run_id = ? ORDER BY id", id)
 end
 
 --- ledger:begin_run{recipe, backend, workspace, local_state} -> run id: the run record of this

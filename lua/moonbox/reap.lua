@@ -20,6 +20,7 @@ local conn_mod = require "moonbox.render.conn"
 local api = require "moonbox.render.api"
 local embedded = require "moonbox.render.embedded"
 local sandbox = require "moonbox.render.sandbox"
+local core = require "moonbox.core"
 
 local M = {}
 
@@ -83,6 +84,14 @@ local function held_line(i)
   return "unknown create " .. i.label .. " (answer lost; intent " .. i.id .. ")"
 end
 
+--- reap.resumable(r) -> whether run row r (with `alive`) is a durable run that died before it
+-- ended: what it holds waits for `moonbox run --resume` (moonbox.durable), not for reap. Does not
+-- yield.
+local function resumable(r)
+  return (r.durable or 0) ~= 0 and r.ended_at == nil and not r.alive
+end
+M.resumable = resumable
+
 --- reap.ps(out) -> number of sandboxes held: prints every run that is alive or holds
 -- something, each held sandbox with what its backend says of it — a dead run's backend is
 -- asked when it can be reached (a lost create shows the sandbox its label names, if any); an
@@ -93,7 +102,8 @@ function M.ps(out)
   for _, r in ipairs(L:runs()) do
     if #r.held > 0 or r.alive then
       local who = L.shared and r.owner and ("on " .. r.owner) or ("pid " .. r.pid)
-      out(string.format("run %d  %s  %s  %s  %s", r.id, who, r.alive and "alive" or "dead",
+      out(string.format("run %d  %s  %s  %s  %s", r.id, who,
+        r.alive and "alive" or resumable(r) and "dead, resumable (moonbox run --resume)" or "dead",
         r.recipe or "?", describe_backend(r)))
       local l, why
       if not r.alive and #r.held > 0 then l, why = look(r) end
@@ -247,15 +257,50 @@ function M.settle_unknown(L, run_id, c, out)
   if not ok then error(err, 0) end
 end
 
---- reap.reap(opts, out) -> result: for every dead run, settles what it holds (see reap_run).
--- opts.dry_run: only say what it would do. [yields]
+
+--- reap.reap(opts, out) -> result: for every dead run, settles what it holds (see reap_run),
+-- except a durable run that died before it ended, which is left for its resume and counted in
+-- result.resumable. opts.dry_run: only say what it would do. [yields]
 function M.reap(opts, out)
   local L = ledger_mod.open()
   local result = new_result()
+  result.resumable = 0
   local ok, err = pcall(function()
     for _, r in ipairs(L:runs()) do
-      if not r.alive and #r.held > 0 then M.reap_run(L, r, opts, out, result) end
+      if resumable(r) and #r.held > 0 then
+        result.resumable = result.resumable + 1
+        out(string.format("run %d: durable, died before it ended: its %d sandbox(es) wait for " ..
+          "`moonbox run --resume %d` (`moonbox reap --abandon %d` gives them up)", r.id, #r.held, r.id, r.id))
+      elseif not r.alive and #r.held > 0 then
+        M.reap_run(L, r, opts, out, result)
+      end
     end
+  end)
+  L:close()
+  if not ok then error(err, 0) end
+  return result
+end
+
+--- reap.abandon(run_id, opts, out) -> result: gives up a durable run that died (it is ended
+-- "abandoned", so it can no longer be resumed) and settles what it holds as reap does.
+-- opts.dry_run: only say what it would do. Refuses a run that is not resumable. [yields]
+function M.abandon(run_id, opts, out)
+  local L = ledger_mod.open()
+  local result = new_result()
+  local ok, err = pcall(function()
+    local r = L:run(run_id)
+    if not r then error("moonbox reap: no run " .. run_id .. " in the ledger", 0) end
+    if not resumable(r) then
+      error(string.format("moonbox reap: run %d is not a durable run that died (%s): --abandon is for those",
+        run_id, r.alive and "it is alive" or r.ended_at and ("it ended " .. tostring(r.outcome))
+          or "it is not durable"), 0)
+    end
+    if not opts.dry_run then
+      L:end_run("abandoned", run_id)
+      r.ended_at = core.time()
+    end
+    out(string.format("run %d: %s", run_id, opts.dry_run and "would be abandoned" or "abandoned"))
+    if #r.held > 0 then M.reap_run(L, r, opts, out, result) end
   end)
   L:close()
   if not ok then error(err, 0) end

@@ -33,7 +33,7 @@ local pack, unpack = table.pack, table.unpack
 
 -- Every task moonbox.task starts goes through here, so a trace (moonbox.trace) gets one span
 -- per task, named after the function it runs (`label`, else `fn`).
-local function spawn(label, fn, ...)
+local function plain_spawn(label, fn, ...)
   local tr = package.loaded["moonbox.trace"]
   if not (tr and tr.on) then return core.spawn(fn, ...) end
   local info = debug.getinfo(label or fn, "S")
@@ -47,6 +47,16 @@ local function spawn(label, fn, ...)
     end })
     return fn(...)
   end, ...)
+end
+
+-- With a journal active (moonbox.durable), every task gets its stream key from its parent here.
+local function spawn(label, fn, ...)
+  local hooks = M.durable_hooks
+  if not hooks then return plain_spawn(label, fn, ...) end
+  local parent = core.current()
+  local t = plain_spawn(label, fn, ...)
+  if parent then hooks.spawn(parent, t) end
+  return t
 end
 
 --- Re-raises a finished task's error in the caller, keeping the child's traceback.
@@ -363,6 +373,9 @@ function M.map(items, fn, opts)
     own = win
   end
   local _close <close> = own
+  -- a journal (moonbox.durable) keys item i's work by the map and i, whichever worker runs it
+  local hooks = M.durable_hooks
+  local map_key = hooks and hooks.map()
   M.scope(function(s)
     for _ = 1, math.min(limit, n) do
       s:spawn(function()
@@ -378,6 +391,7 @@ function M.map(items, fn, opts)
           next_i = next_i + 1
           in_flight = in_flight + 1
           if in_flight > peak then peak = in_flight end
+          if map_key then hooks.item(map_key, i) end
           local ok, v = xpcall(fn, core.msgh, items[i], i)
           in_flight = in_flight - 1
           if win then win:release(ok) end
@@ -388,6 +402,17 @@ function M.map(items, fn, opts)
     end
   end)
   return out, { peak = peak, min_window = win and win.min_size or limit }
+end
+
+--- task.step(name, fn, ...) -> fn(...)'s results. Outside a durable run (moonbox.durable) it is
+-- fn(...). In one, it is the recipe's own side effect, journaled: a step that completed before a
+-- crash is not run again on resume (its recorded results come back; they must be JSON values),
+-- a step in flight at the crash runs again. name tells steps apart in the journal. [yields] as
+-- fn does.
+function M.step(name, fn, ...)
+  local hooks = M.durable_hooks
+  if hooks then return hooks.step(name, fn, ...) end
+  return fn(...)
 end
 
 -- ---- adaptive windows (AIMD) -----------------------------------------------------------------
@@ -583,6 +608,8 @@ M.SCHEMA = {
       window = { type = "table", doc = "a task.window to share with other work" },
       name = { type = "string", default = "task.map", doc = "the window's name in a trace" },
     }, returns = "any[], table", yields = true },
+  ["task.step"] = { summary = "a journaled side effect of a durable run: not run again on resume",
+    args = { { name = "name", type = "string" }, FN }, returns = "any", yields = true },
   ["task.window"] = { summary = "an adaptive concurrency limit (AIMD)",
     args = { { name = "limit", type = "integer" }, { name = "name", type = "string", optional = true } },
     returns = "table" },
@@ -600,7 +627,7 @@ M.SCHEMA = {
 schema.declare(M.SCHEMA)
 
 for _, k in ipairs { "spawn", "set_context", "context", "join", "result", "cancel", "sleep", "timeout",
-  "scope",
+  "scope", "step",
   "all", "all_settled", "race", "map", "window", "congested", "semaphore", "run" } do
   M[k] = schema.wrap("task." .. k, M[k])
 end

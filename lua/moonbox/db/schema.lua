@@ -14,6 +14,10 @@
 --   5  daemons, schedule_runs.             the daemons firing each schedule (a lease each) and
 --      cancel_request                      the requests other machines leave them: --stop
 --                                          (moonbox.schedule.store), a cancel_other of a run
+--   6  journal, run_resumes; runs.durable,  durable runs (moonbox.durable): each call a run made
+--      args, resumes, run_key;             with its answer, who resumed a run and when, the
+--      schedule_runs.resumes, resumed_by   recipe's arguments a resume runs it with again, and
+--                                          the name --run-id gives a run
 local M = {}
 
 -- The types that differ between the stores; a migration below names them as $NAME.
@@ -74,6 +78,25 @@ local MIGRATIONS = {
   );
   CREATE INDEX daemons_by_schedule ON daemons (schedule);
   ALTER TABLE schedule_runs ADD COLUMN cancel_request TEXT;
+  ]] },
+  { [[
+  CREATE TABLE journal (
+    run_id $BIGINT NOT NULL REFERENCES runs(id), stream TEXT NOT NULL, kind TEXT NOT NULL,
+    seq INTEGER NOT NULL, state TEXT, entry TEXT NOT NULL, written_at $TIME NOT NULL,
+    PRIMARY KEY (run_id, stream, kind, seq)
+  );
+  CREATE TABLE run_resumes (
+    id $ID, run_id $BIGINT NOT NULL REFERENCES runs(id), at $TIME NOT NULL, owner TEXT,
+    previous_owner TEXT, entries INTEGER
+  );
+  CREATE INDEX run_resumes_by_run ON run_resumes (run_id);
+  ALTER TABLE runs ADD COLUMN durable INTEGER NOT NULL DEFAULT 0;
+  ALTER TABLE runs ADD COLUMN args TEXT;
+  ALTER TABLE runs ADD COLUMN resumes INTEGER NOT NULL DEFAULT 0;
+  ALTER TABLE runs ADD COLUMN run_key TEXT;
+  CREATE UNIQUE INDEX runs_by_key ON runs (run_key) WHERE run_key IS NOT NULL;
+  ALTER TABLE schedule_runs ADD COLUMN resumes INTEGER NOT NULL DEFAULT 0;
+  ALTER TABLE schedule_runs ADD COLUMN resumed_by TEXT;
   ]] },
 }
 

@@ -23,6 +23,7 @@ local task = require "moonbox.task"
 local core = require "moonbox.core"
 local trace = require "moonbox.trace"
 local schema = require "moonbox.schema"
+local durable = require "moonbox.durable"
 
 local M = {}
 
@@ -295,18 +296,57 @@ local function counted(ok, ...)
   error((...), 0)
 end
 
---- api.call(conn, op, method, path, opts) -> decoded body (or true for an empty 2xx), status,
--- headers. opts: query, body (table → JSON), idempotent (may it be sent again? default: GET and
--- DELETE), sandbox_id / snapshot_id / group_id (for errors), timeout (per attempt, default 60 s), deadline
--- (overall seconds, default 120), retries (default 5). Raises structured errors (see the file's
--- header for what is retried). With a trace on, the call is one span (cat "api"). [yields]
-function M.call(conn, op, method, path, opts)
-  opts = opts or {}
+-- One call as it goes to the backend: counted, traced, through the retry loop. [yields]
+local function live_call(conn, op, method, path, opts)
   M.calls_made = M.calls_made + 1
   local info = {}
   if not trace.on then return counted(pcall(call, conn, op, method, path, opts, info)) end
   local _span <close> = M.span(op, method, path, opts, info)
   return counted(pcall(call, conn, op, method, path, opts, info))
+end
+
+-- The answer headers a journal keeps (moonbox.durable): what callers read, nothing secret.
+local KEPT_HEADERS = { "content-type", "render-request-id", "retry-after", "location" }
+
+local function kept_headers(h)
+  local out = {}
+  for _, k in ipairs(KEPT_HEADERS) do out[k] = h and h[k] end
+  return out
+end
+
+local function encode_call(v, status, headers)
+  return { v = v, status = status, h = kept_headers(headers) }
+end
+
+local function decode_call(a)
+  return a.v, a.status, a.h or {}
+end
+
+--- api.call(conn, op, method, path, opts) -> decoded body (or true for an empty 2xx), status,
+-- headers. opts: query, body (table → JSON), idempotent (may it be sent again? default: GET and
+-- DELETE), sandbox_id / snapshot_id / group_id (for errors), timeout (per attempt, default 60 s),
+-- deadline (overall seconds, default 120), retries (default 5); for a durable run's journal
+-- (moonbox.durable): journal (what the entry keeps besides: the ledger intent of a create) and
+-- in_flight(entry) (how to find out what the call did when a crash left it in flight; default:
+-- a repeatable call is sent again, any other raises unknown_outcome). Raises structured errors
+-- (see the file's header for what is retried). With a trace on, the call is one span (cat
+-- "api"). With a journal active, the call is journaled, or answered from the journal. [yields]
+function M.call(conn, op, method, path, opts)
+  opts = opts or {}
+  if not durable.active() then return live_call(conn, op, method, path, opts) end
+  local repeatable = opts.idempotent
+  if repeatable == nil then repeatable = method == "GET" or method == "DELETE" end
+  local meta = opts.journal
+  if opts.sandbox_id then
+    meta = meta or {}
+    meta.sandbox_id = opts.sandbox_id
+  end
+  return durable.call({
+    sig = op .. " " .. method .. " " .. path .. encode_query(opts.query) .. " " ..
+      durable.body_sig(opts.body),
+    op = op, repeatable = repeatable, meta = meta, sandbox_id = opts.sandbox_id,
+    in_flight = opts.in_flight, encode = encode_call, decode = decode_call,
+  }, function() return live_call(conn, op, method, path, opts) end)
 end
 
 --- api.data(conn, op, mint, req, opts) -> response, token, span. A data-plane request: mints
@@ -327,8 +367,7 @@ end
 -- non-2xx answer raises its typed error (err.body: the first 64 KiB of a body that is not
 -- JSON); a lost answer of a request that is not repeatable raises unknown_outcome (with
 -- err.exec_id when the token named one). [yields]
-function M.data(conn, op, mint, req, opts)
-  opts = opts or {}
+local function live_data(conn, op, mint, req, opts)
   local name = opts.name or (op .. ".data")
   M.calls_made = M.calls_made + 1
   local info = {}
@@ -389,6 +428,120 @@ function M.data(conn, op, mint, req, opts)
     span = nil
   end
   return resp, tok, span
+end
+
+-- ---- data-plane requests in a journal (moonbox.durable) --------------------------------------
+
+-- What a journal keeps of a connect token: never the token or its URI.
+local function kept_token(tok)
+  return { executionId = tok and tok.executionId }
+end
+
+local function read_whole(path)
+  local f = io.open(path, "rb")
+  if not f then return nil end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+-- A recorded stream, read back: read_output gives the recorded events in order, then nil when
+-- the recording read to the end; a recording cut short (its reader stopped) waits, as the live
+-- stream did, until the reader is interrupted.
+local function replayed_stream(a)
+  local i, events = 0, a.ev or {}
+  local r = { status = a.status, headers = a.h or {} }
+  function r.read_output()
+    i = i + 1
+    local e = events[i]
+    if e then return e[1], e[2] ~= json.null and e[2] or nil, durable.unbin(e[3]) end
+    if not a.ended then core.cond():wait() end
+    return nil
+  end
+  function r.read() return nil end
+  function r.close() end
+  return r
+end
+
+-- The live stream, recording what is read from it into its journal entry e; the entry is done
+-- when the stream ended or was closed.
+local function recording_stream(resp, e, a)
+  local finished = false
+  local function finish(ended)
+    if finished then return end
+    finished = true
+    a.ended = ended
+    local j = durable.active()
+    if j then j:finish(e, a) end
+  end
+  local proxy = setmetatable({}, { __index = function(_, k)
+    local v = resp[k]
+    if type(v) == "function" then return function(_, ...) return v(resp, ...) end end
+    return v
+  end })
+  function proxy.read_output()
+    local event, stream, data = resp:read_output()
+    if not event then
+      finish(true)
+      return nil
+    end
+    a.ev[#a.ev + 1] = { event, stream or json.null, durable.bin(data) }
+    return event, stream, data
+  end
+  function proxy.close()
+    finish(false)
+    return resp:close()
+  end
+  return proxy
+end
+
+--- api.data(conn, op, mint, req, opts): see live_data above; with a journal active the request
+-- is journaled, or answered from the journal (a stream with its recorded events, a download
+-- with its recorded bytes written to req.output_file). opts.idempotent_run: a command that may
+-- run again when a crash left it in flight (sb:exec's idempotent); otherwise such a command is
+-- unknown_outcome on resume, and a repeatable request is sent again. [yields]
+function M.data(conn, op, mint, req, opts)
+  opts = opts or {}
+  local j = durable.active()
+  if not j then return live_data(conn, op, mint, req, opts) end
+  -- an exec's env file (moonbox.render.exec) is all secrets: not even its digest is kept
+  local env_file = type(opts.path) == "string" and opts.path:match("^/dev/%.moonbox/.*%.env$")
+  local sent = env_file and "env file" or req.body and durable.digest(req.body)
+    or req.body_file and ("file " .. durable.digest(read_whole(req.body_file) or "")) or "-"
+  local sig = op .. " " .. mint.path .. encode_query(mint.query) .. " " .. durable.body_sig(mint.body) ..
+    " -> " .. (req.method or "GET") .. " " .. tostring(opts.span_path or "") .. " " .. sent ..
+    (req.stream and " stream" or "") .. (req.output_file and " download" or "")
+  return durable.call({
+    sig = sig, op = op, repeatable = opts.repeatable or opts.idempotent_run or false,
+    meta = opts.sandbox_id and { sandbox_id = opts.sandbox_id } or nil, sandbox_id = opts.sandbox_id,
+    encode = function(resp, tok)
+      local a = { status = resp.status, h = kept_headers(resp.headers), tok = kept_token(tok) }
+      if req.stream then
+        a.ev = json.array {}
+      elseif req.output_file then
+        a.file = durable.bin(read_whole(req.output_file) or "")
+      else
+        a.body = durable.bin(resp.body)
+      end
+      return a
+    end,
+    on_done = function(e, resp, tok, span)
+      if not req.stream then return resp, tok, span end
+      e.st = "streaming" -- done once read (recording_stream)
+      return recording_stream(resp, e, e.a), tok, span
+    end,
+    decode = function(a)
+      local tok = a.tok or {}
+      if req.stream then return replayed_stream(a), tok, nil end
+      if req.output_file then
+        local f = assert(io.open(req.output_file, "wb"))
+        f:write(durable.unbin(a.file) or "")
+        f:close()
+        return { status = a.status, headers = a.h or {}, body = "" }, tok, nil
+      end
+      return { status = a.status, headers = a.h or {}, body = durable.unbin(a.body) }, tok, nil
+    end,
+  }, function() return live_data(conn, op, mint, req, opts) end)
 end
 
 --- api.span(op, method, path, ids, info) -> a span value: span:close_with(err) (or `<close>`)

@@ -61,7 +61,7 @@ local simulated
 
 local function simulated_conn(opts)
   local sim = simulated()
-  local c = new("dry-run", sim.url, sim.api_key, opts.workspace or sim.workspace)
+  local c = new(sim.kind or "dry-run", sim.url, sim.api_key, opts.workspace or sim.workspace)
   c.transport = sim.transport
   return c
 end
@@ -69,7 +69,8 @@ end
 --- conn.simulate(fn): while fn is set, conn.connect (hence render.connect and the default
 -- connection) makes a connection whose requests go to fn().transport (an object with request
 -- and stream, as moonbox.http has) at fn().url with the API key fn().api_key, whatever backend
--- was asked for; nil ends that. The transport gets each request's options as moonbox.http would,
+-- was asked for (of kind fn().kind, default "dry-run"); nil ends that. The transport gets each
+-- request's options as moonbox.http would,
 -- plus opts.intent where the client put one (moonbox.render.exec: the structured command beside
 -- the wire body, which moonbox.http ignores). For moonbox.dryrun. Does not yield.
 function M.simulate(fn)

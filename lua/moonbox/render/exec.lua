@@ -29,6 +29,7 @@ local trace = require "moonbox.trace"
 local ids = require "moonbox.ids"
 local schema = require "moonbox.schema"
 local utf8_cut = require("moonbox.strings").utf8_cut
+local durable = require "moonbox.durable"
 
 local M = {}
 
@@ -304,6 +305,8 @@ local EXEC_OPTS = {
   on_output = { type = "function", doc = "on_output(stream, chunk), called as output arrives" },
   max_output = { type = "bytes", default = DEFAULT_MAX_OUTPUT,
     doc = "bytes kept per stream; the rest is dropped and `truncated` set" },
+  idempotent = { type = "boolean", default = false,
+    doc = "a durable run resuming may run it again when a crash left it running (else `unknown_outcome`)" },
 }
 local SPAWN_OPTS = {}
 for k, v in pairs(EXEC_OPTS) do
@@ -319,7 +322,8 @@ end
 --- Starts a command (cmd as the recipe gave it, command its text) and returns its Process; the
 -- stream is read by a task of its own. [yields]
 local function start(sb, cmd, command, env_text, opts, line_stream)
-  local id = ids.new("exe"):sub(5) -- a private marker name, not an API id
+  -- a private marker name, not an API id (the journal's own on resume: it is in the body)
+  local id = durable.fresh(function() return ids.new("exe"):sub(5) end)
   -- Uploads land root-owned 0600, in the in-memory /dev area.
   if env_text then files.write(sb, MARKERS .. "/" .. id .. ".env", env_text) end
   local script = wrapper(id, command, opts.cwd, env_text ~= nil)
@@ -329,7 +333,7 @@ local function start(sb, cmd, command, env_text, opts, line_stream)
       headers = { Accept = "text/event-stream", ["Content-Type"] = "application/json" },
       intent = intent_of(cmd, opts, "stream", id) },
     { name = "sandbox:exec.stream", span_path = "/sandboxes/" .. sb.id .. "/runs/stream",
-      sandbox_id = sb.id })
+      sandbox_id = sb.id, idempotent_run = opts.idempotent == true })
   if not started then
     -- Cancelled or out of time before the stream's headers came (an HTTP/2 edge may hold them
     -- until the command's first output): the command may be running with nobody to stop it.

@@ -34,6 +34,7 @@ local trace = require "moonbox.trace"
 local ids = require "moonbox.ids"
 local schema = require "moonbox.schema"
 local guard = require "moonbox.guard"
+local durable = require "moonbox.durable"
 
 local M = {}
 
@@ -377,10 +378,37 @@ function M.find_by_label(c, label)
   return nil
 end
 
+-- The ledger intent and the label of a create: written down before the request goes out, in the
+-- run's ledger when it keeps one. A durable run resuming reuses the intent and label its
+-- journal recorded for this create (moonbox.durable): the ledger row exists since the first
+-- attempt, and the label is part of the journaled body.
+local function name_create(L, run_id, body)
+  local rec = durable.peek("sandboxes.create")
+  local intent, label
+  if rec and rec.meta and (rec.meta.intent or rec.meta.label) then
+    intent, label = rec.meta.intent, rec.meta.label
+  elseif L then
+    intent, label = L:intent(run_id)
+  else
+    label = "mb-x" .. durable.fresh(function() return ids.token():sub(1, 16) end)
+  end
+  if body.name == nil then body.name = label else label = nil end
+  return intent, label
+end
+
 -- The create request and what its answer means for the ledger; runs in a task of its own.
-local function create_request(c, body, L, intent, label)
+-- A create a crash left in flight in a durable run is found by its label, or sent again.
+local function create_request(c, body, L, run_id)
+  local intent, label = name_create(L, run_id, body)
+  events.emit("creating", nil, { name = body.name, snapshot_id = body.snapshotId })
   local ok, data = pcall(api.call, c, "sandboxes.create", "POST", "/sandboxes",
-    { body = body, idempotent = false, snapshot_id = body.snapshotId })
+    { body = body, idempotent = false, snapshot_id = body.snapshotId,
+      journal = { intent = intent, label = label },
+      in_flight = label and function()
+        local found = M.find_by_label(c, label)
+        if found then return true, found, 201, {} end
+        return nil
+      end or nil })
   if ok then
     if L then L:bind(intent, data.id) end
     return data
@@ -430,15 +458,7 @@ function M.create(opts)
   local b = budget.current()
   if b then b:before_create() end
   local L, run_id = ledger.for_create(c)
-  local intent, label
-  if L then
-    intent, label = L:intent(run_id)
-  else
-    label = "mb-x" .. ids.token():sub(1, 16)
-  end
-  if body.name == nil then body.name = label else label = nil end
-  events.emit("creating", nil, { name = body.name, snapshot_id = body.snapshotId })
-  local interruption, ok, data = api.shielded(create_request, c, body, L, intent, label)
+  local interruption, ok, data = api.shielded(create_request, c, body, L, run_id)
   if not ok then
     if b and api.definite(data) then b:create_refused() end
     events.emit("create_failed", nil, { name = body.name, error = data })

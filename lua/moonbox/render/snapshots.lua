@@ -14,6 +14,7 @@ local conn = require "moonbox.render.conn"
 local object = require "moonbox.render.object"
 local task = require "moonbox.task"
 local schema = require "moonbox.schema"
+local ids = require "moonbox.ids"
 
 local M = {}
 
@@ -277,6 +278,34 @@ end
 
 -- ---- sb:snapshot ------------------------------------------------------------------------------
 
+--- snapshots.find_capture(sb, kind, name, since) -> true, snapshot data, 202 when exactly one
+-- snapshot of sb's group was captured from sb with that kind and name (nil: any) and requested
+-- at or after `since` (unix seconds, whole seconds as Render's timestamps are); nil when none
+-- was (the capture never happened: it may be sent again). Raises unknown_outcome when several
+-- are candidates. What a durable run's resume asks of a capture a crash left in flight. [yields]
+function M.find_capture(sb, kind, name, since)
+  local gid = sb.sandbox_group_id
+  if gid == nil then sb:refresh() gid = sb.sandbox_group_id end
+  local c = sb:connection()
+  local found = {}
+  local items = api.pages(c, "snapshots.list", "/sandbox-groups/" .. gid .. "/snapshots",
+    { ownerId = c.workspace }, {}, "render.snapshots.list")
+  for item in items do
+    local s = item.snapshot
+    local at = s and ids.parse_iso(s.requestedAt)
+    if s and s.sourceSandboxId == sb.id and s.kind == kind and (name == nil or s.name == name)
+      and at and at >= math.floor(since) - 1 then
+      found[#found + 1] = s
+    end
+  end
+  if #found == 1 then return true, found[1], 202, {} end
+  if #found == 0 then return nil end
+  error(api.error { op = "sandbox:snapshot", code = "unknown_outcome", sandbox_id = sb.id,
+    message = string.format("the run stopped while a capture of sandbox %s was in flight, and %d " ..
+      "snapshots could be the one it made (%s, %s): name the capture to tell them apart", sb.id, #found,
+      found[1].id, found[2].id) }, 0)
+end
+
 --- sb:snapshot{kind = "filesystem"|"runtime", name, expires_at, wait = true, wait_timeout = 300}
 -- -> Snapshot, once available (wait = false: at once, status "creating"). kind is always sent
 -- (default "filesystem": Render's default has changed between versions). expires_at is a unix
@@ -295,7 +324,8 @@ function M.capture(sb, opts)
   local data = api.call(c, "sandbox:snapshot", "POST", "/sandboxes/" .. sb.id .. "/snapshots", {
     query = { ownerId = c.workspace },
     body = { kind = kind, name = opts.name, expiresAt = expires },
-    idempotent = false, sandbox_id = sb.id })
+    idempotent = false, sandbox_id = sb.id,
+    in_flight = function(e) return M.find_capture(sb, kind, opts.name, e.t0) end })
   local snap = wrap_snapshot(c, data)
   rawset(snap, "_requested", requested)
   if opts.wait ~= false then snap:wait_available { timeout = schema.seconds(opts.wait_timeout) } end
