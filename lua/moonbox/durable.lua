@@ -188,8 +188,14 @@ end
 function Journal:replaying()
   local d, key = here()
   if not d then return false end
-  local q = self.streams[key] and self.streams[key].c
-  return q ~= nil and q[q.n + 1] ~= nil
+  -- A task that never made a call of its own (a poller beside a wait) is as far along as the
+  -- task that spawned it.
+  while key do
+    local q = self.streams[key] and self.streams[key].c
+    if q and (q.n > 0 or q[1] ~= nil) then return q[q.n + 1] ~= nil end
+    key = key:match("^(.+)%.[^.]+$")
+  end
+  return false
 end
 
 local function summary(sig)
