@@ -10,8 +10,8 @@
 --      process that only reads that run's journal (the same rows, decoded), plus a durable run
 --      that makes only the CALLS live calls on an adopted sandbox, less one process start (both
 --      baselines pay one, the resume one only). The issue's bound is 1.2x.
---   2. replay: 1000 calls (sb:refresh) live without a journal, recorded (--record), replayed
---      (--replay).
+--   2. replay: 1000 calls (sb:refresh) live without a journal, recorded (--record), journaled
+--      (--durable, in SQLite), replayed (--replay).
 local L = require "spec.support.local_backend"
 local measure = require "bench.support.measure"
 local proc = require "moonbox.proc"
@@ -115,17 +115,18 @@ for round = 1, ROUNDS do
   start_t[round] = timed({ empty })
 end
 
-local live_plain, recorded, replayed = {}, {}, {}
+local live_plain, recorded, replayed, journaled = {}, {}, {}, {}
 local cassette = tmp .. "/calls.cassette"
 for round = 1, ROUNDS do
   live_plain[round] = timed({ calls, tostring(REPLAY_CALLS) })
   recorded[round] = timed({ "--record", cassette, calls, tostring(REPLAY_CALLS) })
+  journaled[round] = timed({ "--durable", calls, tostring(REPLAY_CALLS) })
   replayed[round] = timed({ "--replay", cassette })
 end
 
 local med = measure.median
 local r, rd, lv, st = med(resume_t), med(read_t), med(live_t), med(start_t)
-local lp, rc, rp = med(live_plain), med(recorded), med(replayed)
+local lp, rc, rp, jn = med(live_plain), med(recorded), med(replayed), med(journaled)
 print(string.format("| resume after %d calls, then %d live | %.0f ms |", CALLS, CALLS, r * 1000))
 print(string.format("| journal read (%d calls' entries) | %.0f ms |", CALLS, rd * 1000))
 print(string.format("| live remainder (%d calls, adopted sandbox) | %.0f ms |", CALLS, lv * 1000))
@@ -133,6 +134,8 @@ print(string.format("| process start (empty recipe) | %.0f ms |", st * 1000))
 print(string.format("| resume / (read + live - start) | %.2fx |", r / (rd + lv - st)))
 print(string.format("| %d calls live, no journal | %.0f ms |", REPLAY_CALLS, lp * 1000))
 print(string.format("| %d calls recorded (--record) | %.0f ms (%.2fx live) |", REPLAY_CALLS, rc * 1000, rc / lp))
+print(string.format("| %d calls journaled (--durable, SQLite) | %.0f ms (%.2fx live) |", REPLAY_CALLS, jn * 1000,
+  jn / lp))
 print(string.format("| %d calls replayed (--replay) | %.0f ms (%.3fx live) |", REPLAY_CALLS, rp * 1000, rp / lp))
 
 B:stop()

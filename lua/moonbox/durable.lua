@@ -281,8 +281,11 @@ function Journal:call(c, live)
     if c.in_flight then
       local r = below(d, c.in_flight, e)
       if not r[1] then
-        e.st, e.a = "failed", error_fields(r[2])
-        self:put(e)
+        -- interrupted while finding out: still in flight for the next resume
+        if not task.is_interruption(r[2]) then
+          e.st, e.a = "failed", error_fields(r[2])
+          self:put(e)
+        end
         error(r[2], 0)
       end
       if r[2] then
