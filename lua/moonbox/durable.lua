@@ -4,8 +4,8 @@
 -- One journal serves three modes:
 --   * "durable" (`moonbox run --durable`, `--resume ID`, a schedule's `durable = true`): the
 --     journal lives in the run store (moonbox.db: SQLite or PostgreSQL, table `journal`), written
---     ahead — an entry is recorded `started` before its request goes out and `done` (with the
---     answer) after. A resumed run re-runs the recipe from the top: each journaled call returns
+--     ahead — a call that must not run twice is recorded `started` before its request goes out,
+--     and every call `done` (with the answer) after. A resumed run re-runs the recipe from the top: each journaled call returns
 --     its recorded answer without touching the backend, until the first call past the journal,
 --     from which it runs live.
 --   * "record" (`moonbox run --record FILE`): the same journal written to a file (a cassette),
@@ -139,7 +139,7 @@ end
 
 -- Crash points for the specs (MOONBOX_DURABLE_CRASH_AT=N): the process kills itself (SIGKILL)
 -- right after the journal's N-th write of this process, which is either a call's `started`
--- (the call is then in flight) or its `done`.
+-- (the call is then in flight; only non-repeatable calls write one) or its `done`.
 local crash_at = math.tointeger(tonumber(os.getenv("MOONBOX_DURABLE_CRASH_AT") or ""))
 local writes = 0
 
@@ -245,7 +245,8 @@ end
 --   results, repeatable (in flight at a crash: send it again), in_flight(entry) -> nil | true,
 --   results... (how to find out what a call in flight at a crash did: true with its results when
 --   it is found done, nil to send it again; it may raise, e.g. unknown_outcome), meta (kept in
---   the entry: the ledger intent of a create, the sandbox id of a terminate), sandbox_id.
+--   the entry: the ledger intent of a create, the sandbox id of a terminate), sandbox_id, lazy
+--   (a read: its `done` may wait for the next write).
 -- Raises nondeterminism when the call differs from the journal's next one in this task, the
 -- recorded error when the recorded call failed, and live's errors. [yields]
 function Journal:call(c, live)
@@ -312,7 +313,9 @@ function Journal:call(c, live)
       meta = c.meta, t0 = core.time() }
     q[n] = e
   end
-  self:put(e) -- ahead: the call is in progress
+  -- Ahead: the call is in progress. Only where it matters: a repeatable call in flight at a
+  -- crash is sent again, exactly as if it had never been written down.
+  if not c.repeatable then self:put(e) end
   self.stats.live = self.stats.live + 1
   local r = below(d, live)
   e.t1 = core.time()
@@ -321,7 +324,14 @@ function Journal:call(c, live)
     -- on_done may keep the entry open (a stream, finished by journal:finish once read) and
     -- give other results (the stream that records what is read from it)
     if c.on_done then r = table.pack(true, c.on_done(e, table.unpack(r, 2, r.n))) end
-    if e.st == "done" then self:put(e) end
+    if e.st == "done" then
+      if c.lazy and #self.pending < 64 then
+        -- a read: written with the next write (a crash before then only means reading again)
+        self.pending[#self.pending + 1] = e
+      else
+        self:put(e)
+      end
+    end
     return table.unpack(r, 2, r.n)
   end
   local err = r[2]

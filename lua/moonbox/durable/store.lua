@@ -76,9 +76,9 @@ function M.cassette(path, header)
   return setmetatable({ f = f, path = path, part = part }, FileStore)
 end
 
+-- (no flush per entry: a recording cut short is never a cassette — it stays path .. ".part")
 function FileStore:put(batch)
   for _, e in ipairs(batch) do self.f:write(encode(e), "\n") end
-  self.f:flush()
 end
 
 --- store:close(keep) -> the cassette is complete at its path (keep ~= false), or removed.

@@ -345,7 +345,7 @@ function M.call(conn, op, method, path, opts)
     sig = op .. " " .. method .. " " .. path .. encode_query(opts.query) .. " " ..
       durable.body_sig(opts.body),
     op = op, repeatable = repeatable, meta = meta, sandbox_id = opts.sandbox_id,
-    in_flight = opts.in_flight, encode = encode_call, decode = decode_call,
+    in_flight = opts.in_flight, encode = encode_call, decode = decode_call, lazy = method == "GET",
   }, function() return live_call(conn, op, method, path, opts) end)
 end
 
