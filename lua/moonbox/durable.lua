@@ -161,6 +161,16 @@ function Journal:put(e)
   end
 end
 
+--- journal:flush(): writes what waits to be written (clock and random reads, reads' answers).
+-- A step flushes before its function runs: what the recipe read is durable before it acts on it.
+-- [yields] on PostgreSQL.
+function Journal:flush()
+  if #self.pending == 0 then return end
+  local batch = self.pending
+  self.pending = {}
+  self.store:put(batch)
+end
+
 -- A lenient read (clock, randomness): the recorded value of this stream's next read of `kind`,
 -- or live() journaled.
 function Journal:lenient(kind, live)
@@ -435,6 +445,7 @@ local function step(name, fn, ...)
     -- The step's own work is the recipe's: what it calls is journaled in its own right, in a
     -- stream of the step's own (a step answered from the journal makes none of those calls, and
     -- the calls after it must still line up).
+    J:flush()
     local d = core.data(core.current())
     local saved_below, saved_key, saved_n = d.jbelow, d.jkey, d.jn
     local q = J.streams[saved_key] and J.streams[saved_key].c

@@ -102,9 +102,11 @@ function M.ps(out)
   for _, r in ipairs(L:runs()) do
     if #r.held > 0 or r.alive then
       local who = L.shared and r.owner and ("on " .. r.owner) or ("pid " .. r.pid)
-      out(string.format("run %d  %s  %s  %s  %s", r.id, who,
+      out(string.format("run %d  %s  %s  %s  %s%s", r.id, who,
         r.alive and "alive" or resumable(r) and "dead, resumable (moonbox run --resume)" or "dead",
-        r.recipe or "?", describe_backend(r)))
+        r.recipe or "?", describe_backend(r),
+        (r.resumes or 0) > 0 and string.format("  (durable, resumed %d time(s))", r.resumes)
+          or (r.durable or 0) ~= 0 and "  (durable)" or ""))
       local l, why
       if not r.alive and #r.held > 0 then l, why = look(r) end
       if why then out("  (not checked: " .. why .. ")") end
