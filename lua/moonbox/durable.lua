@@ -5,9 +5,9 @@
 --   * "durable" (`moonbox run --durable`, `--resume ID`, a schedule's `durable = true`): the
 --     journal lives in the run store (moonbox.db: SQLite or PostgreSQL, table `journal`), written
 --     ahead — a call that must not run twice is recorded `started` before its request goes out,
---     and every call `done` (with the answer) after. A resumed run re-runs the recipe from the top: each journaled call returns
---     its recorded answer without touching the backend, until the first call past the journal,
---     from which it runs live.
+--     and every call `done` (with the answer) after. A resumed run re-runs the recipe from the
+--     top: each journaled call returns its recorded answer without touching the backend, until
+--     the first call past the journal, from which it runs live.
 --   * "record" (`moonbox run --record FILE`): the same journal written to a file (a cassette),
 --     with the recipe's own moonbox.http requests and httpd servers besides.
 --   * "replay" (`moonbox run --replay FILE`): every call answered from the cassette, with no
