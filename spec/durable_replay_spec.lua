@@ -190,12 +190,12 @@ end
 -- The secrets of one recording, named for messages: the API key, its env values, its tokens.
 local function secrets_of(w)
   local out = { { "the API key", B.key } }
-  for _, v in ipairs(w.env) do
+  for i, v in ipairs(w.env) do
     -- shorter values are not treated as secrets anywhere (trace.secret: they would redact text)
-    if #v >= 4 then out[#out + 1] = { "env value " .. v, v } end
+    if #v >= 4 then out[#out + 1] = { "env value " .. i .. " it sent", v } end
   end
-  for _, t in ipairs(w.minted) do out[#out + 1] = { "connect token " .. t:sub(1, 8) .. "...", t } end
-  for t in pairs(w.bearers) do out[#out + 1] = { "bearer " .. t:sub(1, 8) .. "...", t } end
+  for i, t in ipairs(w.minted) do out[#out + 1] = { "connect token " .. i .. " minted", t } end
+  for t in pairs(w.bearers) do out[#out + 1] = { "a bearer credential it sent", t } end
   return out
 end
 
@@ -216,7 +216,10 @@ local function assert_no_secret(text, secrets, what)
   end
   for _, s in ipairs(secrets) do
     local at = rest:find(s[2], 1, true)
-    assert.is_nil(at, what .. " holds " .. s[1] .. (at and (": ..." .. rest:sub(math.max(1, at - 80), at + 80)) or ""))
+    -- where it is, with the secret itself left out of the message
+    local context = at and (rest:sub(math.max(1, at - 80), at - 1) .. "<" .. s[1] .. ">" ..
+      rest:sub(at + #s[2], at + #s[2] + 40)) or ""
+    assert.is_nil(at, what .. " holds " .. s[1] .. ": ..." .. context)
   end
 end
 
