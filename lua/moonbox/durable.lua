@@ -213,21 +213,37 @@ local function summary(sig)
   return sig
 end
 
+-- Two differing signatures cut so that each shows where they part: the first 60 bytes (the
+-- operation and path) and, when they differ further on, the bytes around the first difference.
+local function summaries(a, b)
+  if #a <= 160 and #b <= 160 then return a, b end
+  local i = 1
+  while i <= #a and a:byte(i) == b:byte(i) do i = i + 1 end
+  if i <= 120 then return summary(a), summary(b) end
+  local function cut(s)
+    local tail = s:sub(i - 30, i + 69)
+    return s:sub(1, 60) .. " ..." .. tail .. (#s > i + 69 and "..." or "")
+  end
+  return cut(a), cut(b)
+end
+
 --- durable.nondeterminism(fields) -> raises the structured error `nondeterminism` (op
 -- "durable"): the recipe asked for something other than what the journal recorded next.
 local function nondeterminism(j, key, n, got, e, why)
   local where = core.where()
   local msg
+  local shown, expected = summary(got), nil
   if e then
+    shown, expected = summaries(got, e.sig)
     msg = string.format("the recipe's call at %s, %s, is not the journal's next call in this task, %s " ..
       "(made at %s): the recipe changed since the run was journaled, or depends on something the " ..
-      "journal does not hold (see \"Rules of a durable recipe\")", where, summary(got), summary(e.sig),
+      "journal does not hold (see \"Rules of a durable recipe\")", where, shown, expected,
       tostring(e.at))
   else
-    msg = string.format("the recipe's call at %s, %s, %s", where, summary(got), why)
+    msg = string.format("the recipe's call at %s, %s, %s", where, shown, why)
   end
   error(core.Error.new { op = "durable", code = "nondeterminism", message = msg, stream = key, seq = n,
-    got = summary(got), expected = e and summary(e.sig) or nil, expected_at = e and e.at or nil,
+    got = shown, expected = expected, expected_at = e and e.at or nil,
     run_id = j.run_id }, 0)
 end
 M.nondeterminism = nondeterminism

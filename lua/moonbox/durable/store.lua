@@ -113,8 +113,8 @@ function M.read_cassette(path)
     if lineno == 1 then
       if v.moonbox_cassette ~= M.FORMAT then
         f:close()
-        error(string.format("moonbox: %s is not a moonbox cassette (format %s; this moonbox reads %d)",
-          path, tostring(v.moonbox_cassette), M.FORMAT), 0)
+        error(string.format("moonbox: %s:1 is not a moonbox cassette's header (format %s; this moonbox " ..
+          "reads %d)", path, tostring(v.moonbox_cassette), M.FORMAT), 0)
       end
       header = v
     else
