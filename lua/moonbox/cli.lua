@@ -321,16 +321,31 @@ docs/reference/durable.md.]],
     local t_start = core.now()
     local budget_mod = lazy["render.budget"]
     local budget = budget_mod.new(limits)
-    local jctx, jstats
+    local jctx, jstats, setup_failed
     local code, err = run_root(function()
       if jmode then
-        jctx = lazy["durable.run"].begin { mode = jmode, file = file, args = rest, args_given = #rest > 0,
-          backend = backend, run_key = jopts.run_key, resume = jopts.resume,
-          cassette = jopts.record or jopts.replay }
+        -- A journal that cannot be set up (a run that cannot be resumed, a cassette that is not
+        -- one) is a one-line message, not a recipe's failure.
+        local ok, c = pcall(lazy["durable.run"].begin, { mode = jmode, file = file, args = rest,
+          args_given = #rest > 0, backend = backend, run_key = jopts.run_key, resume = jopts.resume,
+          cassette = jopts.record or jopts.replay })
+        if not ok then
+          setup_failed = type(c) == "table" and M.format_error(c) or tostring(c)
+          M.finish_run()
+          return
+        end
+        jctx = c
         jctx.cassette_path = jopts.record or jopts.replay
         if not chunk then
-          local ok, lerr = load_recipe(jctx.file, jctx.args)
-          if not ok then error("moonbox: cannot load recipe: " .. tostring(lerr), 0) end
+          local lok, lerr = load_recipe(jctx.file, jctx.args)
+          if not lok then
+            -- the run stays resumable (with the recipe put back, or another FILE given)
+            setup_failed = "moonbox: cannot load recipe: " .. tostring(lerr)
+            lazy["durable.run"].finish(jctx)
+            jctx = nil
+            M.finish_run()
+            return
+          end
         end
       end
       -- Errors made where no recipe frame is on the stack (a tail call of the chunk) name the
@@ -353,6 +368,19 @@ docs/reference/durable.md.]],
       if dry_run then dry_report = lazy.dryrun.stop() end
       return budget_mod.settle(budget, r)
     end)
+    if setup_failed then
+      eprintf("%s\n", setup_failed)
+      -- nothing ran: a claimed run is left as it was (dead, so resumable again)
+      local ledger = package.loaded["moonbox.ledger"]
+      local L = ledger and ledger.process()
+      if L then
+        L:stop_keeping()
+        L:close()
+        ledger.set_process(nil)
+      end
+      budget:close()
+      return EXIT_FAIL
+    end
     if jctx then
       local line = lazy["durable.run"].describe(jctx, jstats)
       if line then eprintf("%s\n", line) end
