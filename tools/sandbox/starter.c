@@ -158,7 +158,7 @@ static void take_request(int chan)
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
                          .msg_controllen = sizeof ctl.buf};
     ssize_t n = recvmsg(chan, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (n <= 0) return;
+    if (n < 0) return; /* (an empty message is a message: its descriptors are handled below) */
     int fds[STARTER_FDS_MAX], nfds = 0;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
@@ -253,6 +253,9 @@ void starter_serve(int chan)
         for (int k = 2; k < n; k++)
             if (pfd[k].revents && runs[which[k]].reply == pfd[k].fd) take_message(&runs[which[k]]);
         if (pfd[0].revents & POLLIN) take_request(chan);
+        /* The keeper's end closed: the keeper is gone, and the sandbox with it (the parent-death
+         * signal is on its way). */
+        if (pfd[0].revents & POLLHUP) _exit(EXIT_HELPER);
         /* Without a signalfd (it cannot fail short of memory), reap on every wake-up. */
         if (sig < 0) reap();
     }
