@@ -90,21 +90,26 @@ static int ref_accepts(const uint8_t *b, size_t n)
 static int ref_msg_ok(const uint8_t *b, size_t n)
 {
     if (n != 12) return 0;
-    uint32_t len = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+    uint32_t len =
+        (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
     int32_t v = (int32_t)((uint32_t)b[8] | (uint32_t)b[9] << 8 | (uint32_t)b[10] << 16 |
                           (uint32_t)b[11] << 24);
     if (len != 12 || b[5] || b[6] || b[7]) return 0;
     switch (b[4]) {
-    case 'P': return v > 1;
-    case 'F': return v > 0 && v < 4096;
-    case 'S': return v > 0 && v <= 64;
+    case 'P':
+        return v > 1;
+    case 'F':
+        return v > 0 && v < 4096;
+    case 'S':
+        return v > 0 && v <= 64;
     case 'W': {
         if (v < 0 || v > 0xffff) return 0;
         int low = v & 0x7f, high = (v >> 8) & 0xff, core = v & 0x80;
-        if (low == 0 && !core) return 1;            /* exited with status high */
+        if (low == 0 && !core) return 1;             /* exited with status high */
         return high == 0 && low != 0 && low != 0x7f; /* killed by signal low */
     }
-    default: return 0;
+    default:
+        return 0;
     }
 }
 
@@ -212,9 +217,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1 || size > STARTER_MAX_FRAME) return 0;
     switch (data[0] % 3) {
-    case 0: raw_request(data + 1, size - 1); break;
-    case 1: built_request(data + 1, size - 1); break;
-    default: messages(data + 1, size - 1); break;
+    case 0:
+        raw_request(data + 1, size - 1);
+        break;
+    case 1:
+        built_request(data + 1, size - 1);
+        break;
+    default:
+        messages(data + 1, size - 1);
+        break;
     }
     return 0;
 }

@@ -198,12 +198,12 @@ static void confine_or_die(void)
  * environment is exactly our MBENV_ variables without the prefix (secrets never travel in
  * arguments). With --keeper and --channel the sandbox's init starts it (starter.c: no namespace
  * is entered here) and this process relays its end; when the init cannot fork, and without
- * them, it is started the slow way, from here: joins the sandbox (enter_sandbox), changes to s->cwd (default /root, else /),
- * confines itself (capabilities, no_new_privs, seccomp) and forks; the child resets signals,
- * copies argv and env, wipes our argument strings, optionally starts a session and execve()s,
- * exiting 127 (not found) or 126 with a message on stderr when it cannot. The parent relays:
- * forwards TERM, INT, HUP, QUIT, USR1, USR2 and returns the child's exit status (or dies by its
- * signal). Setup failures die() with the step and errno (sandbox.h). */
+ * them, it is started the slow way, from here: joins the sandbox (enter_sandbox), changes to s->cwd
+ * (default /root, else /), confines itself (capabilities, no_new_privs, seccomp) and forks; the
+ * child resets signals, copies argv and env, wipes our argument strings, optionally starts a
+ * session and execve()s, exiting 127 (not found) or 126 with a message on stderr when it cannot.
+ * The parent relays: forwards TERM, INT, HUP, QUIT, USR1, USR2 and returns the child's exit status
+ * (or dies by its signal). Setup failures die() with the step and errno (sandbox.h). */
 int cmd_exec(struct spec *s)
 {
     if (!s->argv || !s->argv[0]) fail_msg("arguments", "exec needs -- PROGRAM ARG...");

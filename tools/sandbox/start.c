@@ -20,10 +20,10 @@
  *     and then starts the server's commands and reaps orphans (starter.c);
  *   keeper again: meanwhile starts slirp4netns for a network with egress (inside the sandbox's
  *     cgroups, so it is frozen, limited and killed with it), and once both are ready prints "ready
- * PID BASE SLOT CHANNEL", and waits. When the init ends it kills slirp4netns and exits with the init's
- * status. When the backend dies (PR_SET_PDEATHSIG) or tells it to (SIGTERM), it thaws the sandbox —
- * a frozen process cannot die on cgroup v1 — and kills the init, which takes every process inside
- * with it.
+ * PID BASE SLOT CHANNEL", and waits. When the init ends it kills slirp4netns and exits with the
+ * init's status. When the backend dies (PR_SET_PDEATHSIG) or tells it to (SIGTERM), it thaws the
+ * sandbox — a frozen process cannot die on cgroup v1 — and kills the init, which takes every
+ * process inside with it.
  *
  * Because the overlay and every mount of the sandbox live only in namespaces of the keeper and
  * the init, they vanish with them: a backend killed by SIGKILL leaves no mount behind; and the
@@ -298,8 +298,9 @@ static void wipe_args(int argc, char **argv)
  * masked paths, /etc/hosts and resolv.conf bound in, pivot_root onto the root and the host's
  * detached, hostname, loopback up, confine() (capabilities, no_new_privs, seccomp), undumpable.
  * It reports "ok" on report_fd, closes every descriptor but the starter's channel and serves
- * it (starter.c: starts the server's commands, reaps orphans) forever with every signal blocked. Never returns; any failure before "ok" ends it through init_fail with the step
- * and errno, which the keeper reads from the report pipe. */
+ * it (starter.c: starts the server's commands, reaps orphans) forever with every signal blocked.
+ * Never returns; any failure before "ok" ends it through init_fail with the step and errno, which
+ * the keeper reads from the report pipe. */
 static void init_main(const struct spec *s, int go_fd, int argc, char **argv)
 {
     char c;
@@ -623,10 +624,10 @@ static void thaw(const char *freezer)
  * child. Then writes the id maps, mounts the overlay root idmapped (mount_root), puts the init in
  * the cgroups (and its oom_score_adj to -1000), lets it go, starts slirp4netns (and
  * the allow-list gate) while the init builds its root, and prints on stdout "ready PID BASE SLOT
- * CHANNEL" (CHANNEL: our descriptor of the starter's channel) once the init says ok, later "net" or "net-failed WHY". Then waits: SIGTERM, SIGINT or SIGHUP
- * (the backend's death) thaw and kill the init; the init's end kills the network helpers.
- * Returns the init's exit status (128 + signal when killed). Setup failures exit through
- * die()/fail_msg with the step, which the engine reports. */
+ * CHANNEL" (CHANNEL: our descriptor of the starter's channel) once the init says ok, later "net" or
+ * "net-failed WHY". Then waits: SIGTERM, SIGINT or SIGHUP (the backend's death) thaw and kill the
+ * init; the init's end kills the network helpers. Returns the init's exit status (128 + signal when
+ * killed). Setup failures exit through die()/fail_msg with the step, which the engine reports. */
 int cmd_start(struct spec *s, int argc, char **argv)
 {
     if (!s->id || !s->root || !s->upper || !s->work || !s->slots || !s->slot_count || !s->id_base)

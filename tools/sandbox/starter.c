@@ -67,9 +67,9 @@ extern char **environ;
 /* ---- the init's side ------------------------------------------------------------------------- */
 
 struct running {
-    pid_t pid;  /* 0: a free slot */
-    int reply;  /* the helper's socket; -1 once it went away */
-    int group;  /* signals go to the process group (the command leads a session) */
+    pid_t pid; /* 0: a free slot */
+    int reply; /* the helper's socket; -1 once it went away */
+    int group; /* signals go to the process group (the command leads a session) */
 };
 
 static struct running runs[STARTER_MAX_EXECS];
@@ -155,8 +155,8 @@ static void take_request(int chan)
         char buf[CMSG_SPACE(STARTER_FDS_MAX * sizeof(int))];
         struct cmsghdr align;
     } ctl;
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
-                         .msg_controllen = sizeof ctl.buf};
+    struct msghdr msg = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
     ssize_t n = recvmsg(chan, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
     if (n < 0) return; /* (an empty message is a message: its descriptors are handled below) */
     int fds[STARTER_FDS_MAX], nfds = 0;
@@ -188,7 +188,8 @@ static void take_request(int chan)
         if (err || i != 3) close(fds[i]);
     if (err) return;
     fcntl(fds[3], F_SETFL, O_NONBLOCK);
-    runs[slot] = (struct running){.pid = pid, .reply = fds[3], .group = !!(req.flags & STARTER_SETSID)};
+    runs[slot] =
+        (struct running){.pid = pid, .reply = fds[3], .group = !!(req.flags & STARTER_SETSID)};
 }
 
 /* Reads what the helper of run r says: a signal to deliver; its end (it was killed, or left)
@@ -279,8 +280,8 @@ static void forward(int sig)
  * helper itself (a fault, a stop from a terminal it has not got, a child of its own). */
 static int relayed(int sig)
 {
-    return sig != SIGKILL && sig != SIGSTOP && sig != SIGCHLD && sig != SIGSEGV &&
-           sig != SIGBUS && sig != SIGFPE && sig != SIGILL && sig != SIGTRAP && sig != SIGSYS;
+    return sig != SIGKILL && sig != SIGSTOP && sig != SIGCHLD && sig != SIGSEGV && sig != SIGBUS &&
+           sig != SIGFPE && sig != SIGILL && sig != SIGTRAP && sig != SIGSYS;
 }
 
 /* Reads /proc/PID/stat's parent pid; -1 when the process is gone. */
@@ -351,7 +352,8 @@ int starter_exec(const struct spec *s, char **env)
     memset(&r, 0, sizeof r);
     r.flags = s->setsid ? STARTER_SETSID : 0;
     const char *cwd = s->cwd ? s->cwd : "/root";
-    if (s->shell) r.shell = (struct starter_str){(const unsigned char *)s->shell, (uint32_t)strlen(s->shell)};
+    if (s->shell)
+        r.shell = (struct starter_str){(const unsigned char *)s->shell, (uint32_t)strlen(s->shell)};
     r.cwd = (struct starter_str){(const unsigned char *)cwd, (uint32_t)strlen(cwd)};
     for (char **a = s->argv; *a; a++) {
         if (r.argc == STARTER_MAX_ARGS)
@@ -381,8 +383,8 @@ int starter_exec(const struct spec *s, char **env)
     } ctl;
     memset(&ctl, 0, sizeof ctl);
     struct iovec iov = {buf, len};
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
-                         .msg_controllen = sizeof ctl.buf};
+    struct msghdr msg = {
+        .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
     struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;

@@ -125,15 +125,19 @@ size_t starter_encode_request(const struct starter_req *r, unsigned char *out, s
 static int msg_value_ok(unsigned kind, int32_t v)
 {
     switch (kind) {
-    case STARTER_STARTED: return v >= 2; /* 1 is the init itself */
-    case STARTER_FAILED: return v >= 1 && v <= 4095;
-    case STARTER_SIGNAL: return v >= 1 && v <= 64;
+    case STARTER_STARTED:
+        return v >= 2; /* 1 is the init itself */
+    case STARTER_FAILED:
+        return v >= 1 && v <= 4095;
+    case STARTER_SIGNAL:
+        return v >= 1 && v <= 64;
     case STARTER_EXITED:
         /* what wait gives for an end: an exit status (0..255 << 8), or a death by signal 1..126
          * (with the core bit, 0x80); 0x7f would be a stop, which is no end */
         if ((v & ~0xff00) == 0) return 1;
         return (v & ~0xff) == 0 && (v & 0x7f) != 0 && (v & 0x7f) != 0x7f;
-    default: return 0;
+    default:
+        return 0;
     }
 }
 

@@ -7,21 +7,24 @@
 --     sandbox's own writes) inside a private mount namespace, and starts the init;
 --   * an init: PID 1 of new user, mount, PID, IPC, UTS, network and cgroup namespaces, root of
 --     its user namespace only (host id = the range's base), confined like every process inside
---     (capabilities of a default container, no_new_privs, a seccomp filter), reaping orphans;
+--     (capabilities of a default container, no_new_privs, a seccomp filter), reaping orphans and
+--     starting execs on requests over a channel only the keeper holds (tools/sandbox/starter.c);
 --   * cgroups (moonbox.local.engine.cgroup) that limit it to its plan, freeze it on suspend and
 --     count what is left;
 --   * for a network with egress, a slirp4netns the keeper starts in those cgroups.
--- Execs and file operations enter it through `moonbox-sandbox exec` and `files`: a helper joins
--- its cgroup and namespaces, becomes its root, confines itself and then runs the command, or our
--- own file code (moonbox.local.engine.files): nothing of the sandbox's runs on the host, ever.
+-- An exec goes through `moonbox-sandbox exec`, which hands the command and its pipes to the init
+-- over that channel (or, when the init cannot fork, enters the sandbox itself); file operations
+-- through `files`: a helper joins its cgroup and namespaces, becomes its root, confines itself
+-- and runs our own file code (moonbox.local.engine.files): nothing of the sandbox's runs on the
+-- host, ever.
 -- The keeper dies with the backend (PR_SET_PDEATHSIG) and takes the sandbox with it, thawing a
 -- frozen one first; its mounts live only in namespaces that die with it. docs/local-isolation.md
 -- explains the threat model and each defence.
 -- Invariants: a sandbox in self.sandboxes with state "running" has a live keeper handle, an init
--- pid and its cgroups (its processes may have died on their own: alive() and info().state say
--- so); teardown (terminate, failed create, recover) runs in one place and is idempotent. Every
--- host program is started through moonbox.proc; directories, kills and removals are system
--- calls through moonbox.sys.
+-- pid, the keeper's descriptor number of the starter's channel (sb.channel) and its cgroups (its
+-- processes may have died on their own: alive() and info().state say so); teardown (terminate,
+-- failed create, recover) runs in one place and is idempotent. Every host program is started
+-- through moonbox.proc; directories, kills and removals are system calls through moonbox.sys.
 -- Callers: the local backend's service (moonbox.local.service) and spec/local_engine_spec.lua.
 local task = require "moonbox.task"
 local proc = require "moonbox.proc"
@@ -758,11 +761,11 @@ function Exec:lines(stream) return self._rec.process:lines(stream) end
 --- handle:stats() -> moonbox.proc's buffer statistics of the process. Does not yield.
 function Exec:stats() return self._rec.process:stats() end
 
---- handle:wait() -> code, signal. Waits until `bash -c COMMAND` ends: code is its exit status, or
--- 128 + n when signal n killed it (signal then names it, e.g. "KILL": 137 is what the kernel's
--- OOM killer leaves). Processes it started in the background keep running. Does not read the
--- pipes: read them (from other tasks if need be) or the command stalls once the buffers are
--- full. [yields]
+--- handle:wait() -> code, signal. Waits until the command (`bash -c COMMAND`, or its program) ends:
+-- code is its exit status, or 128 + n when signal n killed it (signal then names it, e.g. "KILL":
+-- 137 is what the kernel's OOM killer leaves). Processes it started in the background keep
+-- running. Does not read the pipes: read them (from other tasks if need be) or the command stalls
+-- once the buffers are full. [yields]
 function Exec:wait()
   local rec = self._rec
   local code, sig = rec.process:wait()
@@ -809,14 +812,16 @@ local ExecMT = {
 -- string, run by `bash -c command` unless it is plain words (M.words_of: then its program runs
 -- directly, with PWD and SHLVL=1 as bash would export them, and bash only when the program cannot
 -- be executed, to say why), or an argv table (program and arguments, run directly; a program
--- without a slash is looked up in the command's PATH). It runs as root (of the sandbox's user namespace) in /root, inside all the sandbox's namespaces, its
--- cgroup and its confinement, as the leader of a new session and process group, with the
--- create env (plus PATH and HOME) and stdin from /dev/null. Waits first for the network of an
--- allow-all sandbox to be up (milliseconds after create). opts.buffer: bytes buffered per stream
--- (moonbox.proc's default 64 KiB); opts.cwd: working directory inside. handle.pid is the host pid of
--- the helper that waits for the command. The command outlives a dropped handle (handle:detach).
--- Raises structured errors (op "local.engine.exec"): not_found, not_running, frozen (thaw
--- first), network_failed, spawn_failed. [yields]
+-- without a slash is looked up in the command's PATH). It runs as root (of the sandbox's user
+-- namespace) in /root, inside all the sandbox's namespaces, its cgroup and its confinement,
+-- started by the sandbox's init (or, at its process limit, from the host side), as the leader of a
+-- new session and process group, with the create env (plus PATH and HOME) and stdin from
+-- /dev/null. Waits first for the network of an allow-all sandbox to be up (milliseconds after
+-- create). opts.buffer: bytes buffered per stream (moonbox.proc's default 64 KiB); opts.cwd:
+-- working directory inside. handle.pid is the host pid of the helper that waits for the command.
+-- The command outlives a dropped handle (handle:detach). Raises structured errors (op
+-- "local.engine.exec"): not_found, not_running, frozen (thaw first), network_failed, spawn_failed.
+-- [yields]
 function Engine:exec(id, command, opts)
   check_id("exec", id)
   local words, shell
