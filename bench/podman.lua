@@ -67,9 +67,9 @@ local function own()
 end
 local function settle() proc.run { "sleep", tostring(SETTLE) } end
 
-local t0, m0, o0 = task.now(), machine(), own()
+local i0, m0, o0 = task.now(), machine(), own()
 proc.run { "sleep", "5" }
-local BG = (machine() - m0 - (own() - o0)) / (task.now() - t0) -- CPU-seconds per second, idle
+local BG = (machine() - m0 - (own() - o0)) / (task.now() - i0) -- CPU-seconds per second, idle
 
 -- The per-process CPU of pid so far: its own (unless pid is "self") and its reaped children's.
 local function tree_cpu(pid)
@@ -195,9 +195,26 @@ run({ "podman", "rm", "-f", "-t", "0", cid })
 
 -- ---- lives -------------------------------------------------------------------------------------------
 
+-- A life by its steps, wall: the create answered, the exec (token, stream to its exit), the
+-- terminate answered.
+local steps = {}
+local function life(net)
+  local t0 = task.now()
+  local s, sb = B:req("POST", "/v1/sandboxes", { body = { ownerId = B.workspace, networkPolicy = { default = net } } })
+  assert(s == 201, "create failed: " .. tostring(s))
+  local t1 = task.now()
+  assert(measure.exec(B, sb.id, "true") == 0, "exec `true` did not exit 0")
+  local t2 = task.now()
+  measure.terminate(B, sb.id)
+  local t3 = task.now()
+  local st = steps[net] or { create = {}, exec = {}, terminate = {} }
+  steps[net] = st
+  st.create[#st.create + 1], st.exec[#st.exec + 1], st.terminate[#st.terminate + 1] = t1 - t0, t2 - t1, t3 - t2
+end
 for _, net in ipairs({ "deny-all", "allow-all" }) do
-  for _ = 1, 5 do measure.life(B, { networkPolicy = { default = net } }) end
-  note("moonbox life " .. net, phase(N, B.p.pid, function() measure.life(B, { networkPolicy = { default = net } }) end))
+  for _ = 1, 5 do life(net) end
+  steps[net] = nil
+  note("moonbox life " .. net, phase(N, B.p.pid, function() life(net) end))
 end
 B:destroy()
 for _, net in ipairs({ "none", "slirp4netns" }) do
@@ -220,6 +237,14 @@ for _, k in ipairs({ "moonbox exec true", "nsenter into its init + true", "podma
   "moonbox life deny-all", "podman run --rm --network none", "moonbox life allow-all",
   "podman run --rm --network slirp4netns", "bwrap --unshare-all (the image) true" }) do
   print(string.format("| %s | %s | %s | %s | %s |", k, ms(r[k].p50), ms(r[k].p90), ms(r[k].per), ms(r[k].cpu)))
+end
+print()
+print("| a moonbox life's steps, p50 wall | create | exec `true` | terminate |")
+print("|---|---:|---:|---:|")
+for _, net in ipairs({ "deny-all", "allow-all" }) do
+  local st = steps[net]
+  print(string.format("| %s | %s | %s | %s |", net, ms(measure.pct(st.create, 0.5)), ms(measure.pct(st.exec, 0.5)),
+    ms(measure.pct(st.terminate, 0.5))))
 end
 print()
 print("| ratio | wall (p50) | CPU per process | CPU machine | goal |")
