@@ -23,7 +23,8 @@
 -- cgroup's usage, else /proc/stat) over the phase and a settle, less this process's CPU and the
 -- idle background measured before; meaningful only on a quiet machine (the background is
 -- printed). Ratios are within this one run; tests never time things, this does.
--- Run (root): build/moonbox run bench/podman.lua [N_MOONBOX] [N_PODMAN]   (defaults 100 and 20)
+-- Run (root): build/moonbox run bench/podman.lua [N_MOONBOX] [N_PODMAN]   (defaults 100 and 20);
+-- BASELINE=other/build/moonbox also compares that build with this one, interleaved (below).
 -- Needs podman with runc (Debian's), bubblewrap, nsenter (util-linux), slirp4netns and the
 -- default image (`moonbox image build`).
 local path = require "moonbox.path"
@@ -151,6 +152,62 @@ if proc.run({ "podman", "image", "exists", TAG }).code ~= 0 then
 end
 local runtime = run({ "podman", "info", "--format", "{{.Host.OCIRuntime.Name}}" }):gsub("%s+$", "")
 io.stderr:write("podman runtime: ", runtime, "; background ", string.format("%.0f ms/s", BG * 1000), "\n")
+
+-- ---- before and after, interleaved ------------------------------------------------------------------
+-- BASELINE=other/build/moonbox: first, that build's backend and this one's side by side, each
+-- exec and each life alternating between the two (so both see the same load): p50 wall and
+-- per-process CPU of each. Then the comparison below, on this build.
+
+local baseline = os.getenv("BASELINE")
+if baseline then
+  local default = L.BIN
+  L.BIN = baseline
+  local A = L.start()
+  L.BIN = default
+  local Bn = L.start()
+  local pair = { { name = "before", b = A }, { name = "after", b = Bn } }
+  local out = {}
+  for _, x in ipairs(pair) do
+    x.id = measure.create(x.b, { networkPolicy = { default = "deny-all" } })
+    for _ = 1, 10 do measure.exec(x.b, x.id, "true") end
+    x.walls, x.cpu0 = {}, tree_cpu(x.b.p.pid)
+  end
+  for _ = 1, N do
+    for _, x in ipairs(pair) do
+      local t = task.now()
+      assert(measure.exec(x.b, x.id, "true") == 0)
+      x.walls[#x.walls + 1] = task.now() - t
+    end
+  end
+  for _, x in ipairs(pair) do
+    measure.terminate(x.b, x.id)
+    out[#out + 1] = string.format("| exec `true`, %s | %s | %s |", x.name, ms(measure.pct(x.walls, 0.5)),
+      ms((tree_cpu(x.b.p.pid) - x.cpu0) / N))
+  end
+  for _, net in ipairs({ "deny-all", "allow-all" }) do
+    for _, x in ipairs(pair) do
+      for _ = 1, 5 do measure.life(x.b, { networkPolicy = { default = net } }) end
+      x.walls, x.cpu0 = {}, tree_cpu(x.b.p.pid)
+    end
+    for _ = 1, N do
+      for _, x in ipairs(pair) do
+        local t = task.now()
+        measure.life(x.b, { networkPolicy = { default = net } })
+        x.walls[#x.walls + 1] = task.now() - t
+      end
+    end
+    for _, x in ipairs(pair) do
+      out[#out + 1] = string.format("| life %s, %s | %s | %s |", net, x.name, ms(measure.pct(x.walls, 0.5)),
+        ms((tree_cpu(x.b.p.pid) - x.cpu0) / N))
+    end
+  end
+  A:destroy()
+  Bn:destroy()
+  print("| interleaved with " .. baseline .. " | p50 wall | CPU per process |")
+  print("|---|---:|---:|")
+  for _, line in ipairs(out) do print(line) end
+  print()
+end
 
 -- ---- exec round trips --------------------------------------------------------------------------------
 
