@@ -348,8 +348,9 @@ static int end_like(int status)
 
 int starter_exec(const struct spec *s, char **env)
 {
-    static struct starter_req r;
-    memset(&r, 0, sizeof r);
+    static struct starter_req r; /* 128 KiB of slots: only what is used is written (touched) */
+    r.argc = r.envc = 0;
+    r.shell = (struct starter_str){(const unsigned char *)"", 0};
     r.flags = s->setsid ? STARTER_SETSID : 0;
     const char *cwd = s->cwd ? s->cwd : "/root";
     if (s->shell)
