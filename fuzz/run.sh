@@ -1,6 +1,6 @@
 #!/bin/sh
 # fuzz/run.sh SECONDS - builds every libFuzzer target (fuzz_sse, fuzz_output_event, fuzz_cron,
-# fuzz_tz, fuzz_gate, fuzz_archive_names) with clang in build-fuzz/ and fuzzes each for SECONDS seconds, one after another. Each target fuzzes a fresh
+# fuzz_tz, fuzz_gate, fuzz_archive_names, fuzz_starter) with clang in build-fuzz/ and fuzzes each for SECONDS seconds, one after another. Each target fuzzes a fresh
 # scratch copy of its seeds, fuzz/corpus/NAME (build-fuzz/corpus-NAME), so the checked-in seeds
 # are never written; crash inputs land in build-fuzz/artifacts-NAME/ and the log in
 # build-fuzz/fuzz_NAME.log. Prints one "fuzz_NAME: N runs, C crashes" line per target and exits
@@ -8,7 +8,7 @@
 set -eu
 
 # The targets, in the order they run; each has fuzz/fuzz_NAME.c and fuzz/corpus/NAME/.
-targets="sse output_event cron tz gate archive_names"
+targets="sse output_event cron tz gate archive_names starter"
 
 usage() {
     echo "usage: fuzz/run.sh SECONDS" >&2

@@ -14,6 +14,10 @@
  * outside the PID namespace, invisible inside, relays signals to the child and its exit status
  * to the backend (as nsenter does). Confining once before the fork rather than in each process
  * after it gives both the same state for one filter load instead of two.
+ *
+ * An exec normally takes the fast way, starter.c (the init starts the command, nothing is entered
+ * here); this way remains for a sandbox whose init cannot fork (at its process limit), and for
+ * file operations.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -40,7 +44,7 @@ static const struct {
 };
 #define NS_COUNT (sizeof ns_order / sizeof ns_order[0])
 
-static void check_target(const struct spec *s)
+void enter_check_target(const struct spec *s)
 {
     char path[64], buf[128];
     snprintf(path, sizeof path, "/proc/%d/uid_map", (int)s->target);
@@ -116,7 +120,7 @@ void enter_sandbox(const struct spec *s)
     if (root < 0)
         fail_msg("gone", "sandbox %s: its init (pid %d) is gone", s->id ? s->id : "?",
                  (int)s->target);
-    check_target(s);
+    enter_check_target(s);
     for (size_t i = 0; i < NS_COUNT; i++) {
         if (setns(fds[i], ns_order[i].type) < 0) die("entering namespace", ns_order[i].name, errno);
         close(fds[i]);
@@ -192,12 +196,14 @@ static void confine_or_die(void)
 
 /* `moonbox-sandbox exec ... -- PROGRAM ARG...`: runs PROGRAM inside sandbox s. The command's
  * environment is exactly our MBENV_ variables without the prefix (secrets never travel in
- * arguments). Joins the sandbox (enter_sandbox), changes to s->cwd (default /root, else /),
- * confines itself (capabilities, no_new_privs, seccomp) and forks; the child resets signals,
- * copies argv and env, wipes our argument strings, optionally starts a session and execve()s,
- * exiting 127 (not found) or 126 with a message on stderr when it cannot. The parent relays:
- * forwards TERM, INT, HUP, QUIT, USR1, USR2 and returns the child's exit status (or dies by its
- * signal). Setup failures die() with the step and errno (sandbox.h). */
+ * arguments). With --keeper and --channel the sandbox's init starts it (starter.c: no namespace
+ * is entered here) and this process relays its end; when the init cannot fork, and without
+ * them, it is started the slow way, from here: joins the sandbox (enter_sandbox), changes to s->cwd
+ * (default /root, else /), confines itself (capabilities, no_new_privs, seccomp) and forks; the
+ * child resets signals, copies argv and env, wipes our argument strings, optionally starts a
+ * session and execve()s, exiting 127 (not found) or 126 with a message on stderr when it cannot.
+ * The parent relays: forwards TERM, INT, HUP, QUIT, USR1, USR2 and returns the child's exit status
+ * (or dies by its signal). Setup failures die() with the step and errno (sandbox.h). */
 int cmd_exec(struct spec *s)
 {
     if (!s->argv || !s->argv[0]) fail_msg("arguments", "exec needs -- PROGRAM ARG...");
@@ -210,6 +216,11 @@ int cmd_exec(struct spec *s)
     size_t k = 0;
     for (char **e = environ; *e; e++)
         if (strncmp(*e, "MBENV_", 6) == 0) env[k++] = *e + 6;
+    if (s->keeper > 0) {
+        int code = starter_exec(s, env);
+        if (code >= 0) return code;
+        /* the init could not fork (the sandbox at its process limit): the host side can */
+    }
     enter_sandbox(s);
     const char *cwd = s->cwd ? s->cwd : "/root";
     if (chdir(cwd) < 0 && chdir("/") < 0) die("chdir", cwd, errno);
@@ -229,13 +240,11 @@ int cmd_exec(struct spec *s)
             if (!(argv[i] = strdup(s->argv[i]))) die("exec", NULL, ENOMEM);
         for (size_t i = 0; env[i]; i++)
             if (!(env[i] = strdup(env[i]))) die("exec", NULL, ENOMEM);
+        char *shell = s->shell ? strdup(s->shell) : NULL;
         wipe_args();
         if (s->setsid && setsid() < 0) die("setsid", NULL, errno);
         syscall(SYS_close_range, 3, ~0U, 0);
-        execve(argv[0], argv, env);
-        int e = errno;
-        fprintf(stderr, "moonbox-sandbox: cannot run %s: %s\n", argv[0], strerror(e));
-        _exit(e == ENOENT ? 127 : 126);
+        starter_execute(argv, env, shell);
     }
     enter_cgroups_done();
     return relay();

@@ -7,7 +7,7 @@
  *                           [--slirp=PATH] [--resolv=TEXT] [--hosts=TEXT]
  *                           [--allow=NAME]... [--dns=IPV4] [--nft=PATH]
  *   moonbox-sandbox exec    --target=PID --uid-base=N [--cgroup=DIR]... [--join-in-child]
- *                           [--cwd=DIR] [--setsid]
+ *                           [--cwd=DIR] [--setsid] [--keeper=PID --channel=FD] [--shell=TEXT]
  *                           -- PROGRAM ARG...          (environment: MBENV_NAME=VALUE)
  *   moonbox-sandbox files   --target=PID --uid-base=N [--cgroup=DIR]... [--join-in-child]
  *                           --op=OP --path=PATH
@@ -180,6 +180,12 @@ static void parse(struct spec *s, int argc, char **argv)
             s->target = (pid_t)number("target", v);
         else if (KEY("uid-base"))
             s->uid_base = (unsigned long)number("uid-base", v);
+        else if (KEY("keeper"))
+            s->keeper = (pid_t)number("keeper", v);
+        else if (KEY("channel"))
+            s->channel = number("channel", v);
+        else if (KEY("shell"))
+            s->shell = v;
         else if (KEY("cwd"))
             s->cwd = v;
         else if (KEY("op"))

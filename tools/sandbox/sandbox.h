@@ -6,6 +6,9 @@
  *   start.c    `start`: a new sandbox (user, mount, PID, IPC, UTS, network, cgroup namespaces,
  *              its overlay root, /proc, /sys, /dev) and its init
  *   enter.c    `exec` and `files`: joining a running sandbox (cgroup, namespaces, root, ids)
+ *   starter.c  the init's starter (exec'd processes started from inside, on the server's
+ *              request over a channel only the server holds) and `exec`'s side of it
+ *   starter_proto.c  the frames of that channel (fuzzed)
  *   confine.c  what every process inside gets last: capabilities, no_new_privs, seccomp
  *   fileops.c  `files`: reading and writing the sandbox's files with our own code, inside it
  *   shift.c    `capture`: copying an upper layer into a snapshot layer with ids made 0-based;
@@ -71,6 +74,7 @@ struct spec {
     pid_t target;           /* exec, files: the sandbox's init (host pid) */
     unsigned long uid_base; /* exec, files: the sandbox's id base, checked against the target */
     const char *cwd;        /* exec: working directory inside (default /root) */
+    const char *shell;      /* exec: the shell text of plain words (bash -c when they cannot run) */
     const char *op;         /* files: the operation */
     const char *path;       /* files: its path inside the sandbox */
     const char *mode;       /* files: octal mode of a written file */
@@ -82,6 +86,8 @@ struct spec {
     const char *manifest;         /* verify: the manifest file (the layer comes as --layer) */
     int quick;                    /* verify: compare names and attributes only, not contents */
     int setsid;                   /* exec: make the command a session leader */
+    pid_t keeper;                 /* exec: the sandbox's keeper (host pid), holder of the channel */
+    long channel;                 /* exec: the keeper's descriptor of the starter's channel */
     char **argv;                  /* exec: the program and its arguments */
 };
 
@@ -108,6 +114,9 @@ void enter_cgroups_child(const struct spec *s);
 void enter_cgroups_done(void);
 /* Lets the exec and files children overwrite the argument strings (see enter.c). */
 void enter_set_args(int argc, char **argv);
+/* Dies ("gone") unless s->target still is the init of the sandbox whose ids start at
+ * s->uid_base (its uid map says so: a recycled pid's would not). */
+void enter_check_target(const struct spec *s);
 int cmd_exec(struct spec *s);
 int cmd_files(struct spec *s);
 
@@ -200,5 +209,65 @@ int gate_http_host(const unsigned char *b, size_t n, char *out);
  * exactly one server_name extension holding exactly one host_name): 1 found, 0 absent or
  * malformed, -1 incomplete. */
 int gate_tls_sni(const unsigned char *b, size_t n, char *out);
+
+/* starter.c: the init's starter. chan is the init's end of the channel (a SOCK_SEQPACKET
+ * socketpair made by the keeper; the keeper holds the other end and nothing else does); fds 0-2
+ * are /dev/null. Serves requests and reaps orphans forever, with every signal blocked (SIGCHLD
+ * is read from a signalfd). Never returns. */
+void starter_serve(int chan) __attribute__((noreturn));
+/* `exec` through the starter (--keeper, --channel): asks the init to start s->argv with env and
+ * relays its end. Returns the exit status to exit with (or dies by the command's signal), or -1
+ * when the init could not fork (its sandbox at its process limit, or too many commands at once):
+ * then the caller starts the command the slow way, from the host side (enter.c). */
+int starter_exec(const struct spec *s, char **env);
+/* Becomes argv[0] (PATH searched in env for a name without a slash) with env; when that fails
+ * and shell is not NULL (argv are plain words of that shell text), `/bin/bash -c shell` instead,
+ * so a missing program is reported as bash reports it. Never returns: exits 127 (not found) or
+ * 126 with a message on stderr. */
+void starter_execute(char **argv, char **env, const char *shell) __attribute__((noreturn));
+
+/* starter_proto.c: the frames of the starter's channel (see there). */
+#define STARTER_MAX_FRAME (2u << 20) /* a request: the command and its environment */
+#define STARTER_MAX_ARGS  4096
+#define STARTER_MAX_ENV   4096
+#define STARTER_MAX_PATH  4095 /* the working directory and the program */
+#define STARTER_SETSID    1u   /* request flag: the command leads a new session */
+#define STARTER_MSG_LEN   12
+#define STARTER_STARTED   'P'
+#define STARTER_FAILED    'F'
+#define STARTER_EXITED    'W'
+#define STARTER_SIGNAL    'S'
+/* A string of a frame: n bytes at p (inside the frame's buffer), no NUL among them. */
+struct starter_str {
+    const unsigned char *p;
+    uint32_t n;
+};
+struct starter_req {
+    unsigned flags;
+    struct starter_str cwd; /* absolute */
+    uint32_t argc, envc;    /* argc >= 1 */
+    struct starter_str argv[STARTER_MAX_ARGS];
+    struct starter_str env[STARTER_MAX_ENV]; /* "NAME=value", NAME not empty */
+    struct starter_str shell; /* empty, or the words' shell text (bash -c when they cannot run) */
+};
+struct starter_msg {
+    unsigned kind;
+    int32_t value;
+};
+/* Reads request frame b[0..n) into r (whose strings point into b): 0, or -1 unless it is one
+ * well-formed request exactly n bytes long (its declared length, kind 'X', only known flags,
+ * an absolute cwd, 1..STARTER_MAX_ARGS arguments with a non-empty program, at most
+ * STARTER_MAX_ENV NAME=value entries, a shell text, no NUL anywhere, nothing after). O(n). */
+int starter_parse_request(const unsigned char *b, size_t n, struct starter_req *r);
+/* Writes the frame of r into out[0..cap) and returns its length; when that exceeds cap nothing
+ * usable is written (out may be NULL to ask for the length). */
+size_t starter_encode_request(const struct starter_req *r, unsigned char *out, size_t cap);
+/* Whether env entry e is NAME=value with a non-empty NAME. */
+int starter_env_ok(const struct starter_str *e);
+/* Reads a message (STARTER_MSG_LEN bytes, a known kind, a value that kind may carry: a pid
+ * above 1, an errno 1..4095, a signal 1..64, a wait status of an end): 0, or -1. */
+int starter_parse_msg(const unsigned char *b, size_t n, struct starter_msg *m);
+/* Writes a message; -1 (nothing written) when the value is not one kind may carry. */
+int starter_encode_msg(unsigned kind, int32_t value, unsigned char out[STARTER_MSG_LEN]);
 
 #endif

@@ -16,13 +16,14 @@
  *     builds /proc, /sys (read-only), /dev (tmpfs with the usual nodes bound
  *     from the host, devpts, shm, mqueue), masks and read-only paths as runc does, binds
  *     /etc/hosts and /etc/resolv.conf, pivots into the root, confines itself like any process
- *     inside (confine.c), closes everything, reports, and then only reaps orphans;
+ *     inside (confine.c), closes everything but its end of the starter's channel, reports,
+ *     and then starts the server's commands and reaps orphans (starter.c);
  *   keeper again: meanwhile starts slirp4netns for a network with egress (inside the sandbox's
  *     cgroups, so it is frozen, limited and killed with it), and once both are ready prints "ready
- * PID BASE SLOT", and waits. When the init ends it kills slirp4netns and exits with the init's
- * status. When the backend dies (PR_SET_PDEATHSIG) or tells it to (SIGTERM), it thaws the sandbox —
- * a frozen process cannot die on cgroup v1 — and kills the init, which takes every process inside
- * with it.
+ * PID BASE SLOT CHANNEL", and waits. When the init ends it kills slirp4netns and exits with the
+ * init's status. When the backend dies (PR_SET_PDEATHSIG) or tells it to (SIGTERM), it thaws the
+ * sandbox — a frozen process cannot die on cgroup v1 — and kills the init, which takes every
+ * process inside with it.
  *
  * Because the overlay and every mount of the sandbox live only in namespaces of the keeper and
  * the init, they vanish with them: a backend killed by SIGKILL leaves no mount behind; and the
@@ -40,6 +41,7 @@
 #include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
@@ -152,6 +154,9 @@ static void mount_root(const struct spec *s, int userns, unsigned long base)
 /* ---- the init -------------------------------------------------------------------------------- */
 
 static int report_fd = -1;
+/* The starter's channel (starter.c): a socketpair made before the init is cloned; the init keeps
+ * chan_init, this keeper chan_keeper, and no other process holds either. */
+static int chan_init = -1, chan_keeper = -1;
 
 /* Reports a failed step of the init to the keeper and ends it. */
 static void init_fail(const char *step, const char *what, int err)
@@ -292,9 +297,10 @@ static void wipe_args(int argc, char **argv)
  * the root bound onto itself, root of the user namespace, /proc, /sys read-only, a minimal /dev,
  * masked paths, /etc/hosts and resolv.conf bound in, pivot_root onto the root and the host's
  * detached, hostname, loopback up, confine() (capabilities, no_new_privs, seccomp), undumpable.
- * It reports "ok" on report_fd, closes every descriptor and reaps orphans forever with every
- * signal blocked. Never returns; any failure before "ok" ends it through init_fail with the step
- * and errno, which the keeper reads from the report pipe. */
+ * It reports "ok" on report_fd, closes every descriptor but the starter's channel and serves
+ * it (starter.c: starts the server's commands, reaps orphans) forever with every signal blocked.
+ * Never returns; any failure before "ok" ends it through init_fail with the step and errno, which
+ * the keeper reads from the report pipe. */
 static void init_main(const struct spec *s, int go_fd, int argc, char **argv)
 {
     char c;
@@ -342,15 +348,16 @@ static void init_main(const struct spec *s, int go_fd, int argc, char **argv)
         signal(i, SIG_DFL);
     wipe_args(argc, argv);
     if (write(report_fd, "ok", 2) != 2) _exit(EXIT_HELPER);
-    syscall(SYS_close_range, 0, ~0U, 0);
-    /* Reap forever. Signals from inside are never delivered to a namespace's init that has
-     * no handler; blocked and taken here, they are simply dropped. */
-    for (;;) {
-        siginfo_t si;
-        if (sigwaitinfo(&all, &si) == SIGCHLD)
-            while (waitpid(-1, NULL, WNOHANG) > 0) {
-            }
-    }
+    /* Every descriptor closed but the channel, which becomes 3; 0-2 are /dev/null, so that the
+     * descriptors a request brings never land on a standard stream. */
+    if (chan_init != 3 && dup3(chan_init, 3, O_CLOEXEC) < 0) _exit(EXIT_HELPER);
+    syscall(SYS_close_range, 0, 2, 0);
+    syscall(SYS_close_range, 4, ~0U, 0);
+    for (int i = 0; i < 3; i++)
+        if (open("/dev/null", O_RDWR | O_CLOEXEC) != i) _exit(EXIT_HELPER);
+    /* Start commands and reap forever. Signals from inside are never delivered to a
+     * namespace's init that has no handler; blocked, all but SIGCHLD are simply dropped. */
+    starter_serve(3);
 }
 
 /* ---- the keeper -------------------------------------------------------------------------------
@@ -448,6 +455,7 @@ static pid_t start_slirp(const struct spec *s, pid_t init, pid_t netpid, unsigne
 /* The gate child: makes the gate's namespace, binds, confines itself, reports on ready_w. */
 static void gate_child(const struct spec *s, pid_t init, int ready_w, const sigset_t *mask)
 {
+    close(chan_keeper); /* the gate reads the sandbox's traffic: it must never hold the channel */
     char pidbuf[32], p[4096];
     snprintf(pidbuf, sizeof pidbuf, "%d\n", (int)getpid());
     for (int i = 0; i < s->cgroups.n; i++) {
@@ -615,11 +623,11 @@ static void thaw(const char *freezer)
  * is charged to it) clone the init into new user, PID, IPC, UTS and network namespaces as our
  * child. Then writes the id maps, mounts the overlay root idmapped (mount_root), puts the init in
  * the cgroups (and its oom_score_adj to -1000), lets it go, starts slirp4netns (and
- * the allow-list gate) while the init builds its root, and prints on stdout "ready PID BASE SLOT"
- * once the init says ok, later "net" or "net-failed WHY". Then waits: SIGTERM, SIGINT or SIGHUP
- * (the backend's death) thaw and kill the init; the init's end kills the network helpers.
- * Returns the init's exit status (128 + signal when killed). Setup failures exit through
- * die()/fail_msg with the step, which the engine reports. */
+ * the allow-list gate) while the init builds its root, and prints on stdout "ready PID BASE SLOT
+ * CHANNEL" (CHANNEL: our descriptor of the starter's channel) once the init says ok, later "net" or
+ * "net-failed WHY". Then waits: SIGTERM, SIGINT or SIGHUP (the backend's death) thaw and kill the
+ * init; the init's end kills the network helpers. Returns the init's exit status (128 + signal when
+ * killed). Setup failures exit through die()/fail_msg with the step, which the engine reports. */
 int cmd_start(struct spec *s, int argc, char **argv)
 {
     if (!s->id || !s->root || !s->upper || !s->work || !s->slots || !s->slot_count || !s->id_base)
@@ -652,9 +660,18 @@ int cmd_start(struct spec *s, int argc, char **argv)
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
         die("making mounts private", NULL, errno);
 
-    int go[2], report[2], launched[2];
+    int go[2], report[2], launched[2], chan[2];
     if (pipe2(go, O_CLOEXEC) < 0 || pipe2(report, O_CLOEXEC) < 0 || pipe2(launched, O_CLOEXEC) < 0)
         die("pipe", NULL, errno);
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, chan) < 0)
+        die("the starter's channel", NULL, errno);
+    /* One request is one message, and a message may be as long as the send buffer: room for
+     * the largest request twice (a second helper waits while the init reads the first). */
+    int sndbuf = 2 * (int)STARTER_MAX_FRAME + 65536;
+    if (setsockopt(chan[0], SOL_SOCKET, SO_SNDBUFFORCE, &sndbuf, sizeof sndbuf) < 0)
+        die("sizing the starter's channel", NULL, errno);
+    chan_keeper = chan[0];
+    chan_init = chan[1];
     /* A user namespace belongs to the host uid that created it, and what its processes hold
      * (inotify instances, message queue bytes, ...) is also charged to that uid's limits. So the
      * init is cloned by a launcher that first became the sandbox's own base uid, with
@@ -674,6 +691,7 @@ int cmd_start(struct spec *s, int argc, char **argv)
             close(go[1]);
             close(report[0]);
             close(launched[1]);
+            close(chan_keeper);
             report_fd = report[1];
             init_main(s, go[0], argc, argv);
         }
@@ -692,6 +710,7 @@ int cmd_start(struct spec *s, int argc, char **argv)
         fail_msg("creating the namespaces", "the launcher failed");
     close(go[0]);
     close(report[1]);
+    close(chan_init);
     write_id_maps(init, base);
     char pidbuf[32], p[4096];
     snprintf(p, sizeof p, "/proc/%d/ns/user", (int)init);
@@ -759,7 +778,7 @@ int cmd_start(struct spec *s, int argc, char **argv)
         msg[n > 0 ? n : 0] = 0;
         fail_msg("init", "%s", n > 0 ? msg : "it ended before saying it was ready");
     }
-    printf("ready %d %lu %ld\n", (int)init, base, slot);
+    printf("ready %d %lu %ld %d\n", (int)init, base, slot, chan_keeper);
     fflush(stdout);
     /* The network's readiness comes as a second line: an exec waits for it, a create need not
      * (slirp4netns takes ~10 ms to configure, longer than everything else of a start). */

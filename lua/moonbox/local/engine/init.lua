@@ -7,21 +7,24 @@
 --     sandbox's own writes) inside a private mount namespace, and starts the init;
 --   * an init: PID 1 of new user, mount, PID, IPC, UTS, network and cgroup namespaces, root of
 --     its user namespace only (host id = the range's base), confined like every process inside
---     (capabilities of a default container, no_new_privs, a seccomp filter), reaping orphans;
+--     (capabilities of a default container, no_new_privs, a seccomp filter), reaping orphans and
+--     starting execs on requests over a channel only the keeper holds (tools/sandbox/starter.c);
 --   * cgroups (moonbox.local.engine.cgroup) that limit it to its plan, freeze it on suspend and
 --     count what is left;
 --   * for a network with egress, a slirp4netns the keeper starts in those cgroups.
--- Execs and file operations enter it through `moonbox-sandbox exec` and `files`: a helper joins
--- its cgroup and namespaces, becomes its root, confines itself and then runs the command, or our
--- own file code (moonbox.local.engine.files): nothing of the sandbox's runs on the host, ever.
+-- An exec goes through `moonbox-sandbox exec`, which hands the command and its pipes to the init
+-- over that channel (or, when the init cannot fork, enters the sandbox itself); file operations
+-- through `files`: a helper joins its cgroup and namespaces, becomes its root, confines itself
+-- and runs our own file code (moonbox.local.engine.files): nothing of the sandbox's runs on the
+-- host, ever.
 -- The keeper dies with the backend (PR_SET_PDEATHSIG) and takes the sandbox with it, thawing a
 -- frozen one first; its mounts live only in namespaces that die with it. docs/local-isolation.md
 -- explains the threat model and each defence.
 -- Invariants: a sandbox in self.sandboxes with state "running" has a live keeper handle, an init
--- pid and its cgroups (its processes may have died on their own: alive() and info().state say
--- so); teardown (terminate, failed create, recover) runs in one place and is idempotent. Every
--- host program is started through moonbox.proc; directories, kills and removals are system
--- calls through moonbox.sys.
+-- pid, the keeper's descriptor number of the starter's channel (sb.channel) and its cgroups (its
+-- processes may have died on their own: alive() and info().state say so); teardown (terminate,
+-- failed create, recover) runs in one place and is idempotent. Every host program is started
+-- through moonbox.proc; directories, kills and removals are system calls through moonbox.sys.
 -- Callers: the local backend's service (moonbox.local.service) and spec/local_engine_spec.lua.
 local task = require "moonbox.task"
 local proc = require "moonbox.proc"
@@ -627,7 +630,7 @@ function Engine:start(sb, opts)
     end
     return true
   end)
-  local pid, base, slot = out:match("^ready (%d+) (%d+) (%d+)\n")
+  local pid, base, slot, channel = out:match("^ready (%d+) (%d+) (%d+) (%d+)\n")
   if not ready or not pid then
     local errs = host.read_stream(keeper, "stderr")
     local code, sig = keeper:wait()
@@ -635,7 +638,7 @@ function Engine:start(sb, opts)
     fail("create", "start_failed", id, string.format("sandbox %s: starting it failed (%s): %s", id,
       code and ("exit " .. code) or ("signal " .. tostring(sig)), msg ~= "" and msg or "no message"))
   end
-  sb.init, sb.uid_base, sb.slot = tonumber(pid), tonumber(base), tonumber(slot)
+  sb.init, sb.uid_base, sb.slot, sb.channel = tonumber(pid), tonumber(base), tonumber(slot), tonumber(channel)
   watch_keeper(sb, keeper, out:sub(#out:match("^[^\n]*\n") + 1))
   if opts.dev_records then self.files:unpack_records(id, "/dev", opts.dev_records, sb) end
 end
@@ -689,6 +692,39 @@ end
 
 -- ---- exec ---------------------------------------------------------------------------------------
 
+-- Bash's builtins and reserved words: a command naming one as its program needs bash. true and
+-- false are not here: /bin/true and /bin/false do exactly what the builtins do.
+local SHELL_WORDS = {}
+for w in ([[alias bg bind break builtin caller cd command compgen complete compopt continue
+  declare dirs disown echo enable eval exec exit export fc fg getopts hash help history jobs kill
+  let local logout mapfile popd printf pushd pwd read readarray readonly return set shift shopt
+  source suspend test times trap type typeset ulimit umask unalias unset wait if then else elif
+  fi case esac for select while until do done in function time coproc . :]]):gmatch("%S+") do
+  SHELL_WORDS[w] = true
+end
+
+--- M.words_of(command) -> argv or nil. The words of a shell command that bash would run as one
+-- program with those arguments and nothing else: words of letters, digits and `-_./=:,+@%`, or
+-- single-quoted words without a quote inside, separated by blanks; the first neither a builtin
+-- or reserved word of bash nor an assignment. Anything else (quotes within words, `$`, globs,
+-- `~`, redirections, `;`, `&`, pipes, newlines...) is nil: bash must read it. Does not yield.
+function M.words_of(command)
+  if type(command) ~= "string" or #command > 65536 then return nil end
+  local words, pos = {}, 1
+  while true do
+    pos = command:match("^[ \t]*()", pos)
+    if pos > #command then break end
+    local word, after = command:match("^([%w%-_%./=:,+@%%]+)()", pos)
+    if not word then word, after = command:match("^'([^']*)'()", pos) end
+    if not word or (after <= #command and not command:sub(after, after):match("[ \t]")) then return nil end
+    words[#words + 1] = word
+    pos = after
+  end
+  local first = words[1]
+  if not first or first == "" or SHELL_WORDS[first] or first:match("^[%w_]+=") then return nil end
+  return words
+end
+
 local Exec = {}
 
 -- Reads what is left of both streams and reaps the process, then forgets it. Runs in tasks of
@@ -725,11 +761,11 @@ function Exec:lines(stream) return self._rec.process:lines(stream) end
 --- handle:stats() -> moonbox.proc's buffer statistics of the process. Does not yield.
 function Exec:stats() return self._rec.process:stats() end
 
---- handle:wait() -> code, signal. Waits until `bash -c COMMAND` ends: code is its exit status, or
--- 128 + n when signal n killed it (signal then names it, e.g. "KILL": 137 is what the kernel's
--- OOM killer leaves). Processes it started in the background keep running. Does not read the
--- pipes: read them (from other tasks if need be) or the command stalls once the buffers are
--- full. [yields]
+--- handle:wait() -> code, signal. Waits until the command (`bash -c COMMAND`, or its program) ends:
+-- code is its exit status, or 128 + n when signal n killed it (signal then names it, e.g. "KILL":
+-- 137 is what the kernel's OOM killer leaves). Processes it started in the background keep
+-- running. Does not read the pipes: read them (from other tasks if need be) or the command stalls
+-- once the buffers are full. [yields]
 function Exec:wait()
   local rec = self._rec
   local code, sig = rec.process:wait()
@@ -747,14 +783,8 @@ function Exec:kill(sig)
   local rec = self._rec
   local n = host.signal_number(sig or "TERM")
   if rec.done then return false end
-  -- The helper forks the process that becomes bash, which leads a group of its own; the helper
-  -- relays signals to it, the group is reached directly.
-  for _, pid in ipairs(rec.engine.cg:procs(rec.sb.id)) do
-    local st = host.proc_stat(pid)
-    if st and st.ppid == rec.process.pid and st.pgrp == pid then
-      return (pcall(sys.kill, -pid, n))
-    end
-  end
+  -- The helper relays every signal it can catch to the command's group (moonbox-sandbox exec);
+  -- SIGKILL ends the helper, and the init then kills the group (starter.c).
   return rec.process:kill(n)
 end
 
@@ -778,18 +808,38 @@ local ExecMT = {
   end,
 }
 
---- eng:exec(id, command[, opts]) -> handle, a handle of the running command. Runs `bash -c command`
--- as root (of the sandbox's user namespace) in /root, inside all the sandbox's namespaces, its
--- cgroup and its confinement, as the leader of a new session and process group, with the
--- create env (plus PATH and HOME) and stdin from /dev/null. Waits first for the network of an
--- allow-all sandbox to be up (milliseconds after create). opts.buffer: bytes buffered per stream
--- (moonbox.proc's default 64 KiB); opts.cwd: working directory inside. handle.pid is the host pid of
--- the helper that waits for the command. The command outlives a dropped handle (handle:detach).
--- Raises structured errors (op "local.engine.exec"): not_found, not_running, frozen (thaw
--- first), network_failed, spawn_failed. [yields]
+--- eng:exec(id, command[, opts]) -> handle, a handle of the running command. command is a shell
+-- string, run by `bash -c command` unless it is plain words (M.words_of: then its program runs
+-- directly, with PWD and SHLVL=1 as bash would export them, and bash only when the program cannot
+-- be executed, to say why), or an argv table (program and arguments, run directly; a program
+-- without a slash is looked up in the command's PATH). It runs as root (of the sandbox's user
+-- namespace) in /root, inside all the sandbox's namespaces, its cgroup and its confinement,
+-- started by the sandbox's init (or, at its process limit, from the host side), as the leader of a
+-- new session and process group, with the create env (plus PATH and HOME) and stdin from
+-- /dev/null. Waits first for the network of an allow-all sandbox to be up (milliseconds after
+-- create). opts.buffer: bytes buffered per stream (moonbox.proc's default 64 KiB); opts.cwd:
+-- working directory inside. handle.pid is the host pid of the helper that waits for the command.
+-- The command outlives a dropped handle (handle:detach). Raises structured errors (op
+-- "local.engine.exec"): not_found, not_running, frozen (thaw first), network_failed, spawn_failed.
+-- [yields]
 function Engine:exec(id, command, opts)
   check_id("exec", id)
-  if type(command) ~= "string" then error("local.engine.exec: command must be a string", 2) end
+  local words, shell
+  if type(command) == "table" then
+    if #command == 0 then error("local.engine.exec: an argv table needs a program", 2) end
+    words = {}
+    for i, a in ipairs(command) do
+      if type(a) ~= "string" or a:find("\0", 1, true) then
+        error("local.engine.exec: argv[" .. i .. "] must be a string without NUL", 2)
+      end
+      words[i] = a
+    end
+  elseif type(command) == "string" then
+    words = M.words_of(command)
+    shell = words and command
+  else
+    error("local.engine.exec: command must be a string or an argv table", 2)
+  end
   opts = opts or {}
   local sb = self:live("exec", id)
   local deadline = task.now() + 30
@@ -801,11 +851,27 @@ function Engine:exec(id, command, opts)
       tostring(sb.net_error or "slirp4netns took longer than 30 s"))
   end
   sb = self:live("exec", id)
-  local argv = { self.tools.helper, "exec" }
+  -- The init starts it (its starter, over the channel the keeper holds); the enter arguments are
+  -- for when it cannot fork (the sandbox at its process limit), which the helper does instead.
+  local argv = { self.tools.helper, "exec", "--keeper=" .. sb.keeper.pid, "--channel=" .. sb.channel }
   for _, a in ipairs(self:enter_args(sb, "sandbox")) do argv[#argv + 1] = a end
   if opts.cwd then argv[#argv + 1] = "--cwd=" .. opts.cwd end
-  for _, a in ipairs({ "--setsid", "--", "/bin/bash", "-c", command }) do argv[#argv + 1] = a end
-  argv.env, argv.env_mode, argv.buffer = sb.env, "replace", opts.buffer
+  if shell then argv[#argv + 1] = "--shell=" .. shell end
+  argv[#argv + 1] = "--setsid"
+  argv[#argv + 1] = "--"
+  local env = sb.env
+  if words then
+    for _, a in ipairs(words) do argv[#argv + 1] = a end
+    if shell then
+      env = {}
+      for k, v in pairs(sb.env) do env[k] = v end
+      env.MBENV_PWD = env.MBENV_PWD or opts.cwd or "/root"
+      env.MBENV_SHLVL = env.MBENV_SHLVL or "1"
+    end
+  else
+    for _, a in ipairs({ "/bin/bash", "-c", command }) do argv[#argv + 1] = a end
+  end
+  argv.env, argv.env_mode, argv.buffer = env, "replace", opts.buffer
   local ok, p = pcall(proc.spawn, argv)
   if not ok then
     fail("exec", "spawn_failed", id, "sandbox " .. id .. ": cannot start the exec helper: " ..
