@@ -386,19 +386,20 @@ function Journal:peek(op)
 end
 
 --- journal:sandboxes() -> {sandbox_id = entry} of the sandboxes the journal says exist: created
--- (or found after a lost answer) and not terminated since. Does not yield.
+-- (or found after a lost answer) and not terminated since — nor being terminated when the run
+-- stopped (a terminate in flight may have been carried out: it is sent again). Does not yield.
 function Journal:sandboxes()
   local alive = {}
   local gone = {}
   for _, s in pairs(self.streams) do
     for _, e in pairs(s.c or {}) do
-      if type(e) == "table" and e.st == "done" then
-        if e.op == "sandboxes.create" and type(e.a) == "table" and type(e.a.v) == "table" then
-          local id = e.a.v.id
-          if type(id) == "string" then alive[id] = e end
-        elseif e.op == "sandboxes.terminate" and e.meta and e.meta.sandbox_id then
-          gone[e.meta.sandbox_id] = true
-        end
+      if type(e) == "table" and e.st == "done" and e.op == "sandboxes.create" and type(e.a) == "table"
+        and type(e.a.v) == "table" then
+        local id = e.a.v.id
+        if type(id) == "string" then alive[id] = e end
+      elseif type(e) == "table" and (e.st == "done" or e.st == "started") and e.op == "sandboxes.terminate"
+        and e.meta and e.meta.sandbox_id then
+        gone[e.meta.sandbox_id] = true
       end
     end
   end
