@@ -20,6 +20,7 @@ local core = require "moonbox.core"
 local trace = require "moonbox.trace"
 local conn = require "moonbox.render.conn"
 local api = require "moonbox.render.api"
+local sandbox = require "moonbox.render.sandbox"
 local ledger = require "moonbox.ledger"
 local sys = require "moonbox.sys"
 
@@ -102,6 +103,24 @@ local function check_sandboxes(j)
       error(d, 0)
     end
     if type(d) == "table" and GONE[d.status] then durable.lost_sandbox(id, e, tostring(d.status)) end
+  end
+end
+
+-- What a resume ends holding without knowing it: the sandboxes its journal says the run holds
+-- whose create the resumed recipe never reached (it failed before it, e.g. nondeterminism or
+-- lost_sandbox, or went another way): no guard of the recipe knows them, and the run has ended,
+-- so nothing would terminate them. They are terminated here (and released in the ledger);
+-- failures are said on stderr, and left to `moonbox reap`. [yields]
+local function terminate_unreached(j)
+  for id, e in pairs(j:sandboxes()) do
+    local q = j.streams[e.s] and j.streams[e.s].c
+    if not q or e.n > q.n then
+      local ok, err = pcall(sandbox.terminate, id)
+      if not ok then
+        io.stderr:write(string.format("moonbox: terminating %s, which the resumed run never reached, " ..
+          "failed: %s\n", id, tostring(err)))
+      end
+    end
   end
 end
 
@@ -212,6 +231,7 @@ end
 -- replay's simulated connections. Does not raise. [yields] on PostgreSQL.
 function M.finish(ctx)
   local stats = durable.stop()
+  if ctx.resumed then terminate_unreached(ctx.journal) end
   uninstall_http()
   if ctx.cassette then
     local ok, err = pcall(ctx.cassette.close, ctx.cassette, true)
