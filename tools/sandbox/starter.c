@@ -444,6 +444,12 @@ int starter_exec(const struct spec *s, char **env)
             sigprocmask(SIG_SETMASK, &old, NULL);
             continue;
         }
-        if (started && got.kind == STARTER_EXITED) return end_like(got.value);
+        if (started && got.kind == STARTER_EXITED) {
+            /* The init closes its end right after the status: waiting for that close makes an
+             * exec's end mean the init holds nothing of it any more. */
+            while ((n = recv(reply_fd, m, sizeof m, 0)) > 0 || (n < 0 && errno == EINTR)) {
+            }
+            return end_like(got.value);
+        }
     }
 }
