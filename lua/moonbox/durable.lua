@@ -13,6 +13,14 @@
 --   * "replay" (`moonbox run --replay FILE`): every call answered from the cassette, with no
 --     backend at all; a call the cassette does not have is a divergence.
 --
+-- Journals per task tree. A journal is attached to the task that runs a recipe (durable.attach:
+-- the root task of `moonbox run`, or the task of one scheduled run in a `moonbox schedule` daemon,
+-- which runs several runs at once in one process); it is found through the running task's
+-- context (task.set_context, inherited by every task spawned below), so each run's calls go to
+-- its own journal and a task outside every attached tree runs unjournaled. The hooks into
+-- moonbox.task, os and math are installed while at least one journal is attached (refcounted)
+-- and look the journal up per call.
+--
 -- Streams. Concurrent tasks interleave differently from one run to the next, so the journal is
 -- not one sequence but one per task: the root task's stream is "r", the n-th task a task spawns
 -- (moonbox.task's one spawn path) gets its parent's key .. "." .. n, and item i of a task.map
@@ -37,7 +45,7 @@ local sys = require "moonbox.sys"
 
 local M = {}
 
-local J -- the active journal, or nil
+local CTX = "durable_journal" -- the task context key of the journal of a task's tree
 
 -- ---- values that survive JSON -------------------------------------------------------------
 
@@ -100,7 +108,8 @@ end
 function M.new(opts)
   local j = setmetatable({ mode = opts.mode, store = opts.store, streams = {}, pending = {},
     on_live = opts.on_live, went_live = false, workspace = opts.workspace,
-    stats = { replayed = 0, live = 0, in_flight = 0, entries = 0, steps_replayed = 0 } }, Journal)
+    stats = { replayed = 0, live = 0, in_flight = 0, entries = 0, steps_replayed = 0, writes = 0 } },
+    Journal)
   local max_t
   for _, e in ipairs(opts.entries or {}) do
     if e.k == "t" and type(e.v) == "number" and (not max_t or e.v > max_t) then max_t = e.v end
@@ -113,19 +122,25 @@ function M.new(opts)
     j.stats.entries = j.stats.entries + 1
   end
   if max_t and max_t > core.now() then j.t_shift = max_t - core.now() end
+  if j.mode == "durable" and j.stats.entries == 0 then j.crash_at = M.take_crash_point() end
   return j
 end
 
---- durable.active() -> the active Journal, or nil. Does not yield.
-function M.active() return J end
+--- durable.active([t]) -> the Journal attached to task t's tree (default: the running task's),
+-- or nil. Does not yield.
+function M.active(t)
+  return task.context(CTX, t)
+end
 
--- The running task's data table and stream key, when its work is journaled now.
+-- The running task's data table, stream key and journal, when its work is journaled now.
 local function here()
   local t = core.current()
   if not t then return nil end
   local d = core.data(t)
   if d.jkey == nil or (d.jbelow or 0) > 0 then return nil end
-  return d, d.jkey
+  local j = task.context(CTX, t)
+  if not j then return nil end
+  return d, d.jkey, j
 end
 
 local function stream_of(j, key)
@@ -137,11 +152,36 @@ local function stream_of(j, key)
   return s
 end
 
--- Crash points for the specs (MOONBOX_DURABLE_CRASH_AT=N): the process kills itself (SIGKILL)
+-- Crash points for the specs. MOONBOX_DURABLE_CRASH_AT=N: the process kills itself (SIGKILL)
 -- right after the journal's N-th write of this process, which is either a call's `started`
 -- (the call is then in flight; only non-repeatable calls write one) or its `done`.
-local crash_at = math.tointeger(tonumber(os.getenv("MOONBOX_DURABLE_CRASH_AT") or ""))
+-- MOONBOX_DURABLE_CRASH_AT=@FILE (for a daemon, whose process runs many runs): the next fresh
+-- durable run that starts, in whichever process gets FILE first (it is renamed away, atomically,
+-- so only one does), kills its process right after that run's N-th journal write, N being what
+-- FILE holds.
+local crash_env = os.getenv("MOONBOX_DURABLE_CRASH_AT") or ""
+local crash_at = math.tointeger(tonumber(crash_env))
+local crash_file = crash_env:match("^@(.+)$")
 local writes = 0
+
+local function self_pid()
+  local f = assert(io.open("/proc/self/stat"))
+  local pid = math.tointeger(tonumber(f:read("a"):match("^(%d+)")))
+  f:close()
+  return pid
+end
+
+--- durable.take_crash_point() -> N of MOONBOX_DURABLE_CRASH_AT=@FILE when this process took the
+-- file now (see above), else nil. Does not yield.
+function M.take_crash_point()
+  if not crash_file then return nil end
+  local taken = crash_file .. ".taken-" .. self_pid()
+  if not os.rename(crash_file, taken) then return nil end
+  local f = io.open(taken)
+  local n = f and math.tointeger(tonumber(f:read("a")))
+  if f then f:close() end
+  return n
+end
 
 -- Writes an entry (and the clock and random reads waiting to be written), redacted.
 function Journal:put(e)
@@ -150,14 +190,14 @@ function Journal:put(e)
   batch[#batch + 1] = e
   self.store:put(batch)
   writes = writes + 1
-  if crash_at and writes == crash_at and self.mode == "durable" then
-    io.stderr:write(string.format("moonbox: MOONBOX_DURABLE_CRASH_AT=%d: killed after writing %s %s (%s)\n",
-      crash_at, e.op or e.k, e.st or "", e.s))
+  self.stats.writes = self.stats.writes + 1
+  local point = self.crash_at and self.stats.writes == self.crash_at and self.crash_at
+    or crash_at and writes == crash_at and crash_at
+  if point and self.mode == "durable" then
+    io.stderr:write(string.format("moonbox: MOONBOX_DURABLE_CRASH_AT=%d: killed after writing %s %s (%s) " ..
+      "of run %s\n", point, e.op or e.k, e.st or "", e.s, tostring(self.run_id)))
     io.stderr:flush()
-    local f = assert(io.open("/proc/self/stat"))
-    local pid = math.tointeger(tonumber(f:read("a"):match("^(%d+)")))
-    f:close()
-    sys.kill(pid, 9)
+    sys.kill(self_pid(), 9)
   end
 end
 
@@ -174,8 +214,8 @@ end
 -- A lenient read (clock, randomness): the recorded value of this stream's next read of `kind`,
 -- or live() journaled.
 function Journal:lenient(kind, live)
-  local d, key = here()
-  if not d then return live() end
+  local _, key, j = here()
+  if j ~= self then return live() end
   local q = queue(stream_of(self, key), kind)
   local n = q.n + 1
   q.n = n
@@ -196,8 +236,8 @@ end
 --- journal:replaying() -> whether the running task's stream still has journaled calls ahead
 -- (a sleep there is in the past, and is skipped). Does not yield.
 function Journal:replaying()
-  local d, key = here()
-  if not d then return false end
+  local _, key, j = here()
+  if j ~= self then return false end
   -- A task that never made a call of its own (a poller beside a wait) is as far along as the
   -- task that spawned it.
   while key do
@@ -276,8 +316,8 @@ end
 -- Raises nondeterminism when the call differs from the journal's next one in this task, the
 -- recorded error when the recorded call failed, and live's errors. [yields]
 function Journal:call(c, live)
-  local d, key = here()
-  if not d then return live() end
+  local d, key, j = here()
+  if j ~= self then return live() end
   -- compared as it is kept: redacted (a secret registered since shows as [redacted] in both)
   c.sig = trace.redact(c.sig)
   local q = queue(stream_of(self, key), "c")
@@ -377,8 +417,8 @@ end
 --- journal:peek(op) -> the running task's next call entry when it is one of op (not consumed),
 -- else nil. Does not yield.
 function Journal:peek(op)
-  local d, key = here()
-  if not d then return nil end
+  local _, key, j = here()
+  if j ~= self then return nil end
   local q = self.streams[key] and self.streams[key].c
   local e = q and q[q.n + 1]
   if e and e.op == op then return e end
@@ -409,8 +449,6 @@ end
 
 -- ---- hooks into moonbox.task: stream keys, the clock, sleeps, steps ----------------------------
 
-local saved
-
 local function on_spawn(parent, child)
   local pd = core.data(parent)
   local key = pd.jkey
@@ -436,10 +474,13 @@ local function on_item(map_key, i)
   d.jkey, d.jn = map_key .. "[" .. i .. "]", 0
 end
 
---- durable.step(name, fn, ...) -> fn's results: task.step while a journal is active. A step
--- that completed is not run again: its recorded results (JSON values) are returned; one that
--- failed raises its recorded error; one in flight at a crash runs again (at least once). [yields]
+--- durable.step(name, fn, ...) -> fn's results: task.step while the running task's tree has a
+-- journal. A step that completed is not run again: its recorded results (JSON values) are
+-- returned; one that failed raises its recorded error; one in flight at a crash runs again (at
+-- least once). [yields]
 local function step(name, fn, ...)
+  local _, _, J = here()
+  if not J then return fn(...) end
   local args = table.pack(...)
   return J:call({ sig = "step " .. name, op = "task.step", repeatable = true,
     encode = function(...)
@@ -474,39 +515,54 @@ local function step(name, fn, ...)
   end)
 end
 
-local function install(j)
+-- The hooks are installed while at least one journal is attached (installed counts them); each
+-- looks up the running task's journal, and does what it did before without one.
+local saved
+local installed = 0
+
+local function install()
+  installed = installed + 1
+  if installed > 1 then return end
   saved = { now = task.now, sleep = task.sleep, time = os.time, clock = os.clock, date = os.date,
     random = math.random }
   local real_now, real_sleep, real_time, real_clock, real_date, real_random =
     saved.now, saved.sleep, saved.time, saved.clock, saved.date, saved.random
-  task.now = function() return j:lenient("t", real_now) end
+  local function lenient(kind, live)
+    local _, _, j = here()
+    if not j then return live() end
+    return j:lenient(kind, live)
+  end
+  task.now = function() return lenient("t", real_now) end
   task.sleep = function(seconds)
     if type(seconds) ~= "number" or seconds ~= seconds or seconds < 0 then
       error("task.sleep: expected a number of seconds >= 0", 2)
     end
     -- A replay has no time to wait for; a resumed stream's journaled past neither.
-    if j.mode == "replay" or j:replaying() then return core.sleep(0) end
+    local _, _, j = here()
+    if j and (j.mode == "replay" or j:replaying()) then return core.sleep(0) end
     return real_sleep(seconds)
   end
   local function journaled_time(t)
     if t ~= nil then return real_time(t) end
-    return j:lenient("T", real_time)
+    return lenient("T", real_time)
   end
   rawset(os, "time", journaled_time)
-  rawset(os, "clock", function() return j:lenient("C", real_clock) end)
+  rawset(os, "clock", function() return lenient("C", real_clock) end)
   rawset(os, "date", function(fmt, t)
     if t == nil then t = journaled_time() end
     return real_date(fmt, t)
   end)
   rawset(math, "random", function(...)
     local args = table.pack(...)
-    return j:lenient("r", function() return real_random(table.unpack(args, 1, args.n)) end)
+    return lenient("r", function() return real_random(table.unpack(args, 1, args.n)) end)
   end)
   task.durable_hooks = { spawn = on_spawn, map = on_map, item = on_item, step = step }
 end
 
 local function uninstall()
-  if not saved then return end
+  if installed == 0 then return end
+  installed = installed - 1
+  if installed > 0 then return end
   task.now, task.sleep = saved.now, saved.sleep
   rawset(os, "time", saved.time)
   rawset(os, "clock", saved.clock)
@@ -516,32 +572,58 @@ local function uninstall()
   saved = nil
 end
 
---- durable.start(j): makes journal j the active one, with the running task's stream "r" (the
--- recipe's root task). Raises when one is active already. Does not yield.
-function M.start(j)
-  if J then error("moonbox.durable: a journal is already active", 2) end
-  J = j
-  local t = core.current()
-  if t then core.data(t).jkey = "r" end
-  install(j)
+--- durable.attach(j [, t]): journal j journals the work of task t (default: the running one) —
+-- the root of a recipe's run, stream "r" — and of every task it spawns from now on. A task tree
+-- has one journal: raises when t's already has one. Does not yield.
+function M.attach(j, t)
+  t = t or core.current()
+  if not t then error("moonbox.durable: attach outside a task", 2) end
+  if task.context(CTX, t) then error("moonbox.durable: this task's tree already has a journal", 2) end
+  if j.root then error("moonbox.durable: this journal is already attached", 2) end
+  j.root = t
+  task.set_context(CTX, j, t)
+  local d = core.data(t)
+  d.jkey, d.jn = "r", 0
+  install()
 end
 
---- durable.stop() -> the journal's stats {replayed, live, in_flight, entries, steps_replayed}:
--- the journal is no longer active (what was waiting to be written is written). Does not yield
--- on SQLite.
-function M.stop()
-  local j = J
-  if not j then return nil end
+--- durable.detach(j) -> the journal's stats {replayed, live, in_flight, entries, steps_replayed,
+-- writes}: j no longer journals its task tree (what was waiting to be written is written; a
+-- failure to write it is ignored: those are reads, read again by a resume). Does not yield on
+-- SQLite.
+function M.detach(j)
+  if not (j and j.root) then return j and j.stats end
   if #j.pending > 0 then
     local batch = j.pending
     j.pending = {}
     pcall(j.store.put, j.store, batch)
   end
+  local t = j.root
+  j.root = nil
+  if task.context(CTX, t) == j then task.set_context(CTX, nil, t) end
+  local d = core.data(t)
+  d.jkey, d.jn = nil, nil
   uninstall()
-  J = nil
-  local t = core.current()
-  if t then core.data(t).jkey = nil end
   return j.stats
+end
+
+local started -- the journal durable.start attached (`moonbox run`'s one)
+
+--- durable.start(j): attaches journal j to the running task (the recipe's root task) as the
+-- run's one journal (durable.attach). Raises when one is started already. Does not yield.
+function M.start(j)
+  if started then error("moonbox.durable: a journal is already active", 2) end
+  M.attach(j)
+  started = j
+end
+
+--- durable.stop() -> the stats of the journal durable.start attached (durable.detach), or nil.
+-- Does not yield on SQLite.
+function M.stop()
+  local j = started
+  if not j then return nil end
+  started = nil
+  return M.detach(j)
 end
 
 -- ---- what the client asks of the journal ------------------------------------------------------
@@ -550,14 +632,16 @@ end
 -- for this stream's next fresh value: ids that go into request bodies (exec markers, create
 -- labels) are the same on resume and replay. Does not yield.
 function M.fresh(make)
-  if not J then return make() end
-  return J:lenient("b", make)
+  local _, _, j = here()
+  if not j then return make() end
+  return j:lenient("b", make)
 end
 
 --- durable.peek(op) -> the running task's next journaled call when it is one of op, else nil
 -- (sandboxes.create reuses the ledger intent and label the journal recorded). Does not yield.
 function M.peek(op)
-  return J and J:peek(op) or nil
+  local _, _, j = here()
+  return j and j:peek(op) or nil
 end
 
 --- durable.digest(s) -> a short digest of s as it would be journaled (redacted first). Does not
@@ -586,11 +670,12 @@ function M.lost_sandbox(id, e, status)
     "lifetime ran out)", id, tostring(e and e.at), status or "gone") }, 0)
 end
 
---- durable.call(c, live) -> journal:call(c, live) on the active journal, or live() with none.
--- [yields]
+--- durable.call(c, live) -> journal:call(c, live) on the running task's journal, or live()
+-- with none. [yields]
 function M.call(c, live)
-  if not J then return live() end
-  return J:call(c, live)
+  local _, _, j = here()
+  if not j then return live() end
+  return j:call(c, live)
 end
 
 return M

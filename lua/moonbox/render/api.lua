@@ -463,16 +463,15 @@ local function replayed_stream(a)
   return r
 end
 
--- The live stream, recording what is read from it into its journal entry e; the entry is done
--- when the stream ended or was closed.
-local function recording_stream(resp, e, a)
+-- The live stream, recording what is read from it into its journal entry e of journal j (the
+-- reader may be a task of another tree); the entry is done when the stream ended or was closed.
+local function recording_stream(resp, e, a, j)
   local finished = false
   local function finish(ended)
     if finished then return end
     finished = true
     a.ended = ended
-    local j = durable.active()
-    if j then j:finish(e, a) end
+    j:finish(e, a)
   end
   local proxy = setmetatable({}, { __index = function(_, k)
     local v = resp[k]
@@ -528,7 +527,7 @@ function M.data(conn, op, mint, req, opts)
     on_done = function(e, resp, tok, span)
       if not req.stream then return resp, tok, span end
       e.st = "streaming" -- done once read (recording_stream)
-      return recording_stream(resp, e, e.a), tok, span
+      return recording_stream(resp, e, e.a, j), tok, span
     end,
     decode = function(a)
       local tok = a.tok or {}
