@@ -37,6 +37,8 @@ describe("schedule.every and schedule.cron", function()
     assert.are.equal("a", l[1].name)
     assert.are.equal(false, l[2].catchup)
     assert.are.equal(300, l[2].timeout)
+    assert.is_false(l[2].durable)
+    assert.is_true(schedule.every("c", "1m", noop, { durable = true }).durable)
     assert.is_false(schedule.running())
   end)
 
@@ -70,6 +72,9 @@ describe("schedule.every and schedule.cron", function()
         "option `max_sandboxes` must be integer" },
       { function() schedule.cron("x", "0 3 * * *", noop, { max_sandbox_seconds = "a while" }) end,
         "option `max_sandbox_seconds` must be seconds" },
+      { function() schedule.every("x", "1m", noop, { durable = "yes" }) end, "option `durable` must be boolean" },
+      { function() schedule.every("x", "1m", noop, { durabel = true }) end,
+        "unknown option `durabel` %(did you mean `durable`%?%)" },
     }
     for _, c in ipairs(cases) do
       local ok, err = pcall(c[1])

@@ -2,7 +2,8 @@
 --
 --   local schedule = require "moonbox.schedule"
 --   schedule.cron("nightly-base", "0 3 * * *", function(run) rebuild() end,
---     { overlap = "skip", catchup = "6h", jitter = "5m", timeout = "45m", pause_after_failures = 3 })
+--     { overlap = "skip", catchup = "6h", jitter = "5m", timeout = "45m", pause_after_failures = 3,
+--       durable = true })
 --   schedule.every("heartbeat", "15m", function(run) check() end)
 --   schedule.cron("fanout", "0 * * * *", work, { max_sandboxes = 50, max_sandbox_seconds = "2h" })
 --   if not schedule.running() then rebuild() end   -- `moonbox run`: once, now
@@ -144,6 +145,7 @@ local function check_opts(kind, name, where, opts)
     s.webhooks = list
   end
   s.budget = budget_opts(opts, bad, dur)
+  s.durable = opts.durable == true
   return s, bad
 end
 
@@ -161,7 +163,9 @@ end
 -- "buffer_one", "cancel_other"), catchup (DURATION or false; default "1d"), jitter (DURATION,
 -- default 0), timeout (DURATION, none by default), pause_after_failures (integer), tz,
 -- max_sandboxes (integer) and max_sandbox_seconds (DURATION): each run's budget, as
--- `moonbox run --max-sandboxes/--max-sandbox-seconds` (moonbox.render.budget). Raises
+-- `moonbox run --max-sandboxes/--max-sandbox-seconds` (moonbox.render.budget), durable
+-- (boolean, default false: each run is a durable run, journaled in the run store and resumed
+-- by a daemon when the daemon running it dies; docs/schedule.md). Raises
 -- a plain error with the recipe's file:line and the schedule's name for any bad argument, a
 -- bad expression (naming the field) or an unknown zone. Does not yield.
 function M.cron(name, expr, fn, opts)
@@ -252,6 +256,8 @@ local function schedule_options(with_tz)
     max_sandboxes = { type = "integer", doc = "each run may send at most N sandbox creates (its budget)" },
     max_sandbox_seconds = { type = "seconds",
       doc = "each run's sandboxes may exist this long in total (its budget)" },
+    durable = { type = "boolean", default = false,
+      doc = "each run is a durable run: journaled, and resumed by a daemon if its daemon dies" },
   }
   if with_tz then
     o.tz = { type = "string", default = "UTC", doc = "the zone of the cron expression (an IANA name)" }
