@@ -92,6 +92,8 @@ end
 
 local GONE = { terminated = true, terminating = true, failed = true, error = true, errored = true }
 
+--- run.check_sandboxes(j): a resume's on_live (durable.new): raises lost_sandbox for the first
+-- sandbox journal j holds that the backend (the default connection's) says is gone. [yields]
 local function check_sandboxes(j)
   local c = conn.default()
   for id, e in pairs(j:sandboxes()) do
@@ -109,20 +111,24 @@ end
 -- What a resume ends holding without knowing it: the sandboxes its journal says the run holds
 -- whose create the resumed recipe never reached (it failed before it, e.g. nondeterminism or
 -- lost_sandbox, or went another way): no guard of the recipe knows them, and the run has ended,
--- so nothing would terminate them. They are terminated here (and released in the ledger);
--- failures are said on stderr, and left to `moonbox reap`. [yields]
-local function terminate_unreached(j)
+-- so nothing would terminate them. They are terminated here (and released in the ledger: run
+-- it in the task the run's ledger is attached to); failures go to say(line) (default: stderr),
+-- and are left to `moonbox reap`. [yields]
+local function terminate_unreached(j, say)
   for id, e in pairs(j:sandboxes()) do
     local q = j.streams[e.s] and j.streams[e.s].c
     if not q or e.n > q.n then
       local ok, err = pcall(sandbox.terminate, id)
       if not ok then
-        io.stderr:write(string.format("moonbox: terminating %s, which the resumed run never reached, " ..
-          "failed: %s\n", id, tostring(err)))
+        local line = string.format("moonbox: terminating %s, which the resumed run never reached, " ..
+          "failed: %s", id, tostring(err))
+        if say then say(line) else io.stderr:write(line, "\n") end
       end
     end
   end
 end
+M.check_sandboxes = check_sandboxes
+M.terminate_unreached = terminate_unreached
 
 -- ---- the replay's connection ----------------------------------------------------------------
 
@@ -177,6 +183,16 @@ function M.begin(o)
     end
     local entries = {}
     if row then
+      -- A schedule's durable run belongs to the daemons: the one whose sweep finds it dead
+      -- resumes it, and writes its history record.
+      local srun = L.db:row("SELECT id, schedule FROM schedule_runs WHERE ledger_run = ? ORDER BY id LIMIT 1",
+        row.id)
+      if srun then
+        error(string.format("moonbox: cannot resume: run %d is schedule '%s''s run (record %d): the " ..
+          "`moonbox schedule` daemons resume it themselves (a daemon firing '%s' on this state " ..
+          "resumes it once its own daemon is gone; `moonbox runs %s` shows it)", row.id, srun.schedule,
+          srun.id, srun.schedule, srun.schedule), 0)
+      end
       local claimed, why = L:claim_run(row.id)
       if not claimed then error("moonbox: cannot resume: " .. why, 0) end
       ctx.resumed = claimed

@@ -29,6 +29,16 @@
 -- run here, and the other daemon waits for its end before it starts the newer slot. A
 -- buffer_one fire behind another daemon's run queues its slot in the shared history; the first
 -- daemon that sees no run of the schedule running takes it (store:take_queued).
+--
+-- A durable schedule's run (durable = true; docs/schedule.md, "Durable schedules") is a durable
+-- run (moonbox.durable) in this process: its ledger run is opened durable before the recipe
+-- starts, and a journal attached to its task tree (each run has its own: the daemon runs
+-- several at once). When its daemon dies, the sweep that finds the record orphaned does not
+-- record it interrupted: exactly one daemon claims it (store:claim_resume, then ledger:claim_run
+-- of its ledger run) and resumes it here — the recipe again from the top, its journal answering
+-- what was done, its sandboxes adopted — in the same history record, which counts the resumes
+-- and names the daemon that made the latest. On SQLite, where one daemon fires a schedule, the
+-- daemon started after a kill resumes what it finds dead at its start (Daemon:recover).
 local task = require "moonbox.task"
 local core = require "moonbox.core"
 local schedule = require "moonbox.schedule"
@@ -36,6 +46,10 @@ local clock_mod = require "moonbox.schedule.clock"
 local ledger_mod = require "moonbox.ledger"
 local reap = require "moonbox.reap"
 local trace = require "moonbox.trace"
+local durable = require "moonbox.durable"
+local dstore = require "moonbox.durable.store"
+local drun = require "moonbox.durable.run"
+local conn_mod = require "moonbox.render.conn"
 
 local M = {}
 local Daemon = {}
@@ -84,11 +98,14 @@ function M.new(o)
     out = o.out, errout = o.errout or o.out, drain = o.drain, format_error = o.format_error or one_line,
     wake = core.cond(), pending = {}, names = {}, rt = {}, last = {}, timers = {}, subscribers = {},
     -- records this daemon queued behind another daemon's run (buffer_one), by id
-    queued_elsewhere = {} },
+    queued_elsewhere = {},
+    -- resumed runs that are not their schedule's active run (another run of it was active here)
+    extra_runs = {}, by_name = {} },
     Daemon)
   for _, s in ipairs(d.schedules) do
     d.names[#d.names + 1] = s.name
     d.rt[s.name] = {}
+    d.by_name[s.name] = s
   end
   return d
 end
@@ -154,6 +171,7 @@ end
 function Daemon:start(s, q)
   local now = self.clock:now()
   local id = q.id
+  if q.resume then return self:start_resumed(s, q.resume) end
   if id and q.take then
     q.pending = nil
     if not self.store:take_queued(id, s.name, now) then
@@ -201,12 +219,13 @@ end
 -- written to errout and the schedule is freed to fire again. [yields]
 function Daemon:run_body(s, run)
   local me = task.current()
-  ledger_mod.attach(me, { ledger = self.store.ledger,
+  local lctx = { ledger = self.store.ledger,
     recipe = string.format("%s (schedule %s, run %d)", self.recipe, s.name, run.id),
     on_begin = function(lid)
       run.ledger_run = lid
       self.store:set_ledger_run(run.id, lid)
-    end })
+    end }
+  ledger_mod.attach(me, lctx)
   local watchdog
   if s.timeout then
     watchdog = task.spawn(function()
@@ -219,10 +238,22 @@ function Daemon:run_body(s, run)
       end
     end)
   end
+  -- (after the watchdog's spawn: the journal is the recipe's, not the daemon's)
+  local jerr
+  if s.durable then
+    local bok, berr = pcall(self.durable_begin, self, s, run, lctx, me)
+    if not bok then jerr = berr end
+  end
   local info = { id = run.id, schedule = s.name, slot = run.slot, slot_text = schedule.format_slot(s,
       run.slot),
     trigger = run.trigger, started_at = run.started_at }
-  local ok, err = xpcall(s.fn, core.msgh, info)
+  local ok, err
+  if jerr then
+    ok, err = false, jerr
+  else
+    ok, err = xpcall(s.fn, core.msgh, info)
+  end
+  if run.journal then self:durable_end(s, run) end
   run.finished = true
   if watchdog then
     task.cancel(watchdog)
@@ -269,6 +300,133 @@ function Daemon:run_body(s, run)
   end
 end
 
+-- ---- durable runs ------------------------------------------------------------------------------
+
+--- Sets up run's journal in its task me (run_body, for a durable schedule s): a fresh run opens
+-- its ledger run now, durable (the journal is kept under its id, so it must exist before the
+-- first call), and records it on the history record; a resumed run (run.resume, claimed by
+-- Daemon:resume) goes on in the ledger run it claimed, with the journal that run wrote, checking
+-- the sandboxes it holds before its first live call. Raises when the run store cannot be
+-- written or a resume cannot go on here. [yields] on PostgreSQL.
+function Daemon:durable_begin(s, run, lctx, me)
+  local L = self.store.ledger
+  local entries = {}
+  local ok, c = pcall(conn_mod.default)
+  if not ok then c = {} end
+  if run.resume and run.resume.ledger then
+    local lr = run.resume.ledger
+    if c.base and lr.backend ~= c.base then
+      error(string.format("moonbox schedule: %s: run %d (ledger run %d) was journaled against the " ..
+        "backend %s and this daemon uses %s: it cannot be resumed here (the daemons of a schedule " ..
+        "must share one backend)", s.name, run.id, lr.id, tostring(lr.backend), tostring(c.base)), 0)
+    end
+    lctx.run_id = lr.id
+    entries = dstore.db(L.db, lr.id):load()
+  else
+    lctx.run_id = L:open_run { recipe = lctx.recipe, backend = c.base or "(none)", workspace = c.workspace,
+      local_state = c.state_dir, durable = true }
+    run.ledger_run = lctx.run_id
+    self.store:set_ledger_run(run.id, lctx.run_id)
+  end
+  run.ledger_run = lctx.run_id
+  local j = durable.new { mode = "durable", store = dstore.db(L.db, lctx.run_id), entries = entries,
+    on_live = run.resume and drun.check_sandboxes or nil }
+  j.run_id = lctx.run_id
+  durable.attach(j, me)
+  run.journal = j
+end
+
+--- Ends run's journal (run_body, after the recipe returned or raised, in the run's task): what
+-- waits to be written is written; a resumed run terminates the sandboxes its journal holds that
+-- the recipe never reached again (it went another way, or failed first), and logs what its
+-- journal answered. [yields]
+function Daemon:durable_end(s, run)
+  local j = run.journal
+  local stats = durable.detach(j)
+  run.journal_stats = stats
+  if run.resume then
+    drun.terminate_unreached(j, function(line) self:log("%s: run %d: %s", s.name, run.id, line) end)
+    self:log("%s: run %d: resumed (resume %d of ledger run %d): %d call(s) answered from its journal, " ..
+      "%d in flight when it stopped, %d live, %d journal write(s)", s.name, run.id, run.resume.resumes,
+      run.ledger_run, stats.replayed, stats.in_flight, stats.live, stats.writes)
+  else
+    self:log("%s: run %d: durable (ledger run %d): %d call(s), %d journal write(s)", s.name, run.id,
+      run.ledger_run, stats.live, stats.writes)
+  end
+end
+
+--- Takes over the orphaned record r of durable schedule s, whose daemon died during the run
+-- (Daemon:recover): returns true when r is dealt with here (resumed by this daemon, settled, or
+-- left for a later sweep), false when it is to be recorded interrupted as any other run (its
+-- ledger run is not durable). The claim is store:claim_resume (one daemon wins), then
+-- ledger:claim_run of its ledger run; the run then starts from the fire loop (start_resumed).
+-- [yields] on PostgreSQL.
+function Daemon:resume(s, r, now)
+  local L = self.store.ledger
+  local lr = r.ledger_run and L:run(r.ledger_run)
+  if lr and lr.alive then return true end -- renewed with the record: a later sweep judges it
+  if lr and (lr.durable or 0) == 0 then return false end
+  if lr and lr.ended_at ~= nil then
+    -- the run had ended, and its daemon died before the record said so
+    local msg = string.format("its daemon %s stopped after the run ended (%s), before recording it",
+      tostring(r.owner), tostring(lr.outcome))
+    local outcome = lr.outcome == "interrupted" and "interrupted" or lr.outcome or "interrupted"
+    if self.store:settle(r.id, outcome, outcome ~= "ok" and msg or nil, now) then
+      self:log("%s: run %d (slot %s) recorded %s: %s", r.schedule, r.id, fmt(r.slot), outcome, msg)
+      self:emit("finished", { schedule = r.schedule, id = r.id, outcome = outcome, message = msg,
+        slot = r.slot, trigger = r.trigger, started_at = r.started_at, ended_at = now,
+        ledger_run = r.ledger_run })
+    end
+    return true
+  end
+  if not self.store:claim_resume(r) then return true end -- another daemon took it
+  local claimed
+  if lr then
+    local why
+    claimed, why = L:claim_run(lr.id)
+    if not claimed then
+      local msg = string.format("its daemon %s stopped during the run, and resuming it failed: %s",
+        tostring(r.owner), why)
+      self.store:finish(r.id, "interrupted", msg, now)
+      self:log("%s: run %d (slot %s) recorded interrupted: %s", r.schedule, r.id, fmt(r.slot), msg)
+      self:emit("finished", { schedule = r.schedule, id = r.id, outcome = "interrupted", message = msg,
+        slot = r.slot, trigger = r.trigger, started_at = r.started_at, ended_at = now,
+        ledger_run = r.ledger_run })
+      return true
+    end
+  end
+  local row = self.store:run_row(r.id) or r
+  local resume = { record = row, ledger = claimed, resumes = row.resumes or 1, from = r.owner }
+  -- The run is its schedule's active run here from now on (overlap), unless another one is.
+  local run = { id = r.id, slot = r.slot, trigger = r.trigger, started_at = row.started_at or row.fired_at,
+    resume = resume, ledger_run = claimed and claimed.id or nil }
+  resume.run = run
+  local rt = self.rt[s.name]
+  if rt.active == nil then
+    rt.active = run
+  else
+    self.extra_runs[run] = s
+  end
+  self:log("%s: run %d (slot %s): its daemon %s stopped during the run; resuming it here (resume %d%s)",
+    s.name, r.id, fmt(r.slot), tostring(r.owner), resume.resumes,
+    claimed and string.format(", ledger run %d: %d journal entries", claimed.id,
+      dstore.db(L.db, claimed.id):count()) or ", no journal yet: from the start")
+  self.pending[#self.pending + 1] = { s = s, q = { id = r.id, slot = r.slot, trigger = r.trigger,
+    resume = resume } }
+  self.wake:signal()
+  return true
+end
+
+--- Starts the run of a record this daemon claimed to resume (Daemon:resume; from the fire loop
+-- in the root task, as every run): the same record, slot and start, in its ledger run. Returns
+-- the run. Does not yield.
+function Daemon:start_resumed(s, resume)
+  local run = resume.run
+  self:emit("started", { schedule = s.name, run = run })
+  run.task = task.spawn(self.run_body, self, s, run)
+  return run
+end
+
 --- Records the end of run of s: ends its ledger run and its run row with outcome and message,
 -- emits "finished" (with the consecutive failure count, before and after, and the sandboxes the
 -- run made) and logs it; after failures >= s.pause_after_failures (failed or timeout) pauses
@@ -305,6 +463,7 @@ function Daemon:finish(s, run, outcome, message)
   end
   local rt = self.rt[s.name]
   if rt.active == run then rt.active = nil end
+  self.extra_runs[run] = nil
   if rt.queued and not self.stopping then
     self.pending[#self.pending + 1] = { s = s, q = rt.queued }
     rt.queued = nil
@@ -384,6 +543,12 @@ function Daemon:fire(s, slot, trigger, due)
           active.id)
       end
       return
+    end
+    if not active.task then
+      -- a resume this daemon claimed, about to start: it goes on
+      return self:record_skipped(s, slot, trigger,
+        string.format("run %d (slot %s) is being resumed (overlap = cancel_other)", active.id,
+          fmt(active.slot)), due)
     end
     active.stop_reason = "cancel_other"
     active.stop_message = string.format("cancelled by the fire of slot %s (overlap = cancel_other)",
@@ -634,6 +799,10 @@ function Daemon:recover()
   for _, r in ipairs(self.store:orphans()) do
     -- A run this daemon holds is alive, whatever its lease says (a stalled renewal).
     if ledger.leases.schedule_runs[r.id] then goto next end
+    do
+      local s = self.by_name[r.schedule]
+      if s and s.durable and r.outcome == "running" and self:resume(s, r, now) then goto next end
+    end
     local who = self.store.shared and string.format("%s (lease expired)", tostring(r.owner))
       or string.format("(pid %d)", r.pid)
     local msg = r.outcome == "queued" and "its daemon %s stopped before this queued run started"
@@ -826,8 +995,18 @@ function Daemon:shutdown()
     self.drain = req.command == "drain"
   end
   for _, p in ipairs(self.pending) do
-    -- a manual request not yet started is dropped; a take (buffer_one) stays queued_elsewhere's
-    if p.q.id and not p.q.take then self.rt[p.s.name].queued = p.q end
+    -- a manual request not yet started is dropped; a take (buffer_one) stays queued_elsewhere's;
+    -- a resume claimed but not started is let go: its lease runs out, and a daemon (this one's
+    -- next start, on SQLite) claims it again
+    if p.q.resume then
+      self.store:drop_lease(p.q.id)
+      if p.q.resume.ledger then self.store.ledger.leases.runs[p.q.resume.ledger.id] = nil end
+      local rt = self.rt[p.s.name]
+      if rt.active == p.q.resume.run then rt.active = nil end
+      self.extra_runs[p.q.resume.run] = nil
+    elseif p.q.id and not p.q.take then
+      self.rt[p.s.name].queued = p.q
+    end
   end
   self.pending = {}
   local actives = {}
@@ -842,6 +1021,7 @@ function Daemon:shutdown()
     end
     if rt.active then actives[#actives + 1] = rt.active end
   end
+  for run in pairs(self.extra_runs) do actives[#actives + 1] = run end
   for id, q in pairs(self.queued_elsewhere) do
     local qmsg = "the daemon stopped (" .. why .. ") before this queued run started"
     local ok, done = pcall(self.store.cancel_queued, self.store, id, qmsg, now)

@@ -172,6 +172,39 @@ function Store:interrupt(id, message, t)
   return n == 1
 end
 
+--- store:settle(id, outcome, message, t) -> whether this call gave the orphaned record id its
+-- final outcome (a durable run whose ledger run had ended when its daemon died before writing
+-- the record; false: it had already ended, or another daemon got there first).
+function Store:settle(id, outcome, message, t)
+  local n = self.db:run([[UPDATE schedule_runs SET ended_at = ?, outcome = ?, error = ?
+    WHERE id = ? AND outcome IN ('queued', 'running')]], t, outcome, message, id)
+  return n == 1
+end
+
+--- store:claim_resume(r) -> whether this daemon took over the orphaned running record r (a
+-- durable schedule's run whose daemon died) to resume it: one conditional UPDATE, which
+-- succeeds only while the record still names the owner that died (its pid and process start
+-- time on SQLite; on PostgreSQL its owner, with the lease expired by the database's clock), so
+-- of several daemons exactly one wins. It counts the resume (resumes) and names this daemon
+-- (resumed_by, owner), whose lease the record now carries. [yields] on PostgreSQL.
+function Store:claim_resume(r)
+  local me, pid, start = ledger_mod.owner(), ledger_mod.self_pid(), ledger_mod.self_start()
+  local n
+  if self.shared then
+    local now = self.ledger:now()
+    n = self.db:run([[UPDATE schedule_runs SET owner = ?, pid = ?, pid_start = ?, lease_until = ?,
+      resumes = resumes + 1, resumed_by = ? WHERE id = ? AND outcome = 'running'
+      AND owner IS NOT DISTINCT FROM ? AND (lease_until IS NULL OR lease_until < ?)]], me, pid, start,
+      now + ledger_mod.LEASE, me, r.id, r.owner, now)
+  else
+    n = self.db:run([[UPDATE schedule_runs SET owner = ?, pid = ?, pid_start = ?, resumes = resumes + 1,
+      resumed_by = ? WHERE id = ? AND outcome = 'running' AND pid = ? AND pid_start IS ?]], me, pid, start,
+      me, r.id, r.pid, r.pid_start)
+  end
+  if n == 1 and self.shared then self.ledger.leases.schedule_runs[r.id] = true end
+  return n == 1
+end
+
 --- store:set_ledger_run(id, run_id): the run's first create began ledger run run_id.
 function Store:set_ledger_run(id, run_id)
   self.db:run("UPDATE schedule_runs SET ledger_run = ? WHERE id = ?", run_id, id)
