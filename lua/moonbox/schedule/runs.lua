@@ -13,12 +13,14 @@ M.command = {
 newest first: every run and every skipped slot, of schedule NAME or of all schedules. Columns:
 record id, schedule, slot (the time the fire was due), trigger (cron, catchup or manual), start,
 duration, outcome (queued, running, ok, failed, timeout, cancelled, skipped, interrupted), the
-sandboxes the run created, and the error or the reason it was skipped.
+sandboxes the run created, whether a durable schedule's run was resumed after its daemon died
+("(resumed N times, last by HOST/PID)"), and the error or the reason it was skipped.
 
 --limit N shows the newest N records (default 20; 0 shows all). --json prints one JSON array of
 objects with the same facts; times are RFC 3339 text (slot, fired_at, started_at, ended_at) and
 numbers of seconds since the epoch (slot_unix, due_unix — the slot plus its jitter —,
-fired_unix, started_unix, ended_unix). Times are
+fired_unix, started_unix, ended_unix), resumes (how many times a daemon resumed the run) and
+resumed_by (the owner id HOST/PID/START of the daemon that resumed it last, or null). Times are
 the schedule clock's (the test clock's, when a spec set MOONBOX_TEST_CLOCK).
 
 --state DB reads another database: a SQLite file or a postgres:// URL (default:
@@ -80,7 +82,7 @@ function M.print_rows(store, name, limit, as_json)
         ended_at = r.ended_at and clock_mod.format(r.ended_at) or json.null,
             ended_unix = r.ended_at or json.null,
         sandboxes = json.array(r.sandboxes), ledger_run = r.ledger_run or json.null, pid = r.pid,
-        owner = r.owner or json.null,
+        owner = r.owner or json.null, resumes = r.resumes or 0, resumed_by = r.resumed_by or json.null,
       }
     end
     io.stdout:write(json.encode(json.array(out)), "\n")
@@ -93,6 +95,10 @@ function M.print_rows(store, name, limit, as_json)
       for _, r in ipairs(rows) do
         local extra = {}
         if #r.sandboxes > 0 then extra[#extra + 1] = table.concat(r.sandboxes, ",") end
+        if (r.resumes or 0) > 0 then
+          extra[#extra + 1] = string.format("(resumed %d time%s, last by %s)", r.resumes,
+            r.resumes == 1 and "" or "s", (tostring(r.resumed_by):gsub("/[^/]*$", "")))
+        end
         if r.error then extra[#extra + 1] = r.error end
         print(string.format("%-6d %-18s %-24s %-8s %-24s %-8s %-11s %s", r.id, r.schedule,
             clock_mod.format(r.slot),

@@ -149,7 +149,8 @@ function Ops:status()
         st.runs[#st.runs + 1] = { id = r.id, schedule = r.schedule, slot = r.slot, trigger = r.trigger,
           started_at = r.started_at, ended_at = r.ended_at, outcome = r.outcome,
           error = r.error and trace.redact(r.error) or nil, sandboxes = r.sandboxes,
-          held = lr and lr.held or {}, ledger_run = r.ledger_run,
+          held = lr and lr.held or {}, ledger_run = r.ledger_run, resumes = r.resumes or 0,
+          resumed_by = r.resumed_by,
           trace = self.traces and self:trace_file(r.id) ~= nil or false }
       end
     end

@@ -32,9 +32,17 @@ local function took(r)
   return duration.format(math.floor(d + 0.5))
 end
 
+--- page.short_owner(owner) -> "HOST/PID" of an owner id "HOST/PID/START" (moonbox.ledger),
+-- "?" for nil. Does not yield.
+function M.short_owner(owner)
+  if owner == nil then return "?" end
+  return (tostring(owner):gsub("/[^/]*$", ""))
+end
+
 --- page.html(status) -> the page. status: {recipe, now, control, store_error, schedules = {{name,
 -- spec, next_fire, paused, paused_reason, failures, strip = {rows}}}, runs = {rows with
--- sandboxes, held, trace (bool)}}.
+-- sandboxes, held, trace (bool), resumes and resumed_by (a durable run resumed after its
+-- daemon died: how many times, and the daemon that made the latest)}}.
 function M.html(st)
   local o = {}
   local function w(...) for i = 1, select("#", ...) do o[#o + 1] = select(i, ...) end end
@@ -89,7 +97,12 @@ function M.html(st)
       esc(r.schedule), '</td><td class="t">', esc(t(r.slot)), '</td><td>', esc(r.trigger), '</td><td class="t">',
       esc(t(r.started_at)),
       '</td><td>', esc(took(r)), '</td><td><span class="badge ', esc(r.outcome), '">', esc(r.outcome),
-      '</span></td><td class="sandboxes">')
+      '</span>')
+    if (r.resumes or 0) > 0 then
+      w(' <span class="resumed" title="resumed by ', esc(r.resumed_by or "?"), '">resumed ', esc(r.resumes),
+        '&times; by ', esc(M.short_owner(r.resumed_by)), '</span>')
+    end
+    w('</td><td class="sandboxes">')
     local held = {}
     for _, h in ipairs(r.held or {}) do if h.sandbox_id then held[h.sandbox_id] = true end end
     for i, id in ipairs(r.sandboxes or {}) do
@@ -124,6 +137,7 @@ td.error { color: #a00; white-space: pre-wrap; word-break: break-word; max-width
 .badge { padding: 0 .4em; border-radius: 3px; background: #ddd; }
 .badge.ok, .badge.active { background: #d6f5df; } .badge.failed, .badge.timeout { background: #fbd5d5; }
 .badge.paused { background: #fde9b8; } .fails { color: #a00; }
+.resumed { color: #555; font-size: .9em; }
 code.held { background: #fde9b8; }
 .alert { background: #fbd5d5; padding: .5em; }
 #control { margin-bottom: 1em; } #result { margin-left: 1em; color: #555; }
