@@ -312,7 +312,8 @@ end
 --   results... (how to find out what a call in flight at a crash did: true with its results when
 --   it is found done, nil to send it again; it may raise, e.g. unknown_outcome), meta (kept in
 --   the entry: the ledger intent of a create, the sandbox id of a terminate), sandbox_id, lazy
---   (a read: its `done` may wait for the next write).
+--   (a read: its `done` may wait for the next write), ahead (a repeatable call written `started`
+--   all the same: a terminate).
 -- Raises nondeterminism when the call differs from the journal's next one in this task, the
 -- recorded error when the recorded call failed, and live's errors. [yields]
 function Journal:call(c, live)
@@ -380,8 +381,10 @@ function Journal:call(c, live)
     q[n] = e
   end
   -- Ahead: the call is in progress. Only where it matters: a repeatable call in flight at a
-  -- crash is sent again, exactly as if it had never been written down.
-  if not c.repeatable then self:put(e) end
+  -- crash is sent again, exactly as if it had never been written down — unless what it does
+  -- changes what a resume expects to find (c.ahead: a terminate, after which the sandbox may be
+  -- gone; journal:sandboxes() counts it gone from its `started` on).
+  if not c.repeatable or c.ahead then self:put(e) end
   self.stats.live = self.stats.live + 1
   local r = below(d, live)
   e.t1 = core.time()

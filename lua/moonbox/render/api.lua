@@ -346,6 +346,9 @@ function M.call(conn, op, method, path, opts)
       durable.body_sig(opts.body),
     op = op, repeatable = repeatable, meta = meta, sandbox_id = opts.sandbox_id,
     in_flight = opts.in_flight, encode = encode_call, decode = decode_call, lazy = method == "GET",
+    -- a terminate in flight at a crash may have been carried out: a resume must know to expect
+    -- the sandbox gone (it is sent again all the same)
+    ahead = op == "sandboxes.terminate",
   }, function() return live_call(conn, op, method, path, opts) end)
 end
 
