@@ -92,6 +92,21 @@ local function resumable(r)
 end
 M.resumable = resumable
 
+-- The schedule record of ledger run r when r is a durable schedule's run ({id, schedule}): the
+-- schedule's daemons resume it, not `moonbox run --resume`. [yields] on PostgreSQL.
+local function schedule_record(L, r)
+  if (r.durable or 0) == 0 then return nil end
+  return L.db:row("SELECT id, schedule FROM schedule_runs WHERE ledger_run = ? ORDER BY id LIMIT 1", r.id)
+end
+
+local function resumable_text(L, r)
+  local sr = schedule_record(L, r)
+  if sr then
+    return string.format("dead, resumable (by a daemon of schedule '%s': record %d)", sr.schedule, sr.id), sr
+  end
+  return "dead, resumable (moonbox run --resume)"
+end
+
 --- reap.ps(out) -> number of sandboxes held: prints every run that is alive or holds
 -- something, each held sandbox with what its backend says of it — a dead run's backend is
 -- asked when it can be reached (a lost create shows the sandbox its label names, if any); an
@@ -103,7 +118,7 @@ function M.ps(out)
     if #r.held > 0 or r.alive then
       local who = L.shared and r.owner and ("on " .. r.owner) or ("pid " .. r.pid)
       out(string.format("run %d  %s  %s  %s  %s%s", r.id, who,
-        r.alive and "alive" or resumable(r) and "dead, resumable (moonbox run --resume)" or "dead",
+        r.alive and "alive" or resumable(r) and resumable_text(L, r) or "dead",
         r.recipe or "?", describe_backend(r),
         (r.resumes or 0) > 0 and string.format("  (durable, resumed %d time(s))", r.resumes)
           or (r.durable or 0) ~= 0 and "  (durable)" or ""))
@@ -271,8 +286,11 @@ function M.reap(opts, out)
     for _, r in ipairs(L:runs()) do
       if resumable(r) and #r.held > 0 then
         result.resumable = result.resumable + 1
-        out(string.format("run %d: durable, died before it ended: its %d sandbox(es) wait for " ..
-          "`moonbox run --resume %d` (`moonbox reap --abandon %d` gives them up)", r.id, #r.held, r.id, r.id))
+        local sr = schedule_record(L, r)
+        out(string.format("run %d: durable, died before it ended: its %d sandbox(es) wait for %s " ..
+          "(`moonbox reap --abandon %d` gives them up)", r.id, #r.held, sr
+            and string.format("a daemon of schedule '%s' to resume it (record %d)", sr.schedule, sr.id)
+            or string.format("`moonbox run --resume %d`", r.id), r.id))
       elseif not r.alive and #r.held > 0 then
         M.reap_run(L, r, opts, out, result)
       end

@@ -302,6 +302,8 @@ end
 
 -- ---- durable runs ------------------------------------------------------------------------------
 
+local FINAL = { ok = true, failed = true, timeout = true, cancelled = true, interrupted = true }
+
 --- Sets up run's journal in its task me (run_body, for a durable schedule s): a fresh run opens
 -- its ledger run now, durable (the journal is kept under its id, so it must exist before the
 -- first call), and records it on the history record; a resumed run (run.resume, claimed by
@@ -370,7 +372,8 @@ function Daemon:resume(s, r, now)
     -- the run had ended, and its daemon died before the record said so
     local msg = string.format("its daemon %s stopped after the run ended (%s), before recording it",
       tostring(r.owner), tostring(lr.outcome))
-    local outcome = lr.outcome == "interrupted" and "interrupted" or lr.outcome or "interrupted"
+    -- (a ledger outcome a record does not have, e.g. `moonbox reap --abandon`'s: interrupted)
+    local outcome = FINAL[lr.outcome] and lr.outcome or "interrupted"
     if self.store:settle(r.id, outcome, outcome ~= "ok" and msg or nil, now) then
       self:log("%s: run %d (slot %s) recorded %s: %s", r.schedule, r.id, fmt(r.slot), outcome, msg)
       self:emit("finished", { schedule = r.schedule, id = r.id, outcome = outcome, message = msg,
