@@ -35,7 +35,7 @@ io.stderr:write("schedule_durable_spec: seed ", SEED, " (MOONBOX_SPEC_SEED=", SE
 math.randomseed(SEED)
 
 local START = "2026-03-01T00:00:00Z"
-local LEASE = 1
+local LEASE = 2 -- seconds (MOONBOX_LEASE_SECONDS): renewed every third; short, but well above a stall under load
 local run = T.async
 
 local B, server
@@ -424,6 +424,15 @@ describe("a durable schedule on SQLite", function()
       rec.id .. ")", 1, true),
       why() .. ": " .. r.stderr)
     assert(r.stderr:find("daemons resume it themselves", 1, true), why() .. ": " .. r.stderr)
+    -- `moonbox ps` says whose it is, and `moonbox reap` leaves it to them (the resume adopts
+    -- its sandbox: one reap terminated would make the resume fail with lost_sandbox)
+    local ps = w:moonbox { "ps" }
+    assert(ps.stdout:find(string.format("dead, resumable (by a daemon of schedule '%s': record %d)", rec.schedule,
+      rec.id), 1, true), why() .. ": moonbox ps:\n" .. ps.stdout .. ps.stderr)
+    local reap = w:moonbox { "reap" }
+    assert(reap.code == 0, why() .. ": moonbox reap: " .. reap.stderr)
+    assert(reap.stdout:find(string.format("wait for a daemon of schedule '%s' to resume it (record %d)",
+      rec.schedule, rec.id), 1, true), why() .. ": moonbox reap:\n" .. reap.stdout .. reap.stderr)
     local d2 = w:daemon { "--listen", "127.0.0.1:0" }
     w:wait("the listener", function() return w:count(d2, "listening on http://") > 0 end, why)
     local sname = rec.schedule

@@ -187,7 +187,8 @@ backend, the sandboxes it had are adopted as they are, and from the first call p
 it runs live. A call that differs from the journal raises nondeterminism; a sandbox the journal
 holds that is gone raises lost_sandbox. --run-id NAME names the run: the same command again
 resumes it when it died (and refuses when it runs or has ended). `moonbox reap` leaves a durable
-run that died to its resume (`moonbox reap --abandon RUN` gives it up).
+run that died to its resume (`moonbox reap --abandon RUN` gives it up). A durable schedule's run
+(docs/schedule.md) is refused: the `moonbox schedule` daemons resume it.
 --record CASSETTE writes the same journal to a file, with the recipe's own moonbox.http requests;
 --replay CASSETTE runs the recipe with no backend at all, every call answered from the cassette
 (FILE defaults to the one recorded). Secrets never enter a journal or a cassette. See
@@ -800,7 +801,8 @@ backend cannot be reached, or a terminate that keeps failing after its retries, 
 left for the next reap; every other run is still settled. Prints what it did per run.
 
 A durable run (`moonbox run --durable`) that died before it ended is left alone: its sandboxes
-wait for `moonbox run --resume RUN`. --abandon RUN gives such a run up (it is recorded
+wait for `moonbox run --resume RUN` (a durable schedule's run: for a daemon of the schedule to
+resume it). --abandon RUN gives such a run up (it is recorded
 "abandoned" and can no longer be resumed) and settles what it holds.
 
 --dry-run only says what it would do. --forget RUN drops what run RUN (a dead one) holds from
