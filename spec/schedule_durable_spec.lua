@@ -374,6 +374,11 @@ describe("a durable schedule on PostgreSQL with two daemons", function()
           assert(r.resumes == 1, rwhy() .. ": resumes " .. tostring(r.resumes))
           assert(r.resumed_by == r.owner, rwhy() .. ": resumed_by " .. tostring(r.resumed_by))
           check_execs(marks[r.id], r.id, rwhy)
+          -- the sandbox it ends with is the one the first attempt made, when it got that far
+          if marks[r.id].sandbox then
+            assert(r.sandboxes and r.sandboxes[1] == marks[r.id].sandbox, rwhy() .. ": the run began with " ..
+              marks[r.id].sandbox .. ", its record holds " .. json.encode(r.sandboxes or {}))
+          end
         elseif (r.resumes or 0) > 0 then
           -- a run the dead daemon had under way besides the one that crashed it
           others = others + 1
