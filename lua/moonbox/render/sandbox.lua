@@ -254,6 +254,17 @@ Sandbox.__tostring = function(sb)
   return string.format("Sandbox %s (%s, %s)", sb.id, sb.status or "?", sb.plan or "?")
 end
 
+-- What a failed terminate's message ends with: `moonbox reap` retries it — unless the sandbox
+-- lives only in a dry run or a replay (no backend made it: there is nothing to reap).
+local function reap_hint(sb)
+  local c = connection(sb)
+  local kind = c and c.kind
+  if kind == "dry-run" or kind == "replay" then
+    return " (a " .. kind .. ": nothing was made, nothing is left)"
+  end
+  return " (`moonbox reap` retries it)"
+end
+
 --- Scope exit of a sandbox held in a `<close>` variable: terminates it unless kept. A failed
 -- terminate never replaces the error being unwound: it is attached to it (err.cleanup_errors)
 -- and reported on stderr; on a normal exit it raises "cleanup_failed".
@@ -265,14 +276,14 @@ Sandbox.__close = function(sb, err)
     if not api.is_interruption(terr) then
       guard.attach(err, { { id = sb.id, label = "terminate " .. sb.id, error = terr } })
       io.stderr:write("moonbox: while unwinding ", tostring(err), ", terminating ", sb.id, " failed: ",
-        tostring(terr), " (`moonbox reap` retries it)\n")
+        tostring(terr), reap_hint(sb), "\n")
     end
     return
   end
   if api.is_interruption(terr) then error(terr, 0) end
   error(api.error { op = "sandbox:close", code = "cleanup_failed", sandbox_id = sb.id, cause = terr,
     message = "could not terminate " .. sb.id .. " at the end of its scope: " .. tostring(terr) ..
-      " (`moonbox reap` retries it)" }, 0)
+      reap_hint(sb) }, 0)
 end
 
 M.Sandbox = Sandbox
@@ -286,7 +297,7 @@ function M.discard(sb, err)
   if ok or api.is_interruption(terr) then return end
   guard.attach(err, { { id = sb.id, label = "terminate " .. sb.id, error = terr } })
   io.stderr:write("moonbox: terminating ", sb.id, " after ", tostring(err), " failed: ", tostring(terr),
-    " (`moonbox reap` retries it)\n")
+    reap_hint(sb), "\n")
 end
 
 -- ---- create ---------------------------------------------------------------------------------
