@@ -142,6 +142,17 @@ end
 -- (the call is then in flight; only non-repeatable calls write one) or its `done`.
 local crash_at = math.tointeger(tonumber(os.getenv("MOONBOX_DURABLE_CRASH_AT") or ""))
 local writes = 0
+-- MOONBOX_DURABLE_WRITES_FILE=PATH: when a durable journal stops, the number of those writes
+-- this process made is written to PATH (how a spec learns the crash points of a run).
+local writes_file = os.getenv("MOONBOX_DURABLE_WRITES_FILE")
+local function report_writes(j)
+  if not writes_file or writes_file == "" or j.mode ~= "durable" then return end
+  local f = io.open(writes_file, "w")
+  if f then
+    f:write(writes, "\n")
+    f:close()
+  end
+end
 
 -- Writes an entry (and the clock and random reads waiting to be written), redacted.
 function Journal:put(e)
@@ -537,6 +548,7 @@ function M.stop()
     j.pending = {}
     pcall(j.store.put, j.store, batch)
   end
+  report_writes(j)
   uninstall()
   J = nil
   local t = core.current()
