@@ -139,7 +139,7 @@ end
 
 -- Crash points for the specs (MOONBOX_DURABLE_CRASH_AT=N): the process kills itself (SIGKILL)
 -- right after the journal's N-th write of this process, which is either a call's `started`
--- (the call is then in flight; only non-repeatable calls write one) or its `done`.
+-- (the call is then in flight; only non-repeatable calls and terminates write one) or its `done`.
 local crash_at = math.tointeger(tonumber(os.getenv("MOONBOX_DURABLE_CRASH_AT") or ""))
 local writes = 0
 -- MOONBOX_DURABLE_WRITES_FILE=PATH: when a durable journal stops, the number of those writes
@@ -283,7 +283,8 @@ end
 --   results... (how to find out what a call in flight at a crash did: true with its results when
 --   it is found done, nil to send it again; it may raise, e.g. unknown_outcome), meta (kept in
 --   the entry: the ledger intent of a create, the sandbox id of a terminate), sandbox_id, lazy
---   (a read: its `done` may wait for the next write).
+--   (a read: its `done` may wait for the next write), ahead (a repeatable call written `started`
+--   before it goes out all the same: a terminate, whose sandbox a resume must not call lost).
 -- Raises nondeterminism when the call differs from the journal's next one in this task, the
 -- recorded error when the recorded call failed, and live's errors. [yields]
 function Journal:call(c, live)
@@ -351,8 +352,9 @@ function Journal:call(c, live)
     q[n] = e
   end
   -- Ahead: the call is in progress. Only where it matters: a repeatable call in flight at a
-  -- crash is sent again, exactly as if it had never been written down.
-  if not c.repeatable then self:put(e) end
+  -- crash is sent again, exactly as if it had never been written down — but for one that says
+  -- c.ahead (a terminate: a resume must know the sandbox may be gone already).
+  if not c.repeatable or c.ahead then self:put(e) end
   self.stats.live = self.stats.live + 1
   local r = below(d, live)
   e.t1 = core.time()

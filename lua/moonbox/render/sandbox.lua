@@ -65,7 +65,7 @@ end
 -- `moonbox reap` records what it settles itself). Raises the request's error otherwise. [yields]
 local function terminate_request(c, id)
   local ok, err = pcall(api.call, c, "sandboxes.terminate", "POST", "/sandboxes/" .. id .. "/terminate",
-    { idempotent = true, sandbox_id = id })
+    { idempotent = true, sandbox_id = id, journal_ahead = true })
   if ok then return "terminated" end
   if type(err) == "table" and err.status == 404 and err.code == "not_found" then return "gone" end
   error(err, 0)
