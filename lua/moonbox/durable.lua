@@ -297,7 +297,10 @@ function Journal:call(c, live)
   q.n = n
   local e = q[n]
   if e then
-    if e.sig ~= c.sig then nondeterminism(self, key, n, c.sig, e) end
+    if e.sig ~= c.sig then
+      q.n = n - 1 -- not consumed: a create it holds was never reached (durable.run terminates it)
+      nondeterminism(self, key, n, c.sig, e)
+    end
     if e.st == "done" or e.st == "failed" then
       self.stats.replayed = self.stats.replayed + 1
       -- An answer from the journal still lets the other tasks run first, as a live call's
