@@ -241,6 +241,9 @@ end
 --- durable.nondeterminism(fields) -> raises the structured error `nondeterminism` (op
 -- "durable"): the recipe asked for something other than what the journal recorded next.
 local function nondeterminism(j, key, n, got, e, why)
+  -- From here on the run is unwinding, not resuming: its guards' terminates must reach the
+  -- backend, not be compared with a journal the recipe left (journal:call sends them live).
+  j.diverged = true
   local where = core.where()
   local msg
   local shown, expected = summary(got), nil
@@ -289,7 +292,7 @@ end
 -- recorded error when the recorded call failed, and live's errors. [yields]
 function Journal:call(c, live)
   local d, key = here()
-  if not d then return live() end
+  if not d or (self.diverged and self.mode == "durable") then return live() end
   -- compared as it is kept: redacted (a secret registered since shows as [redacted] in both)
   c.sig = trace.redact(c.sig)
   local q = queue(stream_of(self, key), "c")
@@ -429,6 +432,7 @@ local saved
 
 local function on_spawn(parent, child)
   local pd = core.data(parent)
+  pd = pd.jowner or pd -- a task that makes its caller's calls (durable.inherit) numbers as it
   local key = pd.jkey
   if key == nil then return end
   local n = (pd.jn or 0) + 1
@@ -569,6 +573,23 @@ end
 function M.fresh(make)
   if not J then return make() end
   return J:lenient("b", make)
+end
+
+--- durable.inherit(t): task t, just spawned by the running task, which waits for it to its end
+-- (api.shielded: a create, a terminate), makes its calls in the running task's stream, as the
+-- running task would: it takes no stream of its own, and what it spawns is numbered in that
+-- stream. So a call of the recipe's is checked against the journal where the recipe made it,
+-- and the streams of the tasks the recipe spawns do not depend on how many such calls it made.
+-- Does not yield.
+function M.inherit(t)
+  local cur = J and core.current()
+  if not cur then return end
+  local pd = core.data(cur)
+  if pd.jkey == nil then return end
+  local owner = pd.jowner or pd
+  owner.jn = (owner.jn or 1) - 1 -- the number on_spawn gave t, taken back
+  local cd = core.data(t)
+  cd.jkey, cd.jowner, cd.jbelow = pd.jkey, owner, pd.jbelow
 end
 
 --- durable.peek(op) -> the running task's next journaled call when it is one of op, else nil

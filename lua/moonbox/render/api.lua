@@ -573,6 +573,7 @@ end
 -- never reported as an unjoined task. [yields]
 function M.shielded(fn, ...)
   local t = task.spawn(fn, ...)
+  durable.inherit(t) -- its calls are the caller's, journaled in the caller's stream
   core.observe(t)
   local interruption
   while true do
