@@ -16,7 +16,9 @@
 -- Streams. Concurrent tasks interleave differently from one run to the next, so the journal is
 -- not one sequence but one per task: the root task's stream is "r", the n-th task a task spawns
 -- (moonbox.task's one spawn path) gets its parent's key .. "." .. n, and item i of a task.map
--- gets the map's key .. "[" .. i .. "]" whichever worker ran it. Each stream has its own queues:
+-- gets the map's key .. "[" .. i .. "]" whichever worker ran it; a task spawned for a call its
+-- spawner waits on (api.shielded: a create, a terminate) takes its spawner's stream
+-- (durable.inherit). Each stream has its own queues:
 -- calls (kind "c": Render calls, steps, and the recipe's own HTTP in a cassette; strict: a call
 -- that differs from the next entry is `nondeterminism`), clock reads (task.now "t", os.time "T",
 -- os.clock "C") and random values (math.random "r", fresh ids "b"), which are lenient: past their
