@@ -28,19 +28,17 @@ end
 
 --- durable.crash_points(seed, total, n) -> n crash points in [1, total], one in each n-th of
 -- it (stratum i is [floor((i-1)·total/n) + 1, floor(i·total/n)], the point uniform in it from
--- the seed's generator), ascending: spread over the whole run, never past its end. A total
--- below n leaves some strata empty: those take the stratum's upper bound's neighbour (the
--- points then repeat). Raises when total < 1.
+-- the seed's generator), ascending: spread over the whole run, never past its end. With a
+-- total below n a stratum may be empty: it takes its lower bound (points then repeat). Raises
+-- when total < 1.
 function M.crash_points(seed, total, n)
   assert(math.type(total) == "integer" and total >= 1, "crash_points: no journal writes to crash at")
   local rng = math.random
   math.randomseed(seed)
   local out = {}
   for i = 1, n do
-    local lo, hi = (i - 1) * total // n + 1, i * total // n
-    if hi < lo then hi = lo end
-    if lo > total then lo, hi = total, total end
-    out[i] = rng(lo, hi)
+    local lo, hi = math.min((i - 1) * total // n + 1, total), i * total // n
+    out[i] = rng(lo, math.max(lo, hi))
   end
   return out
 end
