@@ -272,13 +272,25 @@ local function below(d, fn, ...)
 end
 
 -- The first call that goes live: on_live (a durable resume checks the sandboxes it holds).
+-- Calls of other tasks that go live meanwhile wait for the check to end: sent at once, a
+-- terminate would make the check find its sandbox gone (lost_sandbox).
 local function going_live(j, d)
-  if j.went_live then return end
-  j.went_live = true
-  if j.on_live then
-    local r = below(d, j.on_live, j)
-    if not r[1] then error(r[2], 0) end
+  if j.went_live == true then return end
+  if j.went_live then -- another task is checking
+    local checking = j.went_live
+    while j.went_live == checking do checking:wait() end
+    return
   end
+  if not j.on_live then
+    j.went_live = true
+    return
+  end
+  local checking = core.cond()
+  j.went_live = checking
+  local r = below(d, j.on_live, j)
+  j.went_live = true
+  checking:broadcast()
+  if not r[1] then error(r[2], 0) end
 end
 
 --- journal:call(c, live) -> live's results, or the recorded ones. c describes the call:
