@@ -96,6 +96,26 @@ local function check_creates(run_id, mark, what)
 end
 
 describe("a durable run", function()
+  it("resumed into concurrent terminates does not call their sandboxes lost", T.async(function()
+    -- The first call past the journal checks every sandbox the run holds (lost_sandbox); the
+    -- fleet's other terminates go live meanwhile, and must not be sent before that check is done.
+    local recipe = home:recipe(D.PRELUDE .. [[
+local fleet <close> = render.restore(nil, { count = 10, concurrency = 10, network = "deny-all", lifetime = 600 })
+task.step("all running", function() end) -- a write: what the waits read is journaled with it
+die_if("before cleanup")
+fleet:terminate()
+print("terminated " .. #fleet)
+]])
+    local mark = runs.last_seq(B)
+    local first = D.moonbox(home, { CRASH = "before cleanup" }, "run", "--durable", "--run-id", "terminates", recipe)
+    assert(first.signal == "KILL", "the first attempt did not die at its die_if: " .. first.stderr)
+    S.after_kill()
+    local resumed = D.moonbox(home, {}, "run", "--resume", "terminates")
+    assert(resumed.code == 0, "the resume exited " .. tostring(resumed.code) .. "\n" .. resumed.stderr)
+    assert.are.equal("terminated 10\n", resumed.stdout)
+    D.check_nothing_left(B, home, "after the resume", mark)
+  end))
+
   it("SIGKILLed at any of 30 seeded journal writes is finished by its resume, each exec run once",
     T.async(function()
     -- the uncrashed run: how many journal writes a run makes
