@@ -8,7 +8,8 @@
 -- counter file) but those the resume reported `unknown_outcome` (0 or 1); the backend's request
 -- journal shows every logical create (a label mb-<intent>-<run>) sent once and answered once; and
 -- nothing is left: no live sandbox on the backend, nothing held and no run shown by `moonbox ps`,
--- and the run has ended (a second resume is refused).
+-- and the run has ended (a second resume is refused). Besides, a resume whose first live calls
+-- are a fleet's concurrent terminates must not find their sandboxes lost.
 --
 -- Seeded: the seed and every crash point are printed, and every failure names the seed and the
 -- point; MOONBOX_SPEC_SEED=S replays seed S.
