@@ -1,6 +1,7 @@
 #!/bin/sh
 # fuzz/run.sh SECONDS - builds every libFuzzer target (fuzz_sse, fuzz_output_event, fuzz_cron,
-# fuzz_tz, fuzz_gate, fuzz_archive_names, fuzz_starter) with clang in build-fuzz/ and fuzzes each for SECONDS seconds, one after another. Each target fuzzes a fresh
+# fuzz_tz, fuzz_gate, fuzz_archive_names, fuzz_starter) with clang in build-fuzz/ and fuzzes
+# each for SECONDS seconds, as many at once as there are cores. Each target fuzzes a fresh
 # scratch copy of its seeds, fuzz/corpus/NAME (build-fuzz/corpus-NAME), so the checked-in seeds
 # are never written; crash inputs land in build-fuzz/artifacts-NAME/ and the log in
 # build-fuzz/fuzz_NAME.log. Prints one "fuzz_NAME: N runs, C crashes" line per target and exits
@@ -59,8 +60,28 @@ fuzz_one() {
     [ "$crashes" -eq 0 ]
 }
 
+# As many targets at once as the machine has cores (each libFuzzer run is one process on one
+# core): the same seconds per target, in a fraction of the wall time. Each target's summary
+# goes to a file of its own and is printed in the targets' order once its batch is done.
+jobs=$(nproc 2>/dev/null || echo 1)
 failed=0
-for name in $targets; do
-    fuzz_one "$name" || failed=1
+set -- $targets
+while [ $# -gt 0 ]; do
+    batch=
+    pids=
+    i=0
+    while [ $# -gt 0 ] && [ "$i" -lt "$jobs" ]; do
+        (fuzz_one "$1" || exit 1) >"$build/summary-$1" 2>&1 &
+        pids="$pids $!"
+        batch="$batch $1"
+        i=$((i + 1))
+        shift
+    done
+    for pid in $pids; do
+        wait "$pid" || failed=1
+    done
+    for name in $batch; do
+        cat "$build/summary-$name"
+    done
 done
 exit "$failed"

@@ -24,7 +24,9 @@
 -- Streams. Concurrent tasks interleave differently from one run to the next, so the journal is
 -- not one sequence but one per task: the root task's stream is "r", the n-th task a task spawns
 -- (moonbox.task's one spawn path) gets its parent's key .. "." .. n, and item i of a task.map
--- gets the map's key .. "[" .. i .. "]" whichever worker ran it. Each stream has its own queues:
+-- gets the map's key .. "[" .. i .. "]" whichever worker ran it; a task spawned for a call its
+-- spawner waits on (api.shielded: a create, a terminate) takes its spawner's stream
+-- (durable.inherit). Each stream has its own queues:
 -- calls (kind "c": Render calls, steps, and the recipe's own HTTP in a cassette; strict: a call
 -- that differs from the next entry is `nondeterminism`), clock reads (task.now "t", os.time "T",
 -- os.clock "C") and random values (math.random "r", fresh ids "b"), which are lenient: past their
@@ -154,7 +156,7 @@ end
 
 -- Crash points for the specs. MOONBOX_DURABLE_CRASH_AT=N: the process kills itself (SIGKILL)
 -- right after the journal's N-th write of this process, which is either a call's `started`
--- (the call is then in flight; only non-repeatable calls write one) or its `done`.
+-- (the call is then in flight; only non-repeatable calls and terminates write one) or its `done`.
 -- MOONBOX_DURABLE_CRASH_AT=@FILE (for a daemon, whose process runs many runs): the next fresh
 -- durable run that starts, in whichever process gets FILE first (it is renamed away, atomically,
 -- so only one does), kills its process right after that run's N-th journal write, N being what
@@ -163,6 +165,17 @@ local crash_env = os.getenv("MOONBOX_DURABLE_CRASH_AT") or ""
 local crash_at = math.tointeger(tonumber(crash_env))
 local crash_file = crash_env:match("^@(.+)$")
 local writes = 0
+-- MOONBOX_DURABLE_WRITES_FILE=PATH: when a durable journal stops, the number of those writes
+-- this process made is written to PATH (how a spec learns the crash points of a run).
+local writes_file = os.getenv("MOONBOX_DURABLE_WRITES_FILE")
+local function report_writes(j)
+  if not writes_file or writes_file == "" or j.mode ~= "durable" then return end
+  local f = io.open(writes_file, "w")
+  if f then
+    f:write(writes, "\n")
+    f:close()
+  end
+end
 
 local function self_pid()
   local f = assert(io.open("/proc/self/stat"))
@@ -270,6 +283,9 @@ end
 --- durable.nondeterminism(fields) -> raises the structured error `nondeterminism` (op
 -- "durable"): the recipe asked for something other than what the journal recorded next.
 local function nondeterminism(j, key, n, got, e, why)
+  -- From here on the run is unwinding, not resuming: its guards' terminates must reach the
+  -- backend, not be compared with a journal the recipe left (journal:call sends them live).
+  j.diverged = true
   local where = core.where()
   local msg
   local shown, expected = summary(got), nil
@@ -296,13 +312,25 @@ local function below(d, fn, ...)
 end
 
 -- The first call that goes live: on_live (a durable resume checks the sandboxes it holds).
+-- Calls of other tasks that go live meanwhile wait for the check to end: sent at once, a
+-- terminate would make the check find its sandbox gone (lost_sandbox).
 local function going_live(j, d)
-  if j.went_live then return end
-  j.went_live = true
-  if j.on_live then
-    local r = below(d, j.on_live, j)
-    if not r[1] then error(r[2], 0) end
+  if j.went_live == true then return end
+  if j.went_live then -- another task is checking
+    local checking = j.went_live
+    while j.went_live == checking do checking:wait() end
+    return
   end
+  if not j.on_live then
+    j.went_live = true
+    return
+  end
+  local checking = core.cond()
+  j.went_live = checking
+  local r = below(d, j.on_live, j)
+  j.went_live = true
+  checking:broadcast()
+  if not r[1] then error(r[2], 0) end
 end
 
 --- journal:call(c, live) -> live's results, or the recorded ones. c describes the call:
@@ -313,12 +341,12 @@ end
 --   it is found done, nil to send it again; it may raise, e.g. unknown_outcome), meta (kept in
 --   the entry: the ledger intent of a create, the sandbox id of a terminate), sandbox_id, lazy
 --   (a read: its `done` may wait for the next write), ahead (a repeatable call written `started`
---   all the same: a terminate).
+--   before it goes out all the same: a terminate, whose sandbox a resume must not call lost).
 -- Raises nondeterminism when the call differs from the journal's next one in this task, the
 -- recorded error when the recorded call failed, and live's errors. [yields]
 function Journal:call(c, live)
   local d, key, j = here()
-  if j ~= self then return live() end
+  if j ~= self or (self.diverged and self.mode == "durable") then return live() end
   -- compared as it is kept: redacted (a secret registered since shows as [redacted] in both)
   c.sig = trace.redact(c.sig)
   local q = queue(stream_of(self, key), "c")
@@ -326,7 +354,10 @@ function Journal:call(c, live)
   q.n = n
   local e = q[n]
   if e then
-    if e.sig ~= c.sig then nondeterminism(self, key, n, c.sig, e) end
+    if e.sig ~= c.sig then
+      q.n = n - 1 -- not consumed: a create it holds was never reached (durable.run terminates it)
+      nondeterminism(self, key, n, c.sig, e)
+    end
     if e.st == "done" or e.st == "failed" then
       self.stats.replayed = self.stats.replayed + 1
       -- An answer from the journal still lets the other tasks run first, as a live call's
@@ -454,6 +485,7 @@ end
 
 local function on_spawn(parent, child)
   local pd = core.data(parent)
+  pd = pd.jowner or pd -- a task that makes its caller's calls (durable.inherit) numbers as it
   local key = pd.jkey
   if key == nil then return end
   local n = (pd.jn or 0) + 1
@@ -606,6 +638,7 @@ function M.detach(j)
   if task.context(CTX, t) == j then task.set_context(CTX, nil, t) end
   local d = core.data(t)
   d.jkey, d.jn = nil, nil
+  report_writes(j)
   uninstall()
   return j.stats
 end
@@ -638,6 +671,24 @@ function M.fresh(make)
   local _, _, j = here()
   if not j then return make() end
   return j:lenient("b", make)
+end
+
+--- durable.inherit(t): task t, just spawned by the running task, which waits for it to its end
+-- (api.shielded: a create, a terminate), makes its calls in the running task's stream, as the
+-- running task would: it takes no stream of its own, and what it spawns is numbered in that
+-- stream. So a call of the recipe's is checked against the journal where the recipe made it,
+-- and the streams of the tasks the recipe spawns do not depend on how many such calls it made.
+-- Does not yield.
+function M.inherit(t)
+  local _, _, j = here()
+  local cur = j and core.current()
+  if not cur then return end
+  local pd = core.data(cur)
+  if pd.jkey == nil then return end
+  local owner = pd.jowner or pd
+  owner.jn = (owner.jn or 1) - 1 -- the number on_spawn gave t, taken back
+  local cd = core.data(t)
+  cd.jkey, cd.jowner, cd.jbelow = pd.jkey, owner, pd.jbelow
 end
 
 --- durable.peek(op) -> the running task's next journaled call when it is one of op, else nil

@@ -326,7 +326,8 @@ end
 -- headers. opts: query, body (table → JSON), idempotent (may it be sent again? default: GET and
 -- DELETE), sandbox_id / snapshot_id / group_id (for errors), timeout (per attempt, default 60 s),
 -- deadline (overall seconds, default 120), retries (default 5); for a durable run's journal
--- (moonbox.durable): journal (what the entry keeps besides: the ledger intent of a create) and
+-- (moonbox.durable): journal (what the entry keeps besides: the ledger intent of a create),
+-- journal_ahead (journal a repeatable call `started` before it is sent, too) and
 -- in_flight(entry) (how to find out what the call did when a crash left it in flight; default:
 -- a repeatable call is sent again, any other raises unknown_outcome). Raises structured errors
 -- (see the file's header for what is retried). With a trace on, the call is one span (cat
@@ -346,9 +347,7 @@ function M.call(conn, op, method, path, opts)
       durable.body_sig(opts.body),
     op = op, repeatable = repeatable, meta = meta, sandbox_id = opts.sandbox_id,
     in_flight = opts.in_flight, encode = encode_call, decode = decode_call, lazy = method == "GET",
-    -- a terminate in flight at a crash may have been carried out: a resume must know to expect
-    -- the sandbox gone (it is sent again all the same)
-    ahead = op == "sandboxes.terminate",
+    ahead = opts.journal_ahead,
   }, function() return live_call(conn, op, method, path, opts) end)
 end
 
@@ -573,6 +572,7 @@ end
 -- never reported as an unjoined task. [yields]
 function M.shielded(fn, ...)
   local t = task.spawn(fn, ...)
+  durable.inherit(t) -- its calls are the caller's, journaled in the caller's stream
   core.observe(t)
   local interruption
   while true do

@@ -65,7 +65,7 @@ end
 -- `moonbox reap` records what it settles itself). Raises the request's error otherwise. [yields]
 local function terminate_request(c, id)
   local ok, err = pcall(api.call, c, "sandboxes.terminate", "POST", "/sandboxes/" .. id .. "/terminate",
-    { idempotent = true, sandbox_id = id })
+    { idempotent = true, sandbox_id = id, journal_ahead = true })
   if ok then return "terminated" end
   if type(err) == "table" and err.status == 404 and err.code == "not_found" then return "gone" end
   error(err, 0)
@@ -254,6 +254,17 @@ Sandbox.__tostring = function(sb)
   return string.format("Sandbox %s (%s, %s)", sb.id, sb.status or "?", sb.plan or "?")
 end
 
+-- What a failed terminate's message ends with: `moonbox reap` retries it — unless the sandbox
+-- lives only in a dry run or a replay (no backend made it: there is nothing to reap).
+local function reap_hint(sb)
+  local c = connection(sb)
+  local kind = c and c.kind
+  if kind == "dry-run" or kind == "replay" then
+    return " (a " .. kind .. ": nothing was made, nothing is left)"
+  end
+  return " (`moonbox reap` retries it)"
+end
+
 --- Scope exit of a sandbox held in a `<close>` variable: terminates it unless kept. A failed
 -- terminate never replaces the error being unwound: it is attached to it (err.cleanup_errors)
 -- and reported on stderr; on a normal exit it raises "cleanup_failed".
@@ -265,14 +276,14 @@ Sandbox.__close = function(sb, err)
     if not api.is_interruption(terr) then
       guard.attach(err, { { id = sb.id, label = "terminate " .. sb.id, error = terr } })
       io.stderr:write("moonbox: while unwinding ", tostring(err), ", terminating ", sb.id, " failed: ",
-        tostring(terr), " (`moonbox reap` retries it)\n")
+        tostring(terr), reap_hint(sb), "\n")
     end
     return
   end
   if api.is_interruption(terr) then error(terr, 0) end
   error(api.error { op = "sandbox:close", code = "cleanup_failed", sandbox_id = sb.id, cause = terr,
     message = "could not terminate " .. sb.id .. " at the end of its scope: " .. tostring(terr) ..
-      " (`moonbox reap` retries it)" }, 0)
+      reap_hint(sb) }, 0)
 end
 
 M.Sandbox = Sandbox
@@ -286,7 +297,7 @@ function M.discard(sb, err)
   if ok or api.is_interruption(terr) then return end
   guard.attach(err, { { id = sb.id, label = "terminate " .. sb.id, error = terr } })
   io.stderr:write("moonbox: terminating ", sb.id, " after ", tostring(err), " failed: ", tostring(terr),
-    " (`moonbox reap` retries it)\n")
+    reap_hint(sb), "\n")
 end
 
 -- ---- create ---------------------------------------------------------------------------------
@@ -384,22 +395,22 @@ end
 -- attempt, and the label is part of the journaled body.
 local function name_create(L, run_id, body)
   local rec = durable.peek("sandboxes.create")
-  local intent, label
+  local intent, label, reused
   if rec and rec.meta and (rec.meta.intent or rec.meta.label) then
-    intent, label = rec.meta.intent, rec.meta.label
+    intent, label, reused = rec.meta.intent, rec.meta.label, true
   elseif L then
     intent, label = L:intent(run_id)
   else
     label = "mb-x" .. durable.fresh(function() return ids.token():sub(1, 16) end)
   end
   if body.name == nil then body.name = label else label = nil end
-  return intent, label
+  return intent, label, reused
 end
 
 -- The create request and what its answer means for the ledger; runs in a task of its own.
 -- A create a crash left in flight in a durable run is found by its label, or sent again.
 local function create_request(c, body, L, run_id)
-  local intent, label = name_create(L, run_id, body)
+  local intent, label, reused = name_create(L, run_id, body)
   events.emit("creating", nil, { name = body.name, snapshot_id = body.snapshotId })
   local ok, data = pcall(api.call, c, "sandboxes.create", "POST", "/sandboxes",
     { body = body, idempotent = false, snapshot_id = body.snapshotId,
@@ -415,6 +426,13 @@ local function create_request(c, body, L, run_id)
   end
   local err = data
   if api.is_interruption(err) or type(err) ~= "table" then error(err, 0) end
+  if err.op == "durable" then
+    -- A durable run's resume refused the call before sending it (nondeterminism, lost_sandbox):
+    -- no lost answer, nothing to look for by label. A fresh intent was never used; one the
+    -- journal recorded stays as the first attempt left it (the resume settles its sandbox).
+    if L and not reused then L:fail(intent, err.code) end
+    error(err, 0)
+  end
   if api.definite(err) then
     -- The backend refused: nothing was made.
     if L then L:fail(intent, err.code or "refused") end
