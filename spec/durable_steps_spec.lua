@@ -4,11 +4,11 @@
 -- their index whichever worker ran them. Real `moonbox run --durable` processes, SIGKILLed by
 -- the recipe itself at a known point, against a real `moonbox local`.
 local T = require "moonbox.testing"
-local L = require "spec.support.local_backend"
 local runs = require "spec.support.runs"
 local proc = require "moonbox.proc"
 local read_file = require("moonbox.path").read_file
 local S = require "spec.support.store_env"
+local D = require "spec.support.durable"
 
 local B, home
 
@@ -18,32 +18,12 @@ teardown(T.async(function()
   S.shutdown()
 end))
 
--- The argv of `moonbox ARGS...` of the home, with env's extra NAME=VALUE assignments.
-local function argv_with(env, ...)
-  local argv = home:argv({ ... })
-  for i, a in ipairs(argv) do
-    if a == L.BIN then
-      for k, v in pairs(env) do table.insert(argv, i, k .. "=" .. v) end
-      break
-    end
-  end
-  return argv
-end
+local function argv_with(env, ...) return D.argv(home, env, ...) end
 
 -- What every recipe here starts with: the host file the steps append to, and a way to die.
-local PRELUDE = [[
-local render = require "moonbox.render"
-local task = require "moonbox.task"
-local sys = require "moonbox.sys"
+local PRELUDE = D.PRELUDE .. [[
 local LOG = os.getenv("STEP_LOG")
 local function note(s) local f = assert(io.open(LOG, "a")) f:write(s, "\n") f:close() end
-local function die_if(point)
-  if os.getenv("CRASH") ~= point then return end
-  local f = io.open("/proc/self/stat")
-  local pid = math.tointeger(tonumber(f:read("a"):match("^(%d+)")))
-  f:close()
-  sys.kill(pid, 9)
-end
 ]]
 
 -- Runs recipe durably with CRASH=point (it must die), then resumes it; returns the resume's

@@ -28,6 +28,7 @@ local json = require "moonbox.json"
 local http = require "moonbox.http"
 local L = require "spec.support.local_backend"
 local PG = require "spec.support.postgres"
+local SE = require "spec.support.schedule_env"
 local runs = require "spec.support.runs"
 
 local SEED = tonumber(os.getenv("MOONBOX_SPEC_SEED") or "") or (os.time() % 100000)
@@ -177,15 +178,7 @@ end
 
 --- world:records() -> the history, oldest first, from `moonbox runs --json`. [yields]
 function World:records()
-  local r = self:moonbox { "runs", "--json", "--limit", "0" }
-  assert(r.code == 0, r.stderr)
-  local out = {}
-  for _, row in ipairs(json.decode(r.stdout)) do
-    local t = {}
-    for k, v in pairs(row) do if v ~= json.null then t[k] = v end end
-    table.insert(out, 1, t)
-  end
-  return out
+  return SE.history(function(args) return self:moonbox(args) end)
 end
 
 --- world:marks() -> record id -> {begin = n, sandbox, ends = {lines}}: what the runs' steps wrote.

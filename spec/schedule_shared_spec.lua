@@ -10,7 +10,6 @@ local T = require "moonbox.testing"
 local proc = require "moonbox.proc"
 local task = require "moonbox.task"
 local core = require "moonbox.core"
-local json = require "moonbox.json"
 local clock = require "moonbox.schedule.clock"
 local L = require "spec.support.local_backend"
 local PG = require "spec.support.postgres"
@@ -109,15 +108,7 @@ function World:moonbox(args)
 end
 
 function World:runs()
-  local r = self:moonbox { "runs", "--json", "--limit", "0" }
-  assert.are.equal(0, r.code, r.stderr)
-  local out = {}
-  for _, row in ipairs(json.decode(r.stdout)) do
-    local t = {}
-    for k, v in pairs(row) do if v ~= json.null then t[k] = v end end
-    table.insert(out, 1, t)
-  end
-  return out
+  return SE.history(function(args) return self:moonbox(args) end)
 end
 
 --- The slots the run bodies wrote to DIR/marks, slot -> how many times.

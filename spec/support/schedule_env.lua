@@ -126,11 +126,12 @@ function Env:daemon(extra, start)
   return d
 end
 
---- env:runs(name) -> history rows (oldest first) from `moonbox runs --json`. [yields]
-function Env:runs(name)
+--- SE.history(moonbox, name) -> the history's rows (oldest first, without JSON nulls) from
+-- `moonbox runs --json --limit 0 [NAME]`, run by moonbox(args) -> proc.run's result. [yields]
+function M.history(moonbox, name)
   local args = { "runs", "--json", "--limit", "0" }
   if name then args[#args + 1] = name end
-  local r = self:moonbox(args)
+  local r = moonbox(args)
   assert(r.code == 0, r.stderr)
   local rows = json.decode(r.stdout)
   local out = {}
@@ -142,6 +143,11 @@ function Env:runs(name)
     out[#out + 1] = row
   end
   return out
+end
+
+--- env:runs(name) -> history rows (oldest first) from `moonbox runs --json`. [yields]
+function Env:runs(name)
+  return M.history(function(args) return self:moonbox(args) end, name)
 end
 
 --- env:destroy(): removes the state dir and recipe. [yields]
