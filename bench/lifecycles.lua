@@ -55,22 +55,9 @@ local function kernel_threads()
   return ns / 1e9
 end
 
--- Seconds every task of the machine has run: the root cpuacct cgroup (v1) counts each task's
--- measured runtime, kernel threads included, steal excluded.
-local CPUACCT
-for _, p in ipairs({ "/sys/fs/cgroup/cpuacct/cpuacct.usage", "/sys/fs/cgroup/cpu,cpuacct/cpuacct.usage" }) do
-  if read(p) then CPUACCT = p break end
-end
-local function machine()
-  return CPUACCT and tonumber(read(CPUACCT)) / 1e9 or 0
-end
-
--- All CPUs' busy time from /proc/stat (user nice system irq softirq steal), tick-sampled.
-local function ticks()
-  local v = {}
-  for x in read("/proc/stat"):match("^cpu (.-)\n"):gmatch("%d+") do v[#v + 1] = tonumber(x) end
-  return (v[1] + v[2] + v[3] + v[6] + v[7] + (v[8] or 0)) / 100
-end
+local CPUACCT = measure.CPUACCT
+local function machine() return CPUACCT and measure.machine_cpu() or 0 end
+local ticks = measure.ticks
 
 -- pid: whose CPU and reaped children's the per-process measure counts; "self": only our reaped
 -- children's (the floor's bwraps, not our spawning of them).

@@ -49,19 +49,9 @@ end
 
 -- ---- the measures --------------------------------------------------------------------------------
 
-local CPUACCT
-for _, p in ipairs({ "/sys/fs/cgroup/cpuacct/cpuacct.usage", "/sys/fs/cgroup/cpu,cpuacct/cpuacct.usage" }) do
-  if read(p) then CPUACCT = p break end
-end
--- Seconds every task of the machine has run.
-local function machine()
-  if CPUACCT then return tonumber(read(CPUACCT)) / 1e9 end
-  local stat = read("/sys/fs/cgroup/cpu.stat") -- cgroup v2's root
-  if stat and stat:match("usage_usec (%d+)") then return tonumber(stat:match("usage_usec (%d+)")) / 1e6 end
-  local v = {}
-  for x in read("/proc/stat"):match("^cpu (.-)\n"):gmatch("%d+") do v[#v + 1] = tonumber(x) end
-  return (v[1] + v[2] + v[3] + v[6] + v[7]) / 100
-end
+-- Seconds every task of the machine has run (the busy ticks of /proc/stat without a cgroup
+-- that counts them).
+local function machine() return measure.machine_cpu() or measure.ticks() end
 local function own()
   local st = measure.proc_stat("self")
   return st.self

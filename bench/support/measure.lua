@@ -32,6 +32,32 @@ function M.proc_stat(pid)
     anon = tonumber(status:match("\nRssAnon:%s+(%d+)")), hwm = tonumber(status:match("\nVmHWM:%s+(%d+)")) }
 end
 
+--- measure.CPUACCT: the root cpuacct cgroup's usage file (cgroup v1), or nil without one. It
+-- counts every task's measured runtime, kernel threads included, steal excluded.
+for _, p in ipairs({ "/sys/fs/cgroup/cpuacct/cpuacct.usage", "/sys/fs/cgroup/cpu,cpuacct/cpuacct.usage" }) do
+  if read_file(p) then
+    M.CPUACCT = p
+    break
+  end
+end
+
+--- measure.ticks() -> all CPUs' busy seconds from /proc/stat (user nice system irq softirq
+-- steal), tick-sampled.
+function M.ticks()
+  local v = {}
+  for x in read_file("/proc/stat"):match("^cpu (.-)\n"):gmatch("%d+") do v[#v + 1] = tonumber(x) end
+  return (v[1] + v[2] + v[3] + v[6] + v[7] + (v[8] or 0)) / 100
+end
+
+--- measure.machine_cpu() -> seconds every task of the machine has run: the root cpuacct cgroup
+-- (v1), else cgroup v2's root cpu.stat; nil with neither.
+function M.machine_cpu()
+  if M.CPUACCT then return tonumber(read_file(M.CPUACCT)) / 1e9 end
+  local stat = read_file("/sys/fs/cgroup/cpu.stat")
+  local usec = stat and stat:match("usage_usec (%d+)")
+  return usec and tonumber(usec) / 1e6 or nil
+end
+
 --- measure.token(B, id, command) -> a stream run token for command in sandbox id (the mint
 -- waits for the sandbox's boot). [yields]
 function M.token(B, id, command)
