@@ -429,9 +429,13 @@ function Journal:call(c, live)
     -- give other results (the stream that records what is read from it)
     if c.on_done then r = table.pack(true, c.on_done(e, table.unpack(r, 2, r.n))) end
     if e.st == "done" then
-      if c.lazy and #self.pending < LAZY_READS then
-        -- a read: written with the next write (a crash before then only means reading again)
+      if c.lazy then
+        -- a read: written with the next write (a crash before then only means reading again),
+        -- or with the reads waiting once there are LAZY_READS of them. That flush is not a write
+        -- the crash points count: how many reads a run makes depends on timing (the polls of a
+        -- wait), and a crash point must name the same place in every run of a recipe.
         self.pending[#self.pending + 1] = e
+        if #self.pending >= LAZY_READS then self:flush() end
       else
         self:put(e)
       end
